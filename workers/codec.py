@@ -1,0 +1,66 @@
+"""Canonical msgpack: the only place forkq encodes or decodes msgpack, and the record digest.
+
+Canonical means: map keys sorted (str keys only), the smallest integer forms, bytes as msgpack
+`bin` and str as `str`, so equal values always give identical bytes and one digest. No extension
+types are written or accepted (no pickle, no custom objects).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Final
+
+import msgpack
+import ormsgpack
+
+from workers.errors import RecordDecodeError
+
+DIGEST_SIZE: Final = 32  # BLAKE2b-256
+_PACK_OPTIONS: Final = ormsgpack.OPT_SORT_KEYS
+
+
+def encode(value: Any) -> bytes:
+    """Canonical msgpack bytes of plain data (dict with str keys, list, str, bytes, int, bool, None).
+
+    Raises:
+        TypeError: the value holds something that is not plain data, or a non-str map key.
+    """
+    try:
+        return ormsgpack.packb(value, option=_PACK_OPTIONS)
+    except ormsgpack.MsgpackEncodeError as exc:
+        raise TypeError(f"cannot encode as a forkq record: {exc}; records hold only plain data with str keys") from exc
+
+
+def decode(data: bytes, *, what: str = "record") -> Any:
+    """Plain data from msgpack bytes.
+
+    Raises:
+        RecordDecodeError: the bytes are not one complete msgpack value of plain data with str keys.
+    """
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise RecordDecodeError(f"{what}: expected msgpack bytes, got {type(data).__name__}")
+    try:
+        # msgpack (not ormsgpack) decodes: it refuses trailing bytes, and with these options int map keys,
+        # invalid UTF-8 and every extension type (ormsgpack would silently ignore trailing garbage)
+        return msgpack.unpackb(data, raw=False, strict_map_key=True, ext_hook=_refuse_ext, use_list=True)
+    except (msgpack.UnpackException, ValueError, TypeError) as exc:
+        raise RecordDecodeError(
+            f"{what}: {len(data)} bytes are not a forkq msgpack record ({exc or type(exc).__name__}); "
+            "records are canonical msgpack maps with str keys and no extension types",
+            cause=exc,
+        ) from exc
+
+
+def _refuse_ext(code: int, data: bytes) -> Any:
+    raise ValueError(f"extension type {code} is not allowed")
+
+
+def digest(data: bytes) -> str:
+    """BLAKE2b-256 hex digest of encoded bytes."""
+    return hashlib.blake2b(data, digest_size=DIGEST_SIZE).hexdigest()
+
+
+def encode_with_digest(value: Any) -> tuple[bytes, str]:
+    """`encode(value)` and its digest."""
+    data = encode(value)
+    return data, digest(data)

@@ -1,0 +1,79 @@
+"""The forkq error tree: every error forkq raises on purpose, with its context as attributes.
+
+```
+ForkqError                      base; never raised bare
+├── InvalidAgentParams          an Agent tool call's parameters break the contract (.field)
+├── InvalidHistory              a parent history is not a list of Gemini Contents (.index)
+├── InvalidParentSnapshot       a parent snapshot file is malformed (.field)
+├── RecordDecodeError           bytes are not a canonical forkq record (.key, .cause)
+├── RecordIntegrityError        a stored record does not match its digest (.fork_id, .key)
+├── RecordExistsError           a write-once record already exists with other bytes (.fork_id, .key)
+├── ForkNotFound                no fork with that id in Redis (.fork_id)
+└── ConfigurationError          settings or the Redis server are unfit for forkq (.field)
+```
+
+Every message names the thing, what was expected, and how to fix it.
+"""
+
+from __future__ import annotations
+
+
+class ForkqError(Exception):
+    """Base class of every error forkq raises on purpose."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        fork_id: str | None = None,
+        key: str | None = None,
+        field: str | None = None,
+        cause: BaseException | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.fork_id = fork_id
+        self.key = key
+        self.field = field
+        self.cause = cause
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class InvalidAgentParams(ForkqError):
+    """The parameters of an Agent tool call are invalid; `.field` names the parameter."""
+
+
+class InvalidHistory(ForkqError):
+    """A raw history is not a valid list of Contents; `.index` names the first bad message."""
+
+    def __init__(
+        self, message: str, *, index: int | None, field: str | None = None, cause: BaseException | None = None
+    ) -> None:
+        super().__init__(message, field=field, cause=cause)
+        self.index = index
+
+
+class InvalidParentSnapshot(ForkqError):
+    """A parent snapshot (the CLI's `--parent` file) is malformed; `.field` names the bad field."""
+
+
+class RecordDecodeError(ForkqError):
+    """Bytes could not be decoded as a forkq record."""
+
+
+class RecordIntegrityError(ForkqError):
+    """A record's bytes do not match the digest they were stored or sent under."""
+
+
+class RecordExistsError(ForkqError):
+    """A write-once record already exists with different content."""
+
+
+class ForkNotFound(ForkqError):
+    """No fork with this id exists (never launched, or past its retention)."""
+
+
+class ConfigurationError(ForkqError):
+    """Settings or the Redis server are not fit for forkq; the message says what to change."""

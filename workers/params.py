@@ -1,0 +1,168 @@
+"""The Agent tool's parameters: validation in the spec's order, and the schema the parent advertises."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any, Final, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from workers.errors import InvalidAgentParams
+
+FORK_TYPE: Final = "fork"
+FORK_TURNS_PATTERN: Final = "^[1-9][0-9]*$"
+_FORK_TURNS_RE: Final = re.compile(r"[1-9][0-9]*")  # fullmatch: `$` would accept a trailing newline
+
+MSG_FORK_TURNS_VALUE: Final = 'Parameter "fork_turns" must be "all" or a positive integer string such as "3".'
+MSG_FORK_TURNS_NOT_FORK: Final = 'Parameter "fork_turns" can only be used with subagent_type "fork".'
+MSG_FORK_TURNS_TEAMMATE: Final = 'Parameter "fork_turns" cannot be used when spawning a named teammate.'
+MSG_MODEL_FORK: Final = 'Parameter "model" cannot be used with subagent_type "fork".'
+
+_STRING_PARAMS: Final = ("subagent_type", "name", "model")
+KNOWN_PARAMS: Final = ("description", "prompt", "subagent_type", "name", "fork_turns", "model", "run_in_background")
+
+ForkTurns = Literal["all"] | int
+
+
+class AgentParams(BaseModel):
+    """A validated Agent tool call. `fork_turns` is kept as given (None: omitted)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    schema_version: int = 1
+    description: str
+    prompt: str
+    subagent_type: str | None = None
+    name: str | None = None
+    fork_turns: str | None = None
+    model: str | None = None
+    run_in_background: bool | None = None
+
+    @property
+    def is_fork(self) -> bool:
+        """A fork inherits history; a named teammate never does, whatever its type."""
+        return _is_fork_type(self.subagent_type) and self.name is None
+
+    @property
+    def turns(self) -> ForkTurns:
+        """`fork_turns` normalized: `"all"` or the positive number of turns."""
+        return normalize_fork_turns(self.fork_turns)
+
+
+def _is_fork_type(subagent_type: object) -> bool:
+    return isinstance(subagent_type, str) and subagent_type.lower() == FORK_TYPE
+
+
+def normalize_fork_turns(value: object) -> ForkTurns:
+    """`"all"` or N for a valid `fork_turns`; None (omitted) means `"all"`.
+
+    Raises:
+        InvalidAgentParams: anything but `"all"` or a string of a positive integer without sign,
+            spaces or leading zeros.
+    """
+    if value is None or (isinstance(value, str) and value == "all"):
+        return "all"
+    if isinstance(value, str) and _FORK_TURNS_RE.fullmatch(value):
+        return int(value)
+    raise InvalidAgentParams(MSG_FORK_TURNS_VALUE, field="fork_turns")
+
+
+def _require_text(raw: Mapping[str, Any], field: str) -> str:
+    value = raw.get(field)
+    if not isinstance(value, str) or not value.strip():
+        got = "missing" if field not in raw else f"got {value!r}"
+        raise InvalidAgentParams(
+            f'Parameter "{field}" is required and must be a non-empty string ({got}).', field=field
+        )
+    return value
+
+
+def _check_fork_turns(raw: Mapping[str, Any]) -> None:
+    if "fork_turns" not in raw:
+        return
+    if raw["fork_turns"] is None:  # present counts as given: null is not "omitted"
+        raise InvalidAgentParams(MSG_FORK_TURNS_VALUE, field="fork_turns")
+    normalize_fork_turns(raw["fork_turns"])
+    if not _is_fork_type(raw.get("subagent_type")):
+        raise InvalidAgentParams(MSG_FORK_TURNS_NOT_FORK, field="fork_turns")
+    if "name" in raw:
+        raise InvalidAgentParams(MSG_FORK_TURNS_TEAMMATE, field="fork_turns")
+
+
+def _check_types(raw: Mapping[str, Any]) -> None:
+    for field in _STRING_PARAMS:
+        if field in raw and raw[field] is not None and not isinstance(raw[field], str):
+            raise InvalidAgentParams(
+                f'Parameter "{field}" must be a string, got {type(raw[field]).__name__}.', field=field
+            )
+    background = raw.get("run_in_background")
+    if background is not None and not isinstance(background, bool):
+        raise InvalidAgentParams(
+            f'Parameter "run_in_background" must be true or false, got {background!r}.', field="run_in_background"
+        )
+    unknown = sorted(str(k) for k in raw if k not in KNOWN_PARAMS)
+    if unknown:
+        raise InvalidAgentParams(
+            f'Unknown parameter "{unknown[0]}"; the Agent tool accepts: {", ".join(KNOWN_PARAMS)}.', field=unknown[0]
+        )
+
+
+def validate_agent_params(raw: Mapping[str, Any]) -> AgentParams:
+    """Validate an Agent tool call's parameters, in the order of the spec.
+
+    description and prompt first, then the three `fork_turns` checks (value, fork only, not with a
+    teammate name), then `model` (a fork runs on the parent's model), then types and unknown keys.
+
+    Raises:
+        InvalidAgentParams: the first rule broken, with the spec's message and `.field`.
+    """
+    if not isinstance(raw, Mapping):
+        raise InvalidAgentParams(
+            f"The Agent tool's parameters must be an object, got {type(raw).__name__}.", field=None
+        )
+    description = _require_text(raw, "description")
+    prompt = _require_text(raw, "prompt")
+    _check_fork_turns(raw)
+    if "model" in raw and _is_fork_type(raw.get("subagent_type")):
+        raise InvalidAgentParams(MSG_MODEL_FORK, field="model")
+    _check_types(raw)
+    return AgentParams(
+        description=description,
+        prompt=prompt,
+        subagent_type=raw.get("subagent_type"),
+        name=raw["name"] if "name" in raw and raw["name"] is not None else ("" if "name" in raw else None),
+        fork_turns=raw.get("fork_turns"),
+        model=raw.get("model"),
+        run_in_background=raw.get("run_in_background"),
+    )
+
+
+def agent_tool_schema() -> dict[str, Any]:
+    """The JSON schema of the Agent tool's parameters, as the parent advertises it to its model."""
+    return {
+        "type": "object",
+        "properties": {
+            "description": {"type": "string", "description": "A short (3-5 word) summary of the task."},
+            "prompt": {"type": "string", "description": "The task for the agent to perform: its directive."},
+            "subagent_type": {
+                "type": "string",
+                "description": 'The kind of agent. "fork" starts a copy of you that inherits this conversation; '
+                "any other type starts a fresh subagent with no history.",
+            },
+            "name": {"type": "string", "description": "Spawn a named teammate (never inherits history)."},
+            "fork_turns": {
+                "oneOf": [
+                    {"type": "string", "const": "all"},
+                    {"type": "string", "pattern": FORK_TURNS_PATTERN},
+                ],
+                "description": 'How much of this conversation a fork inherits: "all" (the default when omitted) '
+                'or the last N user turns as a positive integer string such as "3". Only valid with '
+                'subagent_type "fork", never with name.',
+            },
+            "model": {"type": "string", "description": "Model for a regular subagent; forks use the parent's."},
+            "run_in_background": {"type": "boolean", "description": "Return at once and notify when done."},
+        },
+        "required": ["description", "prompt"],
+        "additionalProperties": False,
+    }
