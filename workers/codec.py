@@ -64,3 +64,15 @@ def encode_with_digest(value: Any) -> tuple[bytes, str]:
     """`encode(value)` and its digest."""
     data = encode(value)
     return data, digest(data)
+
+
+def encode_array(items: list[bytes]) -> bytes:
+    """The msgpack array whose elements are the given already-encoded values, without re-encoding them."""
+    n = len(items)
+    if n < 16:
+        header = bytes([0x90 | n])
+    elif n < 1 << 16:
+        header = b"\xdc" + n.to_bytes(2, "big")
+    else:
+        header = b"\xdd" + n.to_bytes(4, "big")
+    return header + b"".join(items)

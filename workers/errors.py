@@ -75,5 +75,9 @@ class ForkNotFound(ForkqError):
     """No fork with this id exists (never launched, or past its retention)."""
 
 
+class ForkTimeout(ForkqError):
+    """A fork did not end within the time the caller waited."""
+
+
 class ConfigurationError(ForkqError):
     """Settings or the Redis server are not fit for forkq; the message says what to change."""

@@ -199,9 +199,10 @@ def _is_valid_part(part: Part) -> bool:
 
 
 def _has_payload(part: Part) -> bool:
-    if any(getattr(part, name) is not None for name in Part.model_fields):
-        return True
-    return any(v is not None for v in (part.model_extra or {}).values())
+    # a part is empty when every key it has is null (null counts as absent)
+    return any(v is not None for v in part.__dict__.values()) or any(
+        v is not None for v in (part.__pydantic_extra__ or {}).values()
+    )
 
 
 def _is_valid_model_content(content: Content) -> bool:

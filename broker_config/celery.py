@@ -1,0 +1,48 @@
+"""The Celery configuration forkq runs with, derived from `Settings`; each knob with its reason."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from broker_config.settings import Settings
+
+RUN_FORK_TASK = "forkq.run_fork"
+
+
+def celery_config(settings: Settings) -> dict[str, Any]:
+    """Celery settings (lower-case names) for forkq's app."""
+    return {
+        "broker_url": settings.effective_broker_url,
+        # forkq keeps results, state and events in its own Redis records, never in a result backend
+        "result_backend": None,
+        "task_ignore_result": True,
+        # msgpack only: job payloads are data, and pickle from a broker is remote code execution
+        "task_serializer": "msgpack",
+        "result_serializer": "msgpack",
+        "accept_content": ["msgpack"],
+        "result_accept_content": ["msgpack"],
+        # acks_late: a worker that dies mid-fork must not lose the job
+        "task_acks_late": True,
+        # a pool child killed mid-fork requeues the job instead of failing it
+        "task_reject_on_worker_lost": True,
+        # a fork holds a slot for minutes: never reserve jobs another idle worker could start now
+        "worker_prefetch_multiplier": 1,
+        # Flower: task events from workers, and "sent" events from the parent's side
+        "worker_send_task_events": True,
+        "task_send_sent_event": True,
+        # on a broker connection loss the unacked job will be redelivered; stop the local copy
+        "worker_cancel_long_running_tasks_on_connection_loss": True,
+        "broker_connection_retry_on_startup": True,
+        # all fork jobs go to one named queue, so operators can scale and autoscale on its length
+        "task_default_queue": settings.queue,
+        "task_routes": {RUN_FORK_TASK: {"queue": settings.queue}},
+        # redelivery of unacked jobs: forkq revives forks through its own leases, so this only
+        # bounds how long a job of a vanished worker waits in the broker
+        "broker_transport_options": {"visibility_timeout": settings.visibility_timeout_s},
+        # threads: a fork waits on model HTTP calls almost all the time (DESIGN.md, Concurrency)
+        "worker_pool": settings.worker_pool,
+        "worker_concurrency": settings.worker_concurrency,
+        # no Celery-level retries: a fork's failure is recorded in its state, not retried blindly
+        "task_default_retry_delay": 0,
+        "worker_hijack_root_logger": False,
+    }

@@ -1,0 +1,85 @@
+"""The one reader of the environment: `Settings`, every `FORKQ_*` variable with its default."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+from urllib.parse import urlsplit
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+REDIS_SCHEMES = ("redis", "rediss", "unix")
+BROKER_SCHEMES = ("redis", "rediss", "redis+socket", "sentinel", "sentinel+ssl")
+
+
+class Settings(BaseSettings):
+    """forkq's configuration, read from `FORKQ_*` environment variables (see README)."""
+
+    model_config = SettingsConfigDict(env_prefix="FORKQ_", extra="ignore", frozen=True)
+
+    redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis holding records, state and events.")
+    broker_url: str | None = Field(None, description="Celery broker; defaults to the Redis URL.")
+    namespace: str = Field("forkq", pattern=r"^[A-Za-z0-9_.-]+$", description="Prefix of every forkq key.")
+    queue: str = Field("forks", pattern=r"^[A-Za-z0-9_.-]+$", description="Celery queue of fork jobs.")
+    inline_seed_max_bytes: int = Field(
+        256 * 1024, ge=0, description="Seeds up to this size travel inside the job; larger ones are read from Redis."
+    )
+    record_ttl_s: int = Field(7 * 24 * 3600, gt=0, description="Retention of a fork's records after launch.")
+    provider: Literal["scripted", "openai", "gemini"] = Field("scripted", description="Default model provider.")
+    script: Path | None = Field(None, description="JSON script of the scripted provider.")
+    worker_pool: Literal["threads", "prefork", "solo"] = Field("threads", description="Celery pool of `forkq worker`.")
+    worker_concurrency: int = Field(32, gt=0, description="Forks one worker process runs at once.")
+    max_turns: int = Field(200, gt=0, description="Model calls a fork may make before it is stopped.")
+    visibility_timeout_s: int = Field(3600, gt=0, description="Broker redelivery timeout of unacked jobs.")
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_scheme(cls, value: str) -> str:
+        scheme = urlsplit(value).scheme
+        if scheme not in REDIS_SCHEMES:
+            raise ValueError(
+                f"FORKQ_REDIS_URL {_redact(value)!r} has scheme {scheme!r}; use redis://, rediss:// or unix://"
+            )
+        return value
+
+    @field_validator("broker_url")
+    @classmethod
+    def _broker_scheme(cls, value: str | None) -> str | None:
+        if value is not None and urlsplit(value.split(";")[0]).scheme not in BROKER_SCHEMES:
+            raise ValueError(
+                f"FORKQ_BROKER_URL {_redact(value)!r} is not a Redis broker URL; use one of "
+                + ", ".join(f"{s}://" for s in BROKER_SCHEMES)
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _script_exists(self) -> Settings:
+        if self.script is not None and not self.script.is_file():
+            raise ValueError(f"FORKQ_SCRIPT {str(self.script)!r} is not a file; point it at a scripted-provider JSON")
+        return self
+
+    @property
+    def effective_broker_url(self) -> str:
+        """The broker URL: FORKQ_BROKER_URL, else the Redis URL in kombu's form."""
+        if self.broker_url is not None:
+            return self.broker_url
+        parts = urlsplit(self.redis_url)
+        if parts.scheme == "unix":  # kombu spells a unix socket redis+socket://
+            query = f"?{parts.query}" if parts.query else ""
+            return f"redis+socket://{parts.path}{query}"
+        return self.redis_url
+
+
+def _redact(url: str) -> str:
+    """The URL with any password replaced by `***`, for messages and logs."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
+    return parts._replace(netloc=netloc).geturl()
+
+
+def redact_url(url: str) -> str:
+    """Public form of `_redact`: never print a Redis password."""
+    return _redact(url)

@@ -1,0 +1,207 @@
+"""The parent's side: `ForkClient` launches forks and follows them (status, wait, events, cancel)."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+from celery import Celery
+
+from broker_config.celery import RUN_FORK_TASK
+from broker_config.settings import Settings
+from workers.app import make_app
+from workers.errors import ForkTimeout
+from workers.history import ForkSeed, build_fork_seed
+from workers.keys import Keys
+from workers.params import AgentParams, validate_agent_params
+from workers.records import BootstrapRecord, ForkResult, ForkState, Status, chunk_digest, split_seed
+from workers.snapshot import ParentSnapshot, parse_parent_snapshot
+from workers.store import ForkEvent, ForkStore
+from workers.tasks import job_argsrepr
+
+
+def new_fork_id() -> str:
+    """A fresh fork id: `f-` and 24 random hex digits."""
+    return f"f-{secrets.token_hex(12)}"
+
+
+@dataclass(frozen=True)
+class ForkHandle:
+    """A launched fork: its id and record digest, with shortcuts to the client's calls."""
+
+    fork_id: str
+    digest: str
+    kind: str
+    client: ForkClient
+
+    def status(self) -> ForkState:
+        """The fork's current state."""
+        return self.client.status(self.fork_id)
+
+    def wait(self, timeout: float | None = None) -> ForkResult:
+        """Block until the fork ends and return its result."""
+        return self.client.wait(self.fork_id, timeout=timeout)
+
+    def events(self, *, follow: bool = False) -> Iterator[ForkEvent]:
+        """The fork's progress events."""
+        return self.client.events(self.fork_id, follow=follow)
+
+    def cancel(self) -> Status:
+        """Cancel the fork."""
+        return self.client.cancel(self.fork_id)
+
+
+class ForkClient:
+    """Launch and follow forks. One per parent process; thread-safe."""
+
+    def __init__(
+        self, settings: Settings | None = None, *, redis_client: redis.Redis | None = None, app: Celery | None = None
+    ) -> None:
+        self.settings = settings or Settings()
+        self.redis = redis_client or redis.Redis.from_url(self.settings.redis_url)
+        self.store = ForkStore(self.redis, Keys(self.settings.namespace), ttl_s=self.settings.record_ttl_s)
+        self.app = app or make_app(self.settings)
+
+    def close(self) -> None:
+        """Release the Redis connections."""
+        self.redis.close()
+
+    def __enter__(self) -> ForkClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def launch(
+        self,
+        parent: ParentSnapshot | Mapping[str, Any],
+        params: AgentParams | Mapping[str, Any],
+        *,
+        fork_id: str | None = None,
+    ) -> ForkHandle:
+        """Validate, build the seed, write the bootstrap record, then enqueue the fork.
+
+        Nothing reaches Redis or the broker when the parameters or the snapshot are invalid.
+
+        Raises:
+            InvalidAgentParams: the Agent call's parameters break the contract.
+            InvalidParentSnapshot: the parent snapshot is malformed.
+        """
+        agent = params if isinstance(params, AgentParams) else validate_agent_params(params)
+        snapshot = parent if isinstance(parent, ParentSnapshot) else parse_parent_snapshot(dict(parent))
+        fid = fork_id or new_fork_id()
+        if agent.is_fork:
+            seed = build_fork_seed(snapshot.history, fork_turns=agent.fork_turns, directive=agent.prompt)
+        else:  # regular subagents and named teammates inherit no history
+            seed = ForkSeed(initial_messages=[], task_prompt=agent.prompt)
+        record, chunks = self._record(fid, snapshot, agent, seed)
+        record_bytes, digest = record.encode()
+        self.store.put_chunks(snapshot.session_id, {chunk_digest(c): c for c in chunks})
+        self.store.put_launch(record, record_bytes, digest)
+        inline = chunks if sum(map(len, chunks)) <= self.settings.inline_seed_max_bytes else None
+        self.app.send_task(
+            RUN_FORK_TASK,
+            args=[fid, digest, inline],
+            queue=self.settings.queue,
+            task_id=f"{fid}.1",
+            argsrepr=job_argsrepr(fid, digest, inline),
+            kwargsrepr="{}",
+        )
+        return ForkHandle(fork_id=fid, digest=digest, kind=record.kind, client=self)
+
+    def _record(
+        self, fid: str, parent: ParentSnapshot, agent: AgentParams, seed: ForkSeed
+    ) -> tuple[BootstrapRecord, list[bytes]]:
+        chunks = split_seed(seed.initial_messages)
+        record = BootstrapRecord(
+            fork_id=fid,
+            parent_session=parent.session_id,
+            kind="fork" if agent.is_fork else "spawn",
+            seed_chunks=[chunk_digest(c) for c in chunks],
+            message_count=len(seed.initial_messages),
+            task_prompt=seed.task_prompt,
+            directive=agent.prompt,
+            description=agent.description,
+            subagent_type=agent.subagent_type,
+            name=agent.name,
+            system_instruction=parent.system_instruction,
+            tools_json=json.dumps(parent.tools, ensure_ascii=False, separators=(",", ":")),
+            model=parent.model if agent.is_fork else (agent.model or parent.model),
+            approval_mode=parent.approval_mode,
+            cwd=parent.cwd,
+            depth=parent.depth + 1,
+            fork_turns=agent.fork_turns,
+        )
+        return record, chunks
+
+    # ── following a fork ──────────────────────────────────────────────────────────────────────
+
+    def status(self, fork_id: str) -> ForkState:
+        """The fork's current state (ForkNotFound if there is none)."""
+        return self.store.state(fork_id)
+
+    def result(self, fork_id: str) -> ForkResult | None:
+        """The final result, or None while the fork runs."""
+        return self.store.result(fork_id)
+
+    def wait(self, fork_id: str, *, timeout: float | None = None) -> ForkResult:
+        """Block until the fork ends (following its event stream) and return its result.
+
+        Raises:
+            ForkTimeout: the fork did not end within `timeout` seconds.
+            ForkNotFound: the fork does not exist.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        after = "0-0"
+        self.store.state(fork_id)  # ForkNotFound early
+        while True:
+            result = self.store.result(fork_id)
+            if result is not None:
+                return result
+            left_ms = 1000 if deadline is None else int((deadline - time.monotonic()) * 1000)
+            if left_ms <= 0:
+                raise ForkTimeout(
+                    f"fork {fork_id}: still {self.store.state(fork_id).status.value} after {timeout} s; "
+                    "wait longer, or check that a worker consumes the queue (forkq status / Flower)",
+                    fork_id=fork_id,
+                )
+            for event in self.store.events(fork_id, after=after, block_ms=max(1, min(left_ms, 1000))):
+                after = event.id
+
+    def events(self, fork_id: str, *, follow: bool = False) -> Iterator[ForkEvent]:
+        """The fork's events so far, or (`follow`) until its terminal event."""
+        if follow:
+            return self.store.follow(fork_id)
+        return iter(self.store.events(fork_id))
+
+    def cancel(self, fork_id: str) -> Status:
+        """Cancel the fork; returns its status afterwards (unchanged if it had already ended)."""
+        return self.store.cancel(fork_id)
+
+    def inspect(self, fork_id: str) -> dict[str, Any]:
+        """The bootstrap record in wire form, with its seed resolved and verified."""
+        state = self.store.state(fork_id)
+        record = self.store.get_record(fork_id, state.digest or None)
+        seed = self.store.load_seed(record)
+        return {
+            "fork_id": record.fork_id,
+            "digest": state.digest,
+            "kind": record.kind,
+            "initial_messages": seed.to_wire()["initial_messages"],
+            "task_prompt": record.task_prompt,
+            "directive": record.directive,
+            "system_instruction": record.system_instruction,
+            "tools": record.tools,
+            "model": record.model,
+            "approval_mode": record.approval_mode,
+            "cwd": record.cwd,
+            "depth": record.depth,
+            "fork_turns": record.fork_turns,
+            "description": record.description,
+            "parent_session": record.parent_session,
+        }

@@ -1,0 +1,64 @@
+"""Every Redis key forkq uses, and the only place key names are built.
+
+All per-fork keys carry the fork id in a hash tag (`{f-…}`), so one fork's keys share a cluster
+slot and Lua scripts over them stay legal. Message chunks are content-addressed and shared by the
+forks of one parent session, under that session's hash tag.
+
+Each key: type; content; TTL; writer → readers.
+
+- `{ns}:{<fork_id>}:bootstrap`: string; canonical msgpack `BootstrapRecord`, write-once (SET NX);
+  retention; client.launch → worker, inspect.
+- `{ns}:{<fork_id>}:state`: hash; `ForkState` (status, attempt, owner, times, error); retention;
+  launch, worker, cancel → status, wait, worker.
+- `{ns}:{<fork_id>}:result`: string; canonical msgpack `ForkResult` (final output, usage); retention;
+  worker (once) → result, wait.
+- `{ns}:{<fork_id>}:events`: stream; progress events (`type`, `at` ms, `data` JSON); retention;
+  launch, worker, cancel → events, wait.
+- `{ns}:{parent:<session>}:chunk:<digest>`: string; canonical msgpack list of wire Contents (a seed
+  chunk, named by the BLAKE2b-256 of its bytes); retention, renewed on reuse; launch → worker, inspect.
+
+`retention` is `FORKQ_RECORD_TTL_S`, set at launch and renewed when a fork finishes.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Final
+
+FORK_ID_RE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
+SESSION_RE: Final = re.compile(r"[^{}\s]{1,200}")
+
+
+@dataclass(frozen=True, slots=True)
+class Keys:
+    """Key templates under one namespace."""
+
+    namespace: str = "forkq"
+
+    def _fork(self, fork_id: str, suffix: str) -> str:
+        if not FORK_ID_RE.fullmatch(fork_id):
+            raise ValueError(f"fork id {fork_id!r} is not valid; ids are 1-128 letters, digits, '_', '.', '-'")
+        return f"{self.namespace}:{{{fork_id}}}:{suffix}"
+
+    def bootstrap(self, fork_id: str) -> str:
+        """The fork's immutable bootstrap record."""
+        return self._fork(fork_id, "bootstrap")
+
+    def state(self, fork_id: str) -> str:
+        """The fork's state hash."""
+        return self._fork(fork_id, "state")
+
+    def result(self, fork_id: str) -> str:
+        """The fork's final result."""
+        return self._fork(fork_id, "result")
+
+    def events(self, fork_id: str) -> str:
+        """The fork's progress event stream."""
+        return self._fork(fork_id, "events")
+
+    def chunk(self, parent_session: str, digest_hex: str) -> str:
+        """A content-addressed seed chunk shared by the forks of one parent session."""
+        if not SESSION_RE.fullmatch(parent_session):
+            raise ValueError(f"parent session id {parent_session!r} must be 1-200 characters without braces or spaces")
+        return f"{self.namespace}:{{parent:{parent_session}}}:chunk:{digest_hex}"

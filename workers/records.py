@@ -1,0 +1,244 @@
+"""The records a fork leaves in Redis: bootstrap record, state, result, and seed chunks."""
+
+from __future__ import annotations
+
+import enum
+import json
+import zlib
+from collections.abc import Sequence
+from typing import Any, Final, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from workers import codec
+from workers.errors import RecordDecodeError, RecordIntegrityError
+from workers.history import ForkSeed
+from workers.messages import Content, dump_contents, load_contents
+
+SCHEMA_VERSION: Final = 1
+CHUNK_MAX_MESSAGES: Final = 64
+CHUNK_MAX_BYTES: Final = 1 << 20
+CHUNK_BOUNDARY_MODULUS: Final = 8  # content-defined boundaries: about one message in eight ends a chunk
+TAIL_MESSAGES: Final = 3  # the repaired end (redacted calls, placeholders + directive, ack) gets its own chunk
+
+
+class Status(enum.StrEnum):
+    """A fork's lifecycle status."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    PAUSED = "paused"
+
+    @property
+    def terminal(self) -> bool:
+        """True once nothing more will happen to the fork."""
+        return self in (Status.SUCCEEDED, Status.FAILED, Status.CANCELLED)
+
+
+class BootstrapRecord(BaseModel):
+    """Everything needed to start a fork again with identical inputs; immutable once written.
+
+    The seed's messages are stored as content-addressed chunks (`seed_chunks`, BLAKE2b-256 digests
+    of each chunk's bytes), so the record is small and forks of one parent share the messages.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    schema_version: int = SCHEMA_VERSION
+    fork_id: str
+    parent_session: str
+    kind: Literal["fork", "spawn"]
+    seed_chunks: list[bytes]
+    message_count: int
+    task_prompt: str
+    directive: str
+    description: str
+    subagent_type: str | None = None
+    name: str | None = None
+    system_instruction: str | dict[str, Any] | None = None
+    tools_json: str = "[]"  # declarations as the parent sent them, key order kept (prompt-cache parity)
+    model: str | None = None
+    generation: dict[str, Any] = Field(default_factory=dict)
+    approval_mode: str = "default"
+    cwd: str = "."
+    depth: int = 0
+    fork_turns: str | None = None
+    options: dict[str, Any] = Field(default_factory=dict)
+
+    @property
+    def tools(self) -> list[dict[str, Any]]:
+        """The tool declarations, in the parent's key order."""
+        tools: list[dict[str, Any]] = json.loads(self.tools_json)
+        return tools
+
+    def encode(self) -> tuple[bytes, str]:
+        """Canonical bytes and their digest."""
+        return codec.encode_with_digest(self.model_dump())
+
+    @classmethod
+    def decode(cls, data: bytes, *, fork_id: str, expected_digest: str | None = None) -> BootstrapRecord:
+        """Verify (when a digest is given) and decode stored bytes.
+
+        Raises:
+            RecordIntegrityError: the bytes do not hash to `expected_digest`.
+            RecordDecodeError: the bytes are not a bootstrap record.
+        """
+        actual = codec.digest(data)
+        if expected_digest is not None and actual != expected_digest:
+            raise RecordIntegrityError(
+                f"fork {fork_id}: bootstrap digest {expected_digest[:12]}… does not match the stored record "
+                f"{actual[:12]}…; the record was modified after launch",
+                fork_id=fork_id,
+            )
+        raw = codec.decode(data, what=f"fork {fork_id}: bootstrap record")
+        try:
+            return cls.model_validate(raw, strict=True)
+        except ValueError as exc:
+            raise RecordDecodeError(
+                f"fork {fork_id}: bootstrap record does not have the expected fields: {exc}", fork_id=fork_id, cause=exc
+            ) from exc
+
+
+class Usage(BaseModel):
+    """What a fork consumed."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    input_tokens: int = 0
+    output_tokens: int = 0
+    total_tokens: int = 0
+    tool_uses: int = 0
+    model_calls: int = 0
+    duration_ms: int = 0
+
+
+class ForkResult(BaseModel):
+    """What the parent receives when a fork ends: only its final output, with status and usage."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    schema_version: int = SCHEMA_VERSION
+    fork_id: str
+    status: Status
+    output: str | None = None
+    usage: Usage = Field(default_factory=Usage)
+    error: str | None = None
+
+    def encode(self) -> bytes:
+        """Canonical bytes."""
+        return codec.encode(self.model_dump(mode="json"))
+
+    @classmethod
+    def decode(cls, data: bytes, *, fork_id: str) -> ForkResult:
+        """Decode stored bytes."""
+        return cls.model_validate(codec.decode(data, what=f"fork {fork_id}: result"))
+
+
+class ForkState(BaseModel):
+    """The fork's state hash, decoded."""
+
+    fork_id: str
+    status: Status
+    kind: str = "fork"
+    description: str = ""
+    digest: str = ""
+    attempt: int = 0
+    owner: str | None = None
+    created_ms: int | None = None
+    started_ms: int | None = None
+    finished_ms: int | None = None
+    error: str | None = None
+
+    @classmethod
+    def from_hash(cls, fork_id: str, fields: dict[str, str]) -> ForkState:
+        """From HGETALL (decoded strings)."""
+
+        def num(name: str) -> int | None:
+            return int(fields[name]) if fields.get(name) else None
+
+        return cls(
+            fork_id=fork_id,
+            status=Status(fields["status"]),
+            kind=fields.get("kind", "fork"),
+            description=fields.get("description", ""),
+            digest=fields.get("digest", ""),
+            attempt=num("attempt") or 0,
+            owner=fields.get("owner") or None,
+            created_ms=num("created_ms"),
+            started_ms=num("started_ms"),
+            finished_ms=num("finished_ms"),
+            error=fields.get("error") or None,
+        )
+
+
+# ── seed chunks ───────────────────────────────────────────────────────────────────────────────
+
+
+def split_seed(messages: Sequence[Content]) -> list[bytes]:
+    """Canonical chunk bytes of a seed's messages, with content-defined boundaries.
+
+    A chunk ends after a message whose CRC-32 is 0 mod 8, at 64 messages or 1 MiB, and before the
+    last three messages (the repaired end, which differs between sibling forks); so forks of one
+    parent produce the same chunks for the messages they share, even at different window offsets.
+    """
+    encoded = [codec.encode(m) for m in dump_contents(messages)]
+    tail_start = max(0, len(encoded) - TAIL_MESSAGES)
+    chunks: list[bytes] = []
+    current: list[bytes] = []
+    size = 0
+    for i, item in enumerate(encoded):
+        if i == tail_start and current:
+            chunks.append(codec.encode_array(current))
+            current, size = [], 0
+        current.append(item)
+        size += len(item)
+        boundary = zlib.crc32(item) % CHUNK_BOUNDARY_MODULUS == 0
+        if i < tail_start and (boundary or len(current) >= CHUNK_MAX_MESSAGES or size >= CHUNK_MAX_BYTES):
+            chunks.append(codec.encode_array(current))
+            current, size = [], 0
+    if current:
+        chunks.append(codec.encode_array(current))
+    return chunks
+
+
+def chunk_digest(chunk: bytes) -> bytes:
+    """The raw BLAKE2b-256 digest that names a chunk."""
+    return bytes.fromhex(codec.digest(chunk))
+
+
+def join_seed(record: BootstrapRecord, chunks: Sequence[bytes]) -> ForkSeed:
+    """The seed of `record` from its chunk bytes, each verified against the record.
+
+    Raises:
+        RecordIntegrityError: a chunk is missing or does not match its digest.
+    """
+    if len(chunks) != len(record.seed_chunks):
+        raise RecordIntegrityError(
+            f"fork {record.fork_id}: got {len(chunks)} seed chunks, the bootstrap record lists "
+            f"{len(record.seed_chunks)}; the seed cannot be rebuilt",
+            fork_id=record.fork_id,
+        )
+    messages: list[dict[str, Any]] = []
+    for i, (expected, chunk) in enumerate(zip(record.seed_chunks, chunks, strict=True)):
+        if chunk_digest(chunk) != expected:
+            raise RecordIntegrityError(
+                f"fork {record.fork_id}: seed chunk {i} ({expected.hex()[:12]}…) does not match its digest; "
+                "it was modified or truncated after launch",
+                fork_id=record.fork_id,
+            )
+        messages.extend(codec.decode(chunk, what=f"fork {record.fork_id}: seed chunk {i}"))
+    if len(messages) != record.message_count:
+        raise RecordIntegrityError(
+            f"fork {record.fork_id}: seed has {len(messages)} messages, the record says {record.message_count}",
+            fork_id=record.fork_id,
+        )
+    try:
+        contents = load_contents(messages)
+    except ValueError as exc:
+        raise RecordDecodeError(
+            f"fork {record.fork_id}: seed messages are not Contents: {exc}", fork_id=record.fork_id, cause=exc
+        ) from exc
+    return ForkSeed(initial_messages=contents, task_prompt=record.task_prompt)

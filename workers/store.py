@@ -1,0 +1,256 @@
+"""Redis access for forks: launch writes, claims, progress events, results and cancellation.
+
+Multi-key changes of one fork run as Lua scripts over keys that share the fork's hash tag, so
+each is atomic; timestamps come from Redis `TIME`, never from worker clocks.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Final, cast
+
+import redis
+
+from workers.errors import ForkNotFound, RecordExistsError
+from workers.history import ForkSeed
+from workers.keys import Keys
+from workers.records import BootstrapRecord, ForkResult, ForkState, Status, join_seed
+
+EVENTS_MAXLEN: Final = 10_000
+
+_NOW = "local t = redis.call('TIME'); local now = t[1] * 1000 + math.floor(t[2] / 1000)\n"
+
+# KEYS: bootstrap, state, events. ARGV: record bytes, ttl_s, kind, description, digest, event data.
+_LAUNCH = (
+    _NOW
+    + """
+local existing = redis.call('GET', KEYS[1])
+if existing and existing ~= ARGV[1] then return 'conflict' end
+if redis.call('EXISTS', KEYS[2]) == 1 then return 'exists' end
+redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
+redis.call('HSET', KEYS[2], 'status', 'queued', 'kind', ARGV[3], 'description', ARGV[4], 'digest', ARGV[5],
+           'attempt', 0, 'created_ms', now)
+redis.call('EXPIRE', KEYS[2], ARGV[2])
+redis.call('XADD', KEYS[3], 'MAXLEN', '~', @MAXLEN@, '*', 'type', 'queued', 'data', ARGV[6])
+redis.call('EXPIRE', KEYS[3], ARGV[2])
+return 'created'
+""".replace("@MAXLEN@", str(EVENTS_MAXLEN))
+)
+
+# KEYS: state, events. ARGV: owner, event data. Only a queued fork is claimed.
+_CLAIM = (
+    _NOW
+    + """
+local status = redis.call('HGET', KEYS[1], 'status')
+if not status then return {'missing', 0} end
+if status ~= 'queued' then return {status, 0} end
+local attempt = redis.call('HINCRBY', KEYS[1], 'attempt', 1)
+redis.call('HSET', KEYS[1], 'status', 'running', 'owner', ARGV[1], 'started_ms', now)
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', @MAXLEN@, '*', 'type', 'started', 'data', ARGV[2])
+return {'claimed', attempt}
+""".replace("@MAXLEN@", str(EVENTS_MAXLEN))
+)
+
+# KEYS: state, events, result, bootstrap. ARGV: owner, status, result bytes, error, event data, ttl_s.
+_FINISH = (
+    _NOW
+    + """
+local status = redis.call('HGET', KEYS[1], 'status')
+if status ~= 'running' or redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return status or 'missing' end
+redis.call('SET', KEYS[3], ARGV[3], 'EX', ARGV[6])
+redis.call('HSET', KEYS[1], 'status', ARGV[2], 'finished_ms', now, 'error', ARGV[4])
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', @MAXLEN@, '*', 'type', 'finished', 'data', ARGV[5])
+for i = 1, 4 do redis.call('EXPIRE', KEYS[i], ARGV[6]) end
+return 'finished'
+""".replace("@MAXLEN@", str(EVENTS_MAXLEN))
+)
+
+# KEYS: state, events, result. ARGV: result bytes, event data. Terminal forks stay as they are.
+_CANCEL = (
+    _NOW
+    + """
+local status = redis.call('HGET', KEYS[1], 'status')
+if not status then return 'missing' end
+if status == 'succeeded' or status == 'failed' or status == 'cancelled' then return status end
+redis.call('HSET', KEYS[1], 'status', 'cancelled', 'finished_ms', now, 'error', 'cancelled by request')
+redis.call('SET', KEYS[3], ARGV[1], 'KEEPTTL')
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', @MAXLEN@, '*', 'type', 'finished', 'data', ARGV[2])
+return 'cancelled'
+""".replace("@MAXLEN@", str(EVENTS_MAXLEN))
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ForkEvent:
+    """One progress event of a fork; `id` is the stream id (Redis milliseconds-sequence)."""
+
+    id: str
+    type: str
+    data: dict[str, Any]
+
+    @property
+    def at_ms(self) -> int:
+        """When Redis recorded the event (Unix milliseconds)."""
+        return int(self.id.split("-", 1)[0])
+
+    @property
+    def terminal(self) -> bool:
+        """True for the event that ends a fork."""
+        return self.type == "finished"
+
+
+class ForkStore:
+    """One fork store per process: a Redis client (with its connection pool) and the key schema."""
+
+    def __init__(self, client: redis.Redis, keys: Keys, *, ttl_s: int) -> None:
+        self.client = client
+        self.keys = keys
+        self.ttl_s = ttl_s
+        self._launch = client.register_script(_LAUNCH)
+        self._claim = client.register_script(_CLAIM)
+        self._finish = client.register_script(_FINISH)
+        self._cancel = client.register_script(_CANCEL)
+
+    # ── launch ────────────────────────────────────────────────────────────────────────────────
+
+    def put_chunks(self, parent_session: str, chunks: dict[bytes, bytes]) -> None:
+        """Store seed chunks once by digest (SET NX), renewing the TTL of those already there."""
+        pipe = self.client.pipeline(transaction=False)
+        for digest_raw, chunk in chunks.items():
+            key = self.keys.chunk(parent_session, digest_raw.hex())
+            pipe.set(key, chunk, nx=True, ex=self.ttl_s)
+            pipe.expire(key, self.ttl_s)
+        pipe.execute()
+
+    def put_launch(self, record: BootstrapRecord, record_bytes: bytes, digest_hex: str) -> None:
+        """Write the bootstrap record (write-once), the queued state and the first event, atomically.
+
+        Raises:
+            RecordExistsError: a different record already exists under this fork id.
+        """
+        fid = record.fork_id
+        data = json.dumps({"kind": record.kind, "digest": digest_hex, "messages": record.message_count})
+        outcome = self._launch(
+            keys=[self.keys.bootstrap(fid), self.keys.state(fid), self.keys.events(fid)],
+            args=[record_bytes, self.ttl_s, record.kind, record.description, digest_hex, data],
+        )
+        if outcome == b"conflict":
+            raise RecordExistsError(
+                f"fork {fid}: a different bootstrap record already exists; fork ids must be unique per launch",
+                fork_id=fid,
+                key=self.keys.bootstrap(fid),
+            )
+
+    # ── worker side ───────────────────────────────────────────────────────────────────────────
+
+    def get_record(self, fork_id: str, digest_hex: str | None) -> BootstrapRecord:
+        """The bootstrap record, verified against `digest_hex` when given.
+
+        Raises:
+            ForkNotFound: no record (never launched, or past retention).
+            RecordIntegrityError: the stored bytes do not match the digest.
+        """
+        data = cast(bytes | None, self.client.get(self.keys.bootstrap(fork_id)))
+        if data is None:
+            raise ForkNotFound(
+                f"fork {fork_id}: no bootstrap record in Redis (never launched, or expired)", fork_id=fork_id
+            )
+        return BootstrapRecord.decode(data, fork_id=fork_id, expected_digest=digest_hex)
+
+    def get_record_bytes(self, fork_id: str) -> bytes | None:
+        """The stored bootstrap bytes, unverified (for inspection)."""
+        return cast(bytes | None, self.client.get(self.keys.bootstrap(fork_id)))
+
+    def load_seed(self, record: BootstrapRecord, inline_chunks: Sequence[bytes] | None = None) -> ForkSeed:
+        """The record's seed, from the job's inline chunks or from Redis, every chunk verified."""
+        if inline_chunks is None:
+            names = [self.keys.chunk(record.parent_session, d.hex()) for d in record.seed_chunks]
+            fetched = self.client.mget(names) if names else []
+            inline_chunks = [c if isinstance(c, bytes) else b"" for c in fetched]
+        return join_seed(record, inline_chunks)
+
+    def claim(self, fork_id: str, owner: str) -> tuple[str, int]:
+        """Move a queued fork to running under `owner`: ('claimed', attempt) or (current status, 0)."""
+        status, attempt = self._claim(
+            keys=[self.keys.state(fork_id), self.keys.events(fork_id)], args=[owner, json.dumps({"owner": owner})]
+        )
+        return status.decode(), int(attempt)
+
+    def finish(self, result: ForkResult, owner: str) -> bool:
+        """Record the final result if `owner` still runs the fork; False when it no longer does."""
+        fid = result.fork_id
+        data = json.dumps({"status": result.status.value, "error": result.error, "usage": result.usage.model_dump()})
+        outcome = self._finish(
+            keys=[self.keys.state(fid), self.keys.events(fid), self.keys.result(fid), self.keys.bootstrap(fid)],
+            args=[owner, result.status.value, result.encode(), result.error or "", data, self.ttl_s],
+        )
+        return bool(outcome == b"finished")
+
+    def add_event(self, fork_id: str, kind: str, data: dict[str, Any]) -> str:
+        """Append a progress event; returns its stream id."""
+        event_id = self.client.xadd(
+            self.keys.events(fork_id), {"type": kind, "data": json.dumps(data)}, maxlen=EVENTS_MAXLEN, approximate=True
+        )
+        return event_id.decode() if isinstance(event_id, bytes) else str(event_id)
+
+    # ── parent side ───────────────────────────────────────────────────────────────────────────
+
+    def state(self, fork_id: str) -> ForkState:
+        """The fork's current state.
+
+        Raises:
+            ForkNotFound: the fork does not exist.
+        """
+        fields = cast(dict[bytes, bytes], self.client.hgetall(self.keys.state(fork_id)))
+        if not fields:
+            raise ForkNotFound(f"fork {fork_id}: not found (never launched, or past its retention)", fork_id=fork_id)
+        return ForkState.from_hash(fork_id, {k.decode(): v.decode() for k, v in fields.items()})
+
+    def result(self, fork_id: str) -> ForkResult | None:
+        """The final result, or None while the fork has not ended."""
+        data = cast(bytes | None, self.client.get(self.keys.result(fork_id)))
+        return None if data is None else ForkResult.decode(data, fork_id=fork_id)
+
+    def cancel(self, fork_id: str) -> Status:
+        """Cancel a fork that has not ended; returns the status it has afterwards.
+
+        Raises:
+            ForkNotFound: the fork does not exist.
+        """
+        result = ForkResult(fork_id=fork_id, status=Status.CANCELLED, error="cancelled by request")
+        outcome = self._cancel(
+            keys=[self.keys.state(fork_id), self.keys.events(fork_id), self.keys.result(fork_id)],
+            args=[result.encode(), json.dumps({"status": "cancelled", "error": "cancelled by request"})],
+        )
+        outcome = cast(bytes, outcome).decode()
+        if outcome == "missing":
+            raise ForkNotFound(f"fork {fork_id}: not found (never launched, or past its retention)", fork_id=fork_id)
+        return Status(outcome)
+
+    def is_cancelled(self, fork_id: str) -> bool:
+        """True once the fork was cancelled (checked by the worker at every step boundary)."""
+        return self.client.hget(self.keys.state(fork_id), "status") == b"cancelled"
+
+    def events(
+        self, fork_id: str, *, after: str = "0-0", block_ms: int | None = None, count: int = 1000
+    ) -> list[ForkEvent]:
+        """Events after stream id `after`; with `block_ms`, wait up to that long for new ones."""
+        key = self.keys.events(fork_id)
+        reply = cast(list[Any], self.client.xread({key: after}, count=count, block=block_ms))
+        return [_event(eid, fields) for _, entries in reply or [] for eid, fields in entries]
+
+    def follow(self, fork_id: str, *, after: str = "0-0", block_ms: int = 1000) -> Iterator[ForkEvent]:
+        """Every event from `after` on, waiting for new ones, until the fork's terminal event."""
+        while True:
+            for event in self.events(fork_id, after=after, block_ms=block_ms):
+                after = event.id
+                yield event
+                if event.terminal:
+                    return
+
+
+def _event(event_id: bytes, fields: dict[bytes, bytes]) -> ForkEvent:
+    data = json.loads(fields.get(b"data", b"{}"))
+    return ForkEvent(id=event_id.decode(), type=fields.get(b"type", b"").decode(), data=data)

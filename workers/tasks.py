@@ -1,0 +1,52 @@
+"""The Celery task: decode the job, call `run_fork_job`, map failures. Nothing else lives here."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from celery import Celery, Task
+from pydantic import ValidationError
+
+from broker_config.celery import RUN_FORK_TASK
+from workers.errors import ForkNotFound, RecordDecodeError, RecordIntegrityError
+from workers.runner import RunForkJob, WorkerRuntime, run_fork_job
+
+log = logging.getLogger("forkq.worker")
+
+
+def job_argsrepr(fork_id: str, digest: str, seed_chunks: list[bytes] | None) -> str:
+    """What Flower shows for a job: the fork id, digest prefix and seed size, never the bytes."""
+    if seed_chunks is None:
+        seed = "seed in Redis"
+    else:
+        seed = f"seed inline: {len(seed_chunks)} chunks, {sum(map(len, seed_chunks)):,} bytes"
+    return f"({fork_id!r}, digest={digest[:12]}…, {seed})"
+
+
+def register_tasks(app: Celery, runtime: WorkerRuntime) -> Task[Any, Any]:
+    """Register `run_fork` on `app`, bound to the process's runtime."""
+
+    @app.task(name=RUN_FORK_TASK, bind=True, ignore_result=True, acks_late=True, reject_on_worker_lost=True)
+    def run_fork(self: Task[Any, Any], *args: Any, **kwargs: Any) -> str:
+        """Run one delivery of a fork job (a no-op when the fork is not queued)."""
+        try:
+            job = RunForkJob.model_validate(_job_fields(args, kwargs))
+        except (ValidationError, TypeError) as exc:
+            # a hostile or malformed message: refuse it, never run it, never crash the worker
+            log.error("rejected malformed run_fork job %s: %s", self.request.id, exc)
+            return "rejected:malformed"
+        try:
+            return run_fork_job(runtime, job)
+        except (RecordIntegrityError, RecordDecodeError, ForkNotFound) as exc:
+            log.error("fork %s: refused: %s", job.fork_id, exc)
+            return f"refused:{type(exc).__name__}"
+
+    return run_fork
+
+
+def _job_fields(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    names = ("fork_id", "digest", "seed_chunks")
+    if len(args) > len(names):
+        raise TypeError(f"run_fork takes at most {len(names)} arguments, got {len(args)}")
+    return {**dict(zip(names, args, strict=False)), **kwargs}
