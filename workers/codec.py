@@ -42,13 +42,23 @@ def decode(data: bytes, *, what: str = "record") -> Any:
     try:
         # msgpack (not ormsgpack) decodes: it refuses trailing bytes, and with these options int map keys,
         # invalid UTF-8 and every extension type (ormsgpack would silently ignore trailing garbage)
-        return msgpack.unpackb(data, raw=False, strict_map_key=True, ext_hook=_refuse_ext, use_list=True)
+        return msgpack.unpackb(
+            data, raw=False, strict_map_key=True, ext_hook=_refuse_ext, object_hook=_str_keys_only, use_list=True
+        )
     except (msgpack.UnpackException, ValueError, TypeError) as exc:
         raise RecordDecodeError(
             f"{what}: {len(data)} bytes are not a forkq msgpack record ({exc or type(exc).__name__}); "
             "records are canonical msgpack maps with str keys and no extension types",
             cause=exc,
         ) from exc
+
+
+def _str_keys_only(mapping: dict[Any, Any]) -> dict[Any, Any]:
+    # strict_map_key still admits bytes keys; records have str keys only
+    for key in mapping:
+        if type(key) is not str:
+            raise ValueError(f"map key {key!r} is not a str")
+    return mapping
 
 
 def _refuse_ext(code: int, data: bytes) -> Any:

@@ -141,7 +141,8 @@ def is_real_user_turn(content: Content) -> bool:
 
 def _startup_length(history: Sequence[Content]) -> int:
     if history and history[0].role == "user" and is_system_reminder_content(history[0]):
-        return 1
+        # a summary wrapped in reminder tags is still a summary: startup detection never takes it
+        return 0 if _summary_length(history, 0) else 1
     if (
         len(history) >= 2
         and history[0].role == "user"
