@@ -7,6 +7,7 @@ from typing import Any
 from broker_config.settings import Settings
 
 RUN_FORK_TASK = "forkq.run_fork"
+SWEEP_TASK = "forkq.sweep"
 
 
 def celery_config(settings: Settings) -> dict[str, Any]:
@@ -35,7 +36,9 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "broker_connection_retry_on_startup": True,
         # all fork jobs go to one named queue, so operators can scale and autoscale on its length
         "task_default_queue": settings.queue,
-        "task_routes": {RUN_FORK_TASK: {"queue": settings.queue}},
+        "task_routes": {RUN_FORK_TASK: {"queue": settings.queue}, SWEEP_TASK: {"queue": settings.queue}},
+        # `celery beat` (or `forkq sweep`) revives forks whose lease expired; concurrent sweeps are safe
+        "beat_schedule": {"forkq-sweep": {"task": SWEEP_TASK, "schedule": settings.sweep_s}},
         # redelivery of unacked jobs: forkq revives forks through its own leases, so this only
         # bounds how long a job of a vanished worker waits in the broker
         "broker_transport_options": {"visibility_timeout": settings.visibility_timeout_s},

@@ -32,6 +32,10 @@ class Settings(BaseSettings):
     worker_concurrency: int = Field(32, gt=0, description="Forks one worker process runs at once.")
     max_turns: int = Field(200, gt=0, description="Model calls a fork may make before it is stopped.")
     visibility_timeout_s: int = Field(3600, gt=0, description="Broker redelivery timeout of unacked jobs.")
+    lease_ttl_s: float = Field(15.0, gt=0, description="A fork whose worker is silent this long is revived.")
+    heartbeat_s: float = Field(5.0, gt=0, description="How often a worker renews the leases of its forks.")
+    sweep_s: float = Field(2.0, gt=0, description="How often the sweeper looks for expired leases.")
+    max_attempts: int = Field(3, ge=1, description="Runs a fork gets before a lost worker fails it (worker_lost).")
 
     @field_validator("redis_url")
     @classmethod
@@ -57,6 +61,15 @@ class Settings(BaseSettings):
     def _script_exists(self) -> Settings:
         if self.script is not None and not self.script.is_file():
             raise ValueError(f"FORKQ_SCRIPT {str(self.script)!r} is not a file; point it at a scripted-provider JSON")
+        return self
+
+    @model_validator(mode="after")
+    def _heartbeat_fits_lease(self) -> Settings:
+        if self.heartbeat_s * 2 > self.lease_ttl_s:
+            raise ValueError(
+                f"FORKQ_HEARTBEAT_S={self.heartbeat_s} must be at most half of FORKQ_LEASE_TTL_S={self.lease_ttl_s}, "
+                "so one missed heartbeat does not lose a live worker's forks"
+            )
         return self
 
     @property

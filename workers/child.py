@@ -1,15 +1,22 @@
-"""The child agent loop: model call, tool calls, repeat until the model answers without calls."""
+"""The child agent loop: model call, tool calls, repeat until the model answers without calls.
+
+The loop is driven by the fork's journal: every model response and every tool call (before it runs
+and after) is appended through a fenced writer, so a revived run replays what was recorded and
+re-calls nothing. Everything the loop touches is passed in, so it runs without a broker.
+"""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from workers.history import ForkSeed
-from workers.messages import Content, FunctionResponse, Part
+from workers.journal import INTERRUPTED_ERROR, JournalEntry, PendingCall, Replay, calls_of, replay, response_part
+from workers.journal import request_digest as digest_of
+from workers.messages import Content
 from workers.providers import ModelProvider, ModelRequest
 from workers.records import BootstrapRecord, ForkResult, Status, Usage
 from workers.tools import ToolContext, ToolRegistry
@@ -19,61 +26,136 @@ NO_OUTPUT = "(subagent produced no model-visible output)"
 EventSink = Callable[[str, dict[str, Any]], None]
 
 
+class JournalWriter(Protocol):
+    """Appends journal entries under the fork's current claim; raises LeaseLost when refused."""
+
+    def append(self, entry: JournalEntry) -> None:
+        """Append one entry."""
+        ...
+
+
+class Stopped(Exception):
+    """The loop stopped at a step boundary (cancel, shutdown, lost lease); `reason` says which."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
 @dataclass
 class ChildLoop:
-    """One fork's agent loop, with everything it needs passed in (testable without a broker)."""
+    """One fork's agent loop over its seed and journal."""
 
     record: BootstrapRecord
     seed: ForkSeed
     provider: ModelProvider
     tools: ToolRegistry
+    journal: JournalWriter
     emit: EventSink
-    cancelled: Callable[[], bool]
+    stop_reason: Callable[[], str | None]  # checked at every model and tool boundary
+    entries: list[JournalEntry] = field(default_factory=list)
     max_turns: int = 200
 
     def run(self) -> ForkResult:
-        """Run to the final answer, a cancellation, or the turn limit."""
+        """Run to the final answer or the turn limit.
+
+        Raises:
+            Stopped: at a boundary, when `stop_reason` says so.
+            LeaseLost: a fenced journal write was refused.
+        """
         started = time.monotonic()
-        usage = Usage()
-        messages = [*self.seed.initial_messages, Content(role="user", parts=[Part(text=self.seed.task_prompt)])]
-        for step in range(self.max_turns):
-            if self.cancelled():
-                return self._result(Status.CANCELLED, None, usage, started, "cancelled by request")
-            response = self.provider.generate(self._request(step, messages))
-            messages.append(response.content)
-            usage.model_calls += 1
-            usage.input_tokens += response.usage.input_tokens
-            usage.output_tokens += response.usage.output_tokens
-            calls = [p.function_call for p in response.content.parts if p.function_call is not None]
-            self.emit(
-                "step",
-                {
-                    "step": step + 1,
-                    "tool_calls": [c.name for c in calls],
-                    "input_tokens": response.usage.input_tokens,
-                    "output_tokens": response.usage.output_tokens,
-                },
-            )
-            if not calls:
-                return self._result(Status.SUCCEEDED, final_text(response.content), usage, started, None)
-            answers = []
-            for call in calls:
-                if self.cancelled():
-                    return self._result(Status.CANCELLED, None, usage, started, "cancelled by request")
+        state = replay(self.seed, self.entries)
+        while state.final is None:
+            if state.pending:
+                self._run_tools(state)
+                continue
+            if state.step >= self.max_turns:
+                return self._result(
+                    state, started, Status.FAILED, None, f"max_turns: stopped after {self.max_turns} model calls"
+                )
+            self._model_step(state)
+        return self._result(state, started, Status.SUCCEEDED, final_text(state.final), None)
+
+    def _boundary(self) -> None:
+        reason = self.stop_reason()
+        if reason is not None:
+            raise Stopped(reason)
+
+    def _write(self, state: Replay, **fields: Any) -> JournalEntry:
+        entry = JournalEntry(seq=state.next_seq, **fields)
+        self.journal.append(entry)
+        state.next_seq += 1
+        return entry
+
+    def _model_step(self, state: Replay) -> None:
+        self._boundary()
+        request = self._request(state.step, state.messages)
+        digest = digest_of(request.model_dump(mode="json", exclude={"directive"}))
+        self.emit("model_call", {"step": state.step + 1, "request_digest": digest})
+        response = self.provider.generate(request)
+        self._boundary()
+        self._write(
+            state,
+            step=state.step,
+            kind="model",
+            content=response.content.to_wire(),
+            request_digest=digest,
+            input_tokens=response.usage.input_tokens,
+            output_tokens=response.usage.output_tokens,
+        )
+        content = response.content
+        state.messages.append(content)
+        state.input_tokens += response.usage.input_tokens
+        state.output_tokens += response.usage.output_tokens
+        calls = calls_of(content)
+        self.emit(
+            "step",
+            {
+                "step": state.step + 1,
+                "tool_calls": [c.name for _, c in calls],
+                "input_tokens": response.usage.input_tokens,
+                "output_tokens": response.usage.output_tokens,
+            },
+        )
+        state.step += 1
+        state.answers = {}
+        state.pending = [PendingCall(i, c, started=False) for i, c in calls]
+        state.final = None if calls else content
+
+    def _run_tools(self, state: Replay) -> None:
+        step = state.step - 1
+        for pending in list(state.pending):
+            self._boundary()
+            call = pending.call
+            tool = self.tools.get(call.name)
+            if pending.started and not (tool is not None and tool.idempotent):
+                outcome: dict[str, Any] = {"error": INTERRUPTED_ERROR}
+            else:
+                self._write(
+                    state, step=step, kind="tool_started", call_index=pending.index, call_id=call.id, name=call.name
+                )
                 ctx = ToolContext(
                     fork_id=self.record.fork_id,
                     cwd=Path(self.record.cwd),
                     call_id=call.id,
-                    idempotency_key=f"{self.record.fork_id}:{step}:{call.id}",
+                    idempotency_key=f"{self.record.fork_id}:{step}:{call.id or pending.index}",
                 )
                 outcome = self.tools.run(call, ctx)
-                usage.tool_uses += 1
-                self.emit("tool", {"step": step + 1, "tool": call.name, "ok": "error" not in outcome})
-                answers.append(Part(function_response=FunctionResponse(id=call.id, name=call.name, response=outcome)))
-            messages.append(Content(role="user", parts=answers))
-        return self._result(
-            Status.FAILED, None, usage, started, f"max_turns: stopped after {self.max_turns} model calls"
-        )
+            self._write(
+                state,
+                step=step,
+                kind="tool_result",
+                call_index=pending.index,
+                call_id=call.id,
+                name=call.name,
+                response=outcome,
+            )
+            state.answers[pending.index] = response_part(call, outcome)
+            state.pending.remove(pending)
+            state.tool_uses += 1
+            self.emit("tool", {"step": step + 1, "tool": call.name, "ok": "error" not in outcome})
+        last = state.messages[-1]
+        state.messages.append(state.answer_content(calls_of(last)))
 
     def _request(self, step: int, messages: list[Content]) -> ModelRequest:
         record = self.record
@@ -83,16 +165,22 @@ class ChildLoop:
             model=record.model,
             system_instruction=record.system_instruction,
             tools=record.tools,
-            messages=messages,
+            messages=list(messages),
             generation=record.generation,
             directive=record.directive,
         )
 
     def _result(
-        self, status: Status, output: str | None, usage: Usage, started: float, error: str | None
+        self, state: Replay, started: float, status: Status, output: str | None, error: str | None
     ) -> ForkResult:
-        usage.total_tokens = usage.input_tokens + usage.output_tokens
-        usage.duration_ms = int((time.monotonic() - started) * 1000)
+        usage = Usage(
+            input_tokens=state.input_tokens,
+            output_tokens=state.output_tokens,
+            total_tokens=state.input_tokens + state.output_tokens,
+            tool_uses=state.tool_uses,
+            model_calls=state.step,
+            duration_ms=int((time.monotonic() - started) * 1000),
+        )
         return ForkResult(fork_id=self.record.fork_id, status=status, output=output, usage=usage, error=error)
 
 

@@ -12,7 +12,6 @@ from typing import Any
 import redis
 from celery import Celery
 
-from broker_config.celery import RUN_FORK_TASK
 from broker_config.settings import Settings
 from workers.app import make_app
 from workers.errors import ForkTimeout
@@ -22,7 +21,7 @@ from workers.params import AgentParams, validate_agent_params
 from workers.records import BootstrapRecord, ForkResult, ForkState, Status, chunk_digest, split_seed
 from workers.snapshot import ParentSnapshot, parse_parent_snapshot
 from workers.store import ForkEvent, ForkStore
-from workers.tasks import job_argsrepr
+from workers.tasks import enqueue_fork
 
 
 def new_fork_id() -> str:
@@ -104,14 +103,7 @@ class ForkClient:
         self.store.put_chunks(snapshot.session_id, {chunk_digest(c): c for c in chunks})
         self.store.put_launch(record, record_bytes, digest)
         inline = chunks if sum(map(len, chunks)) <= self.settings.inline_seed_max_bytes else None
-        self.app.send_task(
-            RUN_FORK_TASK,
-            args=[fid, digest, inline],
-            queue=self.settings.queue,
-            task_id=f"{fid}.1",
-            argsrepr=job_argsrepr(fid, digest, inline),
-            kwargsrepr="{}",
-        )
+        enqueue_fork(self.app, self.settings.queue, fid, digest, attempt=1, seed_chunks=inline)
         return ForkHandle(fork_id=fid, digest=digest, kind=record.kind, client=self)
 
     def _record(

@@ -79,5 +79,9 @@ class ForkTimeout(ForkqError):
     """A fork did not end within the time the caller waited."""
 
 
+class LeaseLost(ForkqError):
+    """This worker no longer holds the fork's lease (expired, revived elsewhere, or cancelled)."""
+
+
 class ConfigurationError(ForkqError):
     """Settings or the Redis server are not fit for forkq; the message says what to change."""

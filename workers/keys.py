@@ -14,6 +14,12 @@ Each key: type; content; TTL; writer → readers.
   worker (once) → result, wait.
 - `{ns}:{<fork_id>}:events`: stream; progress events (`type`, `at` ms, `data` JSON); retention;
   launch, worker, cancel → events, wait.
+- `{ns}:{<fork_id>}:lease`: string; the owner token of the worker running the fork; PX lease TTL,
+  renewed by the worker's heartbeat, deleted by Lua compare-and-set only; worker → worker, sweeper.
+- `{ns}:{<fork_id>}:journal`: list; canonical msgpack `JournalEntry` per model response and tool
+  call/result, appended only under the current epoch; retention; worker → worker (replay), inspect.
+- `{ns}:running`: sorted set; fork ids of running forks scored by their lease deadline (Redis ms);
+  none; worker (claim, heartbeat, finish) → sweeper. The one key shared by all forks.
 - `{ns}:{parent:<session>}:chunk:<digest>`: string; canonical msgpack list of wire Contents (a seed
   chunk, named by the BLAKE2b-256 of its bytes); retention, renewed on reuse; launch → worker, inspect.
 
@@ -56,6 +62,19 @@ class Keys:
     def events(self, fork_id: str) -> str:
         """The fork's progress event stream."""
         return self._fork(fork_id, "events")
+
+    def lease(self, fork_id: str) -> str:
+        """The fork's lease (owner token)."""
+        return self._fork(fork_id, "lease")
+
+    def journal(self, fork_id: str) -> str:
+        """The fork's step journal."""
+        return self._fork(fork_id, "journal")
+
+    @property
+    def running(self) -> str:
+        """Running forks by lease deadline, for the sweeper."""
+        return f"{self.namespace}:running"
 
     def chunk(self, parent_session: str, digest_hex: str) -> str:
         """A content-addressed seed chunk shared by the forks of one parent session."""

@@ -1,4 +1,4 @@
-"""What a worker does with one fork job: verify, claim, load the seed, run the loop, finish."""
+"""What a worker does with one fork job: verify, claim, replay, run the loop, finish or release."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import os
 import socket
 import threading
 import uuid
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
@@ -15,9 +16,11 @@ import redis
 from pydantic import BaseModel, ConfigDict, Field
 
 from broker_config.settings import Settings
-from workers.child import ChildLoop
-from workers.errors import ForkqError, RecordIntegrityError
+from workers.child import ChildLoop, Stopped
+from workers.errors import ForkqError, LeaseLost, RecordIntegrityError
+from workers.journal import JournalEntry
 from workers.keys import Keys
+from workers.lease import Claim, LeaseKeeper, Leases
 from workers.providers import ModelProvider
 from workers.providers.scripted import ScriptedProvider, load_script
 from workers.records import ForkResult, Status
@@ -25,6 +28,8 @@ from workers.store import ForkStore
 from workers.tools import ToolRegistry, builtin_tools
 
 log = logging.getLogger("forkq.worker")
+
+Requeue = Callable[[str, str, int], None]  # fork id, digest, attempt
 
 
 class RunForkJob(BaseModel):
@@ -42,6 +47,8 @@ class WorkerRuntime:
     """Per-process worker resources, built lazily (after a prefork child starts) and thread-safe."""
 
     settings: Settings
+    requeue: Requeue | None = None  # set by make_app: enqueue a released fork again
+    stopping: threading.Event = field(default_factory=threading.Event)  # set on worker shutdown
 
     @cached_property
     def redis(self) -> redis.Redis:
@@ -52,6 +59,21 @@ class WorkerRuntime:
     def store(self) -> ForkStore:
         """The fork store over this process's client."""
         return ForkStore(self.redis, Keys(self.settings.namespace), ttl_s=self.settings.record_ttl_s)
+
+    @cached_property
+    def leases(self) -> Leases:
+        """Claims and fenced writes."""
+        return Leases(
+            self.redis,
+            Keys(self.settings.namespace),
+            ttl_ms=int(self.settings.lease_ttl_s * 1000),
+            retention_s=self.settings.record_ttl_s,
+        )
+
+    @cached_property
+    def keeper(self) -> LeaseKeeper:
+        """The process's heartbeat."""
+        return LeaseKeeper(self.leases, interval_s=self.settings.heartbeat_s)
 
     @cached_property
     def provider(self) -> ModelProvider:
@@ -65,6 +87,18 @@ class WorkerRuntime:
         return builtin_tools()
 
 
+@dataclass(frozen=True)
+class FencedJournal:
+    """The journal writer of one claim."""
+
+    leases: Leases
+    claim: Claim
+
+    def append(self, entry: JournalEntry) -> None:
+        """Append under the claim's epoch (LeaseLost when refused)."""
+        self.leases.append(self.claim, entry)
+
+
 def new_owner() -> str:
     """A unique owner token for one claim: host, pid, thread and a random part."""
     return f"{socket.gethostname()}:{os.getpid()}:{threading.get_ident()}:{uuid.uuid4().hex[:12]}"
@@ -75,47 +109,79 @@ def run_fork_job(runtime: WorkerRuntime, job: RunForkJob) -> str:
 
     A delivery whose digest is not the fork's launch digest is refused without touching the fork;
     a stored record that no longer matches its digest fails the fork; a delivery for a fork that is
-    not queued (running elsewhere, finished, cancelled) is a no-op.
+    not queued (running under a live lease, finished, cancelled) is a no-op.
     """
-    store = runtime.store
     fid = job.fork_id
-    state = store.state(fid)
+    state = runtime.store.state(fid)
     if state.digest and job.digest != state.digest:
         raise RecordIntegrityError(
             f"fork {fid}: job digest {job.digest[:12]}… is not the launch digest {state.digest[:12]}…; "
             "the job message was altered or belongs to another fork",
             fork_id=fid,
         )
-    owner = new_owner()
-    claimed, attempt = store.claim(fid, owner)
-    if claimed != "claimed":
-        log.info("fork %s: delivery ignored, fork is %s", fid, claimed)
-        return f"duplicate:{claimed}"
+    claim = runtime.leases.claim(fid, new_owner())
+    if isinstance(claim, str):
+        log.info("fork %s: delivery ignored, fork is %s", fid, claim)
+        return f"duplicate:{claim}"
+    lost = runtime.keeper.hold(claim)
     try:
-        record = store.get_record(fid, job.digest)
-        seed = store.load_seed(record, job.seed_chunks)
+        return _run_claimed(runtime, job, claim, lost)
+    except LeaseLost as exc:
+        log.warning("%s", exc)
+        return "lease_lost"
+    finally:
+        runtime.keeper.drop(claim)
+
+
+def _run_claimed(runtime: WorkerRuntime, job: RunForkJob, claim: Claim, lost: threading.Event) -> str:
+    fid = job.fork_id
+    try:
+        record = runtime.store.get_record(fid, job.digest)
+        seed = runtime.store.load_seed(record, job.seed_chunks)
+        entries = runtime.leases.journal(fid)
     except (ForkqError, redis.RedisError) as exc:
-        store.finish(ForkResult(fork_id=fid, status=Status.FAILED, error=str(exc)), owner)
+        runtime.leases.finish(claim, ForkResult(fork_id=fid, status=Status.FAILED, error=str(exc)))
         raise
+
+    def stop_reason() -> str | None:
+        if lost.is_set():
+            return "lease_lost"
+        if runtime.stopping.is_set():
+            return "shutdown"
+        return "cancelled" if runtime.store.is_cancelled(fid) else None
+
     loop = ChildLoop(
         record=record,
         seed=seed,
         provider=runtime.provider,
         tools=runtime.tools,
-        emit=lambda kind, data: _emit(store, fid, kind, data),
-        cancelled=lambda: store.is_cancelled(fid),
+        journal=FencedJournal(runtime.leases, claim),
+        emit=lambda kind, data: _emit(runtime, fid, kind, data),
+        stop_reason=stop_reason,
+        entries=entries,
         max_turns=runtime.settings.max_turns,
     )
     try:
         result = loop.run()
+    except Stopped as stop:
+        return _stopped(runtime, job, claim, stop.reason)
+    except (LeaseLost, redis.RedisError):
+        raise
     except Exception as exc:  # a provider or loop failure ends the fork as failed, with the reason
-        log.exception("fork %s: attempt %d failed", fid, attempt)
+        log.exception("fork %s: attempt %d failed", fid, claim.attempt)
         result = ForkResult(fork_id=fid, status=Status.FAILED, error=f"{type(exc).__name__}: {exc}")
-    if not store.finish(result, owner):
-        log.info("fork %s: result of attempt %d discarded, the fork is no longer ours", fid, attempt)
-        return f"discarded:{store.state(fid).status.value}"
+    runtime.leases.finish(claim, result)
     return result.status.value
 
 
-def _emit(store: ForkStore, fork_id: str, kind: str, data: dict[str, Any]) -> None:
-    store.add_event(fork_id, kind, data)
+def _stopped(runtime: WorkerRuntime, job: RunForkJob, claim: Claim, reason: str) -> str:
+    if reason == "shutdown":  # checkpointed by the journal: hand the fork to another worker now
+        runtime.leases.release(claim, "worker shutdown")
+        if runtime.requeue is not None:
+            runtime.requeue(job.fork_id, job.digest, claim.attempt + 1)
+        return "released"
+    return reason
+
+
+def _emit(runtime: WorkerRuntime, fork_id: str, kind: str, data: dict[str, Any]) -> None:
+    runtime.store.add_event(fork_id, kind, data)

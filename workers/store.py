@@ -1,4 +1,6 @@
-"""Redis access for forks: launch writes, claims, progress events, results and cancellation.
+"""Redis access for forks: launch writes, records, state, progress events, results and cancellation.
+
+Claims, leases and every write made while a fork runs are in `workers/lease.py`.
 
 Multi-key changes of one fork run as Lua scripts over keys that share the fork's hash tag, so
 each is atomic; timestamps come from Redis `TIME`, never from worker clocks.
@@ -36,34 +38,6 @@ redis.call('EXPIRE', KEYS[2], ARGV[2])
 redis.call('XADD', KEYS[3], 'MAXLEN', '~', @MAXLEN@, '*', 'type', 'queued', 'data', ARGV[6])
 redis.call('EXPIRE', KEYS[3], ARGV[2])
 return 'created'
-""".replace("@MAXLEN@", str(EVENTS_MAXLEN))
-)
-
-# KEYS: state, events. ARGV: owner, event data. Only a queued fork is claimed.
-_CLAIM = (
-    _NOW
-    + """
-local status = redis.call('HGET', KEYS[1], 'status')
-if not status then return {'missing', 0} end
-if status ~= 'queued' then return {status, 0} end
-local attempt = redis.call('HINCRBY', KEYS[1], 'attempt', 1)
-redis.call('HSET', KEYS[1], 'status', 'running', 'owner', ARGV[1], 'started_ms', now)
-redis.call('XADD', KEYS[2], 'MAXLEN', '~', @MAXLEN@, '*', 'type', 'started', 'data', ARGV[2])
-return {'claimed', attempt}
-""".replace("@MAXLEN@", str(EVENTS_MAXLEN))
-)
-
-# KEYS: state, events, result, bootstrap. ARGV: owner, status, result bytes, error, event data, ttl_s.
-_FINISH = (
-    _NOW
-    + """
-local status = redis.call('HGET', KEYS[1], 'status')
-if status ~= 'running' or redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return status or 'missing' end
-redis.call('SET', KEYS[3], ARGV[3], 'EX', ARGV[6])
-redis.call('HSET', KEYS[1], 'status', ARGV[2], 'finished_ms', now, 'error', ARGV[4])
-redis.call('XADD', KEYS[2], 'MAXLEN', '~', @MAXLEN@, '*', 'type', 'finished', 'data', ARGV[5])
-for i = 1, 4 do redis.call('EXPIRE', KEYS[i], ARGV[6]) end
-return 'finished'
 """.replace("@MAXLEN@", str(EVENTS_MAXLEN))
 )
 
@@ -109,8 +83,6 @@ class ForkStore:
         self.keys = keys
         self.ttl_s = ttl_s
         self._launch = client.register_script(_LAUNCH)
-        self._claim = client.register_script(_CLAIM)
-        self._finish = client.register_script(_FINISH)
         self._cancel = client.register_script(_CANCEL)
 
     # ── launch ────────────────────────────────────────────────────────────────────────────────
@@ -170,23 +142,6 @@ class ForkStore:
             fetched = self.client.mget(names) if names else []
             inline_chunks = [c if isinstance(c, bytes) else b"" for c in fetched]
         return join_seed(record, inline_chunks)
-
-    def claim(self, fork_id: str, owner: str) -> tuple[str, int]:
-        """Move a queued fork to running under `owner`: ('claimed', attempt) or (current status, 0)."""
-        status, attempt = self._claim(
-            keys=[self.keys.state(fork_id), self.keys.events(fork_id)], args=[owner, json.dumps({"owner": owner})]
-        )
-        return status.decode(), int(attempt)
-
-    def finish(self, result: ForkResult, owner: str) -> bool:
-        """Record the final result if `owner` still runs the fork; False when it no longer does."""
-        fid = result.fork_id
-        data = json.dumps({"status": result.status.value, "error": result.error, "usage": result.usage.model_dump()})
-        outcome = self._finish(
-            keys=[self.keys.state(fid), self.keys.events(fid), self.keys.result(fid), self.keys.bootstrap(fid)],
-            args=[owner, result.status.value, result.encode(), result.error or "", data, self.ttl_s],
-        )
-        return bool(outcome == b"finished")
 
     def add_event(self, fork_id: str, kind: str, data: dict[str, Any]) -> str:
         """Append a progress event; returns its stream id."""

@@ -1,4 +1,4 @@
-"""The Celery task: decode the job, call `run_fork_job`, map failures. Nothing else lives here."""
+"""The Celery tasks: decode the job, call a plain function, map failures. Nothing else lives here."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ from typing import Any
 from celery import Celery, Task
 from pydantic import ValidationError
 
-from broker_config.celery import RUN_FORK_TASK
+from broker_config.celery import RUN_FORK_TASK, SWEEP_TASK
 from workers.errors import ForkNotFound, RecordDecodeError, RecordIntegrityError
 from workers.runner import RunForkJob, WorkerRuntime, run_fork_job
+from workers.sweeper import Sweeper
 
 log = logging.getLogger("forkq.worker")
 
@@ -24,8 +25,34 @@ def job_argsrepr(fork_id: str, digest: str, seed_chunks: list[bytes] | None) -> 
     return f"({fork_id!r}, digest={digest[:12]}…, {seed})"
 
 
-def register_tasks(app: Celery, runtime: WorkerRuntime) -> Task[Any, Any]:
-    """Register `run_fork` on `app`, bound to the process's runtime."""
+def enqueue_fork(
+    app: Celery, queue: str, fork_id: str, digest: str, *, attempt: int, seed_chunks: list[bytes] | None = None
+) -> None:
+    """Send a `run_fork` job (task id `<fork id>.<attempt>`, so Flower lists every run of a fork)."""
+    app.send_task(
+        RUN_FORK_TASK,
+        args=[fork_id, digest, seed_chunks],
+        queue=queue,
+        task_id=f"{fork_id}.{attempt}",
+        argsrepr=job_argsrepr(fork_id, digest, seed_chunks),
+        kwargsrepr="{}",
+    )
+
+
+def make_sweeper(app: Celery, runtime: WorkerRuntime) -> Sweeper:
+    """A sweeper over the runtime's Redis that re-enqueues through `app`."""
+    settings = runtime.settings
+    return Sweeper(
+        leases=runtime.leases,
+        store=runtime.store,
+        max_attempts=settings.max_attempts,
+        interval_s=settings.sweep_s,
+        enqueue=lambda fid, digest, attempt: enqueue_fork(app, settings.queue, fid, digest, attempt=attempt),
+    )
+
+
+def register_tasks(app: Celery, runtime: WorkerRuntime) -> None:
+    """Register `run_fork` and `sweep` on `app`, bound to the process's runtime."""
 
     @app.task(name=RUN_FORK_TASK, bind=True, ignore_result=True, acks_late=True, reject_on_worker_lost=True)
     def run_fork(self: Task[Any, Any], *args: Any, **kwargs: Any) -> str:
@@ -42,7 +69,10 @@ def register_tasks(app: Celery, runtime: WorkerRuntime) -> Task[Any, Any]:
             log.error("fork %s: refused: %s", job.fork_id, exc)
             return f"refused:{type(exc).__name__}"
 
-    return run_fork
+    @app.task(name=SWEEP_TASK, ignore_result=True)
+    def sweep() -> dict[str, int]:
+        """One sweeper pass (Celery beat schedules it every FORKQ_SWEEP_S)."""
+        return dict(make_sweeper(app, runtime).sweep_once())
 
 
 def _job_fields(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,536 @@
+"""`forkq demo`: four forks of an example parent conversation on two private workers, shown live.
+
+Redis: `FORKQ_REDIS_URL` when set; else a server answering on 127.0.0.1:6379 (unless
+`private_redis`); else a private `redis-server` on a unix socket. On a Redis the demo does not own
+it works under its own namespace and queue (`forkq-demo-<random>`) and deletes their keys at the
+end. Everything it starts (workers, Redis, temp dirs) is stopped on success, failure and Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import redis
+from celery import Celery
+from pydantic import ValidationError
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from broker_config.settings import Settings, redact_url
+from workers.client import ForkClient, ForkHandle
+from workers.errors import ConfigurationError
+from workers.history import is_real_user_turn
+from workers.messages import Content
+from workers.records import ForkResult, Status
+from workers.redis_server import RedisServer
+from workers.store import ForkEvent
+
+EXAMPLE_PARENT = Path(__file__).parent / "examples" / "parent.json"
+SHARED_REDIS_URL = "redis://127.0.0.1:6379/0"
+WORKER_NAMES = ("demo1", "demo2")
+WORKER_CONCURRENCY = 4
+READY_TIMEOUT_S = 30.0
+RUN_TIMEOUT_S = 30.0
+STOP_TIMEOUT_S = 15.0
+POLL_S = 0.05
+LOG_TAIL_LINES = 20
+EXIT_INTERRUPTED = 130
+
+FINAL_TEXT = (
+    "Done: the workspace holds README.md, app/ and tests/ (shorty, a small URL shortener). "
+    "[scripted answer: a real model would carry out the directive here]"
+)
+
+
+def _model_step(delay_s: float, *parts: dict[str, Any]) -> dict[str, Any]:
+    return {"delay_s": delay_s, "content": {"role": "model", "parts": list(parts)}}
+
+
+def _call(name: str, **args: str) -> dict[str, Any]:
+    return {"functionCall": {"id": f"demo_{name}", "name": name, "args": args}}
+
+
+# The scripted provider answers every fork's k-th model call with step k: look, read, answer.
+DEMO_SCRIPT: dict[str, Any] = {
+    "steps": [
+        _model_step(0.4, {"text": "Looking at the working directory first."}, _call("list_directory", path=".")),
+        _model_step(0.5, _call("read_file", path="README.md")),
+        _model_step(0.3, {"text": FINAL_TEXT}),
+    ]
+}
+
+WORKSPACE_FILES: dict[str, str] = {
+    "README.md": "# shorty\n\nA small URL shortener (FastAPI + SQLite). Copy made by `forkq demo`.\n",
+    "app/__init__.py": "",
+    "app/links.py": "def resolve(code: str) -> str | None:\n    return None\n",
+    "tests/test_links.py": "def test_placeholder() -> None:\n    assert True\n",
+}
+
+
+@dataclass(frozen=True)
+class DemoFork:
+    """One Agent call of the demo: a label, `fork_turns` (None: a regular subagent), description, prompt."""
+
+    label: str
+    fork_turns: str | None
+    description: str
+    prompt: str
+
+    @property
+    def params(self) -> dict[str, str]:
+        """The Agent tool call's parameters."""
+        if self.fork_turns is None:
+            return {"description": self.description, "prompt": self.prompt, "subagent_type": "general-purpose"}
+        return {
+            "description": self.description,
+            "prompt": self.prompt,
+            "subagent_type": "fork",
+            "fork_turns": self.fork_turns,
+        }
+
+
+DEMO_FORKS = (
+    DemoFork(
+        "fork all",
+        "all",
+        "Changelog of the session",
+        "Summarise every decision taken in this session (rate limiting, the test_redirect fix, the 0003 "
+        "migration review) as a changelog for the PR description. Do not edit files.",
+    ),
+    DemoFork(
+        "fork 1",
+        "1",
+        "Write missing expiry tests",
+        "Write the missing expiry tests in tests/test_expiry.py as discussed, without changing application "
+        "code; run the tests and report the new test names.",
+    ),
+    DemoFork(
+        "fork 3",
+        "3",
+        "Audit rate limiter races",
+        "Audit app/ratelimit.py for race conditions and bypasses without modifying any file; report each "
+        "finding with its severity.",
+    ),
+    DemoFork(
+        "general",
+        None,
+        "Describe the project layout",
+        "List the files of the working directory and describe the project layout in three sentences.",
+    ),
+)
+
+
+@dataclass
+class DemoWorker:
+    """A worker subprocess of the demo."""
+
+    name: str
+    nodename: str
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+
+def run_demo(*, private_redis: bool = False) -> int:
+    """Run the demo; 0 when all four forks succeeded, 1 otherwise, 130 on Ctrl-C."""
+    started = time.monotonic()
+    code = EXIT_INTERRUPTED
+    try:
+        with ExitStack() as stack:
+            try:
+                code = _run(stack, private_redis=private_redis)
+            except KeyboardInterrupt:
+                print("\nforkq demo: interrupted", file=sys.stderr, flush=True)
+            _say("stopping the workers and everything else the demo started ...")
+    except KeyboardInterrupt:  # a second Ctrl-C while stopping: ExitStack still ran every cleanup
+        pass
+    _say(f"done in {time.monotonic() - started:.1f} s")
+    return code
+
+
+def _run(stack: ExitStack, *, private_redis: bool) -> int:
+    """Set everything up on `stack` (which tears it down), run the forks, report; the exit code."""
+    tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="forkq-demo-")))
+    settings = _demo_settings(stack, tmp, private_redis=private_redis)
+    workers = _start_workers(stack, settings, tmp)
+    client = ForkClient(settings)
+    stack.callback(client.close)
+    stack.callback(client.app.close)
+    _wait_until_ready(client.app, workers)
+    parent = _load_parent(_workspace(tmp))
+    _describe_parent(parent)
+    handles = {fork.label: client.launch(parent, fork.params) for fork in DEMO_FORKS}
+    _say("")
+    _say("live progress (times from the first launch, as recorded by Redis):")
+    results = _follow(client, handles, workers)
+    _report(client, handles, results)
+    ok = len(results) == len(handles) and all(r.status is Status.SUCCEEDED for r in results.values())
+    if not ok:
+        _say(_log_tails(workers))
+    _say("")
+    _say("result: all four forks succeeded" if ok else "result: not every fork succeeded (see above)")
+    return 0 if ok else 1
+
+
+def _say(line: str) -> None:
+    print(line, flush=True)
+
+
+# ── Redis ─────────────────────────────────────────────────────────────────────────────────────
+
+
+def _env_settings() -> Settings:
+    """The environment's settings, with a validation error turned into a message that names the variable."""
+    try:
+        return Settings()
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        name = "FORKQ_" + "_".join(str(p) for p in first["loc"]).upper()
+        raise ConfigurationError(f"{name}: {first['msg']}", field=name, cause=exc) from exc
+
+
+def _demo_settings(stack: ExitStack, tmp: Path, *, private_redis: bool) -> Settings:
+    """Choose the Redis (see the module docstring) and build the settings shared by client and workers."""
+    env = _env_settings()
+    name = f"forkq-demo-{secrets.token_hex(4)}"
+    broker_url: str | None = None
+    if "redis_url" in env.model_fields_set:
+        redis_url, broker_url = env.redis_url, env.broker_url
+        where = f"{redact_url(redis_url)} (FORKQ_REDIS_URL)"
+    elif not private_redis and _answers_ping(SHARED_REDIS_URL):
+        redis_url, where = SHARED_REDIS_URL, f"{SHARED_REDIS_URL} (already running)"
+    else:
+        server = stack.enter_context(RedisServer(unix_socket=True))
+        _say(f"redis      private redis-server pid {server.pid}, socket {server.socket_path}")
+        redis_url, broker_url, where = server.url, server.broker_url, ""
+    if where:
+        _say(f"redis      {where}, namespace and queue {name!r} (deleted at the end)")
+        # every key the demo creates there carries `name`: delete them once the workers have stopped
+        stack.callback(_delete_keys, redis_url, name)
+    script = tmp / "script.json"
+    script.write_text(json.dumps(DEMO_SCRIPT, indent=2), encoding="utf-8")
+    return Settings(
+        redis_url=redis_url,
+        broker_url=broker_url,
+        namespace=name,
+        queue=name,
+        provider="scripted",
+        script=script,
+        worker_pool="threads",
+        worker_concurrency=WORKER_CONCURRENCY,
+        record_ttl_s=3600,  # if the demo itself is killed, its records still go away
+    )
+
+
+def _answers_ping(url: str) -> bool:
+    """True when a Redis at `url` answers PING right now (no auth, no retries)."""
+    client = redis.Redis.from_url(url, socket_connect_timeout=0.5, socket_timeout=0.5, retry=Retry(NoBackoff(), 0))
+    try:
+        return bool(client.ping())
+    except redis.RedisError:
+        return False
+    finally:
+        client.close()
+
+
+def _delete_keys(redis_url: str, name: str) -> None:
+    """Delete every key whose name contains the demo's namespace (forkq records, queue, kombu bindings)."""
+    with redis.Redis.from_url(redis_url, socket_timeout=5) as client:
+        # a SCAN pattern, not a key: forkq's keys start with the namespace, kombu's embed the queue name
+        doomed = list(client.scan_iter(match=f"*{name}*", count=1000))
+        if doomed:
+            client.delete(*doomed)
+
+
+# ── workers ───────────────────────────────────────────────────────────────────────────────────
+
+
+def _worker_env(settings: Settings) -> dict[str, str]:
+    """This process's environment with every FORKQ_* variable replaced by the demo's settings."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FORKQ_")}
+    for field, value in settings.model_dump(mode="json").items():
+        if value is not None:  # pydantic-settings reads complex values as JSON
+            env[f"FORKQ_{field.upper()}"] = value if isinstance(value, str) else json.dumps(value)
+    env["FORKQ_BROKER_URL"] = settings.effective_broker_url
+    return env
+
+
+def _start_workers(stack: ExitStack, settings: Settings, tmp: Path) -> list[DemoWorker]:
+    """Start the worker subprocesses; `stack` stops them (before Redis goes away)."""
+    env = _worker_env(settings)
+    workers: list[DemoWorker] = []
+    stack.callback(_stop_workers, workers)
+    for name in WORKER_NAMES:
+        nodename = f"{name}-{settings.namespace}@%h"
+        log_path = tmp / f"{name}.log"
+        command = [sys.executable, "-m", "workers.cli", "worker", "--concurrency", str(WORKER_CONCURRENCY)]
+        command += ["--loglevel", "WARNING", "--hostname", nodename]
+        with log_path.open("ab") as log:
+            process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+        workers.append(DemoWorker(name, nodename, process, log_path))
+    pids = ", ".join(f"{w.name} pid {w.process.pid}" for w in workers)
+    _say(f"workers    {pids} (threads pool, concurrency {WORKER_CONCURRENCY} each)")
+    return workers
+
+
+def _wait_until_ready(app: Celery, workers: list[DemoWorker]) -> None:
+    """Ping the workers until each has answered once.
+
+    Raises:
+        ConfigurationError: a worker exited or did not answer in time; quotes the end of its log.
+    """
+    started = time.monotonic()
+    waiting = {w.nodename.split("@", 1)[0]: w for w in workers}
+    while waiting:
+        for worker in waiting.values():
+            if worker.process.poll() is not None:
+                raise _worker_error(workers, f"worker {worker.name} exited with code {worker.process.returncode}")
+        if time.monotonic() - started > READY_TIMEOUT_S:
+            raise _worker_error(workers, f"workers {sorted(waiting)} did not answer a ping in {READY_TIMEOUT_S:.0f} s")
+        for reply in app.control.ping(timeout=0.5) or []:
+            for node in reply:
+                waiting.pop(node.split("@", 1)[0], None)
+    _say(f"ready      both workers answered a ping after {time.monotonic() - started:.1f} s")
+
+
+def _worker_error(workers: list[DemoWorker], what: str) -> ConfigurationError:
+    return ConfigurationError(f"{what}; expected both demo workers to start.\n{_log_tails(workers)}", field="worker")
+
+
+def _log_tails(workers: list[DemoWorker]) -> str:
+    """The last lines of every worker log, indented."""
+    blocks = []
+    for worker in workers:
+        try:
+            lines = worker.log_path.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
+        except OSError:
+            lines = ["<log unreadable>"]
+        body = "\n".join(f"    {line}" for line in lines) or "    <log empty>"
+        blocks.append(f"  end of {worker.name}'s log ({worker.log_path}):\n{body}")
+    return "\n".join(blocks)
+
+
+def _stop_workers(workers: list[DemoWorker]) -> None:
+    """SIGTERM every worker (a warm shutdown), then SIGKILL those still running after STOP_TIMEOUT_S."""
+    with _sigint_deferred():
+        for worker in workers:
+            if worker.process.poll() is None:
+                worker.process.terminate()
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for worker in workers:
+            try:
+                worker.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                worker.process.kill()
+                worker.process.wait()
+
+
+@contextmanager
+def _sigint_deferred() -> Iterator[None]:
+    """Ignore Ctrl-C while stopping children, so a second Ctrl-C cannot leave them running."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+# ── parent and launch ─────────────────────────────────────────────────────────────────────────
+
+
+def _workspace(tmp: Path) -> Path:
+    """A small working directory for the forks' tools (the example's /workspace/shorty does not exist here)."""
+    root = tmp / "shorty"
+    for relative, text in WORKSPACE_FILES.items():
+        path = root / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+    return root
+
+
+def _load_parent(cwd: Path) -> dict[str, Any]:
+    """The example parent snapshot, with its cwd pointed at the demo workspace."""
+    parent: dict[str, Any] = json.loads(EXAMPLE_PARENT.read_text(encoding="utf-8"))
+    parent["cwd"] = str(cwd)
+    return parent
+
+
+def _describe_parent(parent: Mapping[str, Any]) -> None:
+    history = [Content.model_validate(m) for m in parent["history"]]
+    real = sum(is_real_user_turn(c) for c in history)
+    _say("")
+    _say(f"parent     {EXAMPLE_PARENT.name}: session {parent['session_id'][:8]}…, model {parent['model']}")
+    _say(f"           {len(history)} messages, {real} real user turns, cwd {parent['cwd']}")
+    kinds = (f"fork_turns {f.fork_turns!r}" if f.fork_turns else "general-purpose" for f in DEMO_FORKS)
+    _say("launching  " + ", ".join(f"{f.label} ({kind})" for f, kind in zip(DEMO_FORKS, kinds, strict=True)))
+
+
+# ── live progress ─────────────────────────────────────────────────────────────────────────────
+
+
+def _follow(client: ForkClient, handles: Mapping[str, ForkHandle], workers: list[DemoWorker]) -> dict[str, ForkResult]:
+    """Print every fork's events as they come (one line each, in Redis order) until all end or time runs out."""
+    after = dict.fromkeys(handles, "0-0")
+    results: dict[str, ForkResult] = {}
+    origin: list[int] = []
+    names = {str(w.process.pid): w.name for w in workers}
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while len(results) < len(handles) and time.monotonic() < deadline:
+        if all(w.process.poll() is not None for w in workers):
+            _say("  every worker has exited; see the end of their logs below")
+            break
+        batch = [
+            (label, event)
+            for label, handle in handles.items()
+            if label not in results
+            for event in client.store.events(handle.fork_id, after=after[label])
+        ]
+        batch.sort(key=lambda item: _stream_order(item[1].id))
+        for label, event in batch:
+            after[label] = event.id
+            origin = origin or [event.at_ms]
+            _say(f"  +{(event.at_ms - origin[0]) / 1000:5.2f}s  {label:<9} {event.type:<9} {_detail(event, names)}")
+            if event.terminal:
+                results[label] = client.wait(handles[label].fork_id, timeout=5)
+        if not batch:
+            time.sleep(POLL_S)
+    for label in handles.keys() - results.keys():
+        status = client.status(handles[label].fork_id).status.value
+        _say(f"  {label}: still {status} after {RUN_TIMEOUT_S:.0f} s, giving up on it")
+    return results
+
+
+def _stream_order(event_id: str) -> tuple[int, int]:
+    millis, _, seq = event_id.partition("-")
+    return int(millis), int(seq or 0)
+
+
+def _detail(event: ForkEvent, worker_names: Mapping[str, str]) -> str:
+    """The event's data in words; unknown event types as compact JSON."""
+    data = event.data
+    describe: dict[str, Callable[[], str]] = {
+        "queued": lambda: (
+            f"{data.get('kind')}, seed of {data.get('messages')} messages, digest {str(data.get('digest'))[:12]}…"
+        ),
+        "started": lambda: f"claimed by {_worker_of(str(data.get('owner', '')), worker_names)}",
+        "step": lambda: (
+            f"model call {data.get('step')}: {_calls(data.get('tool_calls'))}, "
+            f"{data.get('input_tokens', 0):,} tokens in / {data.get('output_tokens', 0):,} out"
+        ),
+        "tool": lambda: f"{data.get('tool')} {'ok' if data.get('ok') else 'error'}",
+        "finished": lambda: str(data.get("status")) + (f" ({data['error']})" if data.get("error") else ""),
+    }
+    if event.type in describe:
+        return describe[event.type]()
+    return json.dumps(data, ensure_ascii=False, separators=(",", ":"))[:100]
+
+
+def _worker_of(owner: str, worker_names: Mapping[str, str]) -> str:
+    """The demo worker whose process holds `owner` (`host:pid:thread:random`)."""
+    parts = owner.split(":")
+    pid = parts[1] if len(parts) > 1 else ""
+    return worker_names.get(pid, owner or "?")
+
+
+def _calls(tool_calls: object) -> str:
+    if isinstance(tool_calls, list) and tool_calls:
+        return "calls " + ", ".join(str(c) for c in tool_calls)
+    return "final answer"
+
+
+# ── report ────────────────────────────────────────────────────────────────────────────────────
+
+
+def _report(client: ForkClient, handles: Mapping[str, ForkHandle], results: Mapping[str, ForkResult]) -> None:
+    """For each fork: what it inherited (its bootstrap record) and what it returned (its result)."""
+    _say("")
+    _say("what each fork inherited (its bootstrap record) and returned (its result):")
+    for label, handle in handles.items():
+        record = client.inspect(handle.fork_id)
+        turns = f"fork_turns {record['fork_turns']!r}" if record["kind"] == "fork" else "regular subagent"
+        _say("")
+        _say(f"{label}  ({handle.fork_id}, {turns})")
+        for line in _inherited(record):
+            _say(line)
+        for line in _returned(results.get(label)):
+            _say(line)
+
+
+def _inherited(record: Mapping[str, Any]) -> list[str]:
+    """Lines on the fork's seed: sizes, first and last message, directive, task prompt."""
+    messages = [Content.model_validate(m) for m in record["initial_messages"]]
+    real = sum(is_real_user_turn(c) for c in messages)
+    head = f"{len(messages)} messages, {real} real user turns"
+    directive = str(record["directive"])
+    if not messages:
+        head += " (a regular subagent starts fresh)"
+    elif any(directive in (p.text or "") for c in messages if is_real_user_turn(c) for p in c.parts):
+        head += ", the last one hands over the directive"
+    lines = [_field("inherited", head, indent=2)]
+    if messages:
+        lines.append(_field("first", f"{messages[0].role:<5} {_preview(messages[0])}"))
+        lines.append(_field("last", f"{messages[-1].role:<5} {_preview(messages[-1])}"))
+    if record["kind"] == "fork":
+        lines.append(_field("directive", _clip(directive)))
+    first_line = next((line for line in str(record["task_prompt"]).splitlines() if line.strip()), "")
+    lines.append(_field("task", _clip(first_line)))
+    return lines
+
+
+def _returned(result: ForkResult | None) -> list[str]:
+    """Lines on the fork's result: status, usage, output."""
+    if result is None:
+        return [_field("returned", "nothing (the fork did not end in time)", indent=2)]
+    usage = result.usage
+    head = (
+        f"{result.status.value}: {usage.model_calls} model calls, {usage.tool_uses} tool uses, "
+        f"{usage.total_tokens:,} tokens ({usage.input_tokens:,} in, {usage.output_tokens:,} out), "
+        f"{usage.duration_ms / 1000:.2f} s"
+    )
+    text = result.output if result.output is not None else f"error: {result.error}"
+    wrapped = textwrap.wrap(" ".join(text.split()), width=86) or [""]
+    return [
+        _field("returned", head, indent=2),
+        *(_field("output" if i == 0 else "", chunk) for i, chunk in enumerate(wrapped)),
+    ]
+
+
+def _field(label: str, text: str, *, indent: int = 4) -> str:
+    """One report line; labels at two indents, values in one column."""
+    return " " * indent + f"{label:<{13 - indent}} {text}"
+
+
+def _preview(content: Content) -> str:
+    """The message's first part in at most 60 characters: its text, or the call or response it holds."""
+    if not content.parts:
+        return "(no parts)"
+    part = content.parts[0]
+    if part.function_call is not None:
+        text = f"[call {part.function_call.name}]"
+    elif part.function_response is not None:
+        text = f"[response of {part.function_response.name}]"
+    else:
+        text = part.text or "[media]"
+    more = f" (+{len(content.parts) - 1} parts)" if len(content.parts) > 1 else ""
+    return _clip(text) + more
+
+
+def _clip(text: str, width: int = 60) -> str:
+    flat = " ".join(text.split())
+    return flat if len(flat) <= width else flat[: width - 1] + "…"

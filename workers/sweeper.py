@@ -1,0 +1,56 @@
+"""The sweeper: finds forks whose lease expired and revives them (or fails them after max attempts).
+
+Any number of sweepers may run: the revive transition is one Lua script per fork, so each expired
+lease is revived once. A fork whose worker merely stalls for less than its lease is never touched.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import redis
+
+from workers.lease import Leases
+from workers.store import ForkStore
+
+log = logging.getLogger("forkq.sweeper")
+
+Enqueue = Callable[[str, str, int], None]  # fork id, digest, attempt
+
+
+@dataclass
+class Sweeper:
+    """One sweeper: `sweep_once` for a pass, `run` until stopped."""
+
+    leases: Leases
+    store: ForkStore
+    enqueue: Enqueue
+    max_attempts: int
+    interval_s: float
+
+    def sweep_once(self) -> Counter[str]:
+        """One pass over expired leases; counts outcomes (`revive`, `failed`, `alive`, ...)."""
+        outcomes: Counter[str] = Counter()
+        for fork_id in self.leases.expired():
+            outcome = self.leases.revive(fork_id, max_attempts=self.max_attempts)
+            outcomes[outcome] += 1
+            if outcome == "revive":
+                state = self.store.state(fork_id)
+                self.enqueue(fork_id, state.digest, state.attempt + 1)
+                log.info("fork %s: lease expired, revived (attempt %d)", fork_id, state.attempt + 1)
+            elif outcome == "failed":
+                log.warning("fork %s: failed with worker_lost after %d attempts", fork_id, self.max_attempts)
+        return outcomes
+
+    def run(self, stop: threading.Event) -> None:
+        """Sweep every `interval_s` until `stop` is set; Redis errors are logged and retried."""
+        while not stop.is_set():
+            try:
+                self.sweep_once()
+            except redis.RedisError as exc:
+                log.warning("sweep failed, retrying: %s", exc)
+            stop.wait(self.interval_s)
