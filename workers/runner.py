@@ -25,7 +25,7 @@ from workers.providers import ModelProvider
 from workers.providers.scripted import ScriptedProvider, load_script
 from workers.records import ForkResult, Status
 from workers.store import ForkStore
-from workers.tools import ToolRegistry, builtin_tools
+from workers.tools import ToolRegistry, load_tools
 
 log = logging.getLogger("forkq.worker")
 
@@ -83,8 +83,8 @@ class WorkerRuntime:
 
     @cached_property
     def tools(self) -> ToolRegistry:
-        """The tools this worker can execute."""
-        return builtin_tools()
+        """The tools this worker can execute: built-ins and the `forkq.tools` entry points."""
+        return load_tools()
 
 
 @dataclass(frozen=True)

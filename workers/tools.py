@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import logging
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +21,10 @@ class ToolContext:
     call_id: str | None
     idempotency_key: str
 
+
+log = logging.getLogger("forkq.tools")
+
+ENTRY_POINT_GROUP = "forkq.tools"
 
 Handler = Callable[[Mapping[str, Any], ToolContext], Any]
 
@@ -123,4 +129,33 @@ def builtin_tools() -> ToolRegistry:
             idempotent=True,
         )
     )
+    return registry
+
+
+def _as_tools(obj: object) -> list[Tool]:
+    if isinstance(obj, Tool):
+        return [obj]
+    if callable(obj):
+        return _as_tools(obj())
+    if isinstance(obj, Iterable) and not isinstance(obj, str | bytes):
+        items = list(obj)
+        if all(isinstance(item, Tool) for item in items):
+            return items
+    raise TypeError(f"expected a Tool, a list of Tools, or a callable returning them; got {type(obj).__name__}")
+
+
+def load_tools() -> ToolRegistry:
+    """The built-ins plus every tool deployers register in the `forkq.tools` entry point group.
+
+    An entry point names a `Tool`, a list of them, or a zero-argument callable returning either.
+    A broken entry point is logged and skipped: a worker with fewer tools still runs, and a fork
+    that declares a missing tool gets an error response naming it.
+    """
+    registry = builtin_tools()
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            for tool in _as_tools(ep.load()):
+                registry.register(tool)
+        except Exception as exc:  # a deployer's plugin must not keep the worker from starting
+            log.error("tool entry point %s (%s) could not be loaded: %s", ep.name, ep.value, exc)
     return registry
