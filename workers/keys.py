@@ -20,6 +20,8 @@ Each key: type; content; TTL; writer → readers.
   call/result, appended only under the current epoch; retention; worker → worker (replay), inspect.
 - `{ns}:running`: sorted set; fork ids of running forks scored by their lease deadline (Redis ms);
   none; worker (claim, heartbeat, finish) → sweeper. The one key shared by all forks.
+- `{ns}:dead`: list; JSON `{task_id, reason}` of rejected job messages, newest first, capped at
+  1,000; none; worker → operators.
 - `{ns}:{parent:<session>}:chunk:<digest>`: string; canonical msgpack list of wire Contents (a seed
   chunk, named by the BLAKE2b-256 of its bytes); retention, renewed on reuse; launch → worker, inspect.
 
@@ -75,6 +77,11 @@ class Keys:
     def running(self) -> str:
         """Running forks by lease deadline, for the sweeper."""
         return f"{self.namespace}:running"
+
+    @property
+    def dead_letters(self) -> str:
+        """Rejected job messages, for operators."""
+        return f"{self.namespace}:dead"
 
     def chunk(self, parent_session: str, digest_hex: str) -> str:
         """A content-addressed seed chunk shared by the forks of one parent session."""

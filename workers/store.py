@@ -9,6 +9,7 @@ each is atomic; timestamps come from Redis `TIME`, never from worker clocks.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, cast
@@ -21,6 +22,10 @@ from workers.keys import Keys
 from workers.records import BootstrapRecord, ForkResult, ForkState, Status, join_seed
 
 EVENTS_MAXLEN: Final = 10_000
+WAIT_TIMEOUT_MS: Final = 1000
+DEAD_LETTERS_MAX: Final = 1000
+
+log = logging.getLogger("forkq.store")
 
 _NOW = "local t = redis.call('TIME'); local now = t[1] * 1000 + math.floor(t[2] / 1000)\n"
 
@@ -84,6 +89,7 @@ class ForkStore:
         self.ttl_s = ttl_s
         self._launch = client.register_script(_LAUNCH)
         self._cancel = client.register_script(_CANCEL)
+        self._replicas: int | None = None  # learned on the first launch
 
     # ── launch ────────────────────────────────────────────────────────────────────────────────
 
@@ -114,6 +120,31 @@ class ForkStore:
                 fork_id=fid,
                 key=self.keys.bootstrap(fid),
             )
+        self._wait_for_replicas(fid)
+
+    def _wait_for_replicas(self, fork_id: str) -> None:
+        """With replicas, acknowledge a launch only once they have the record too (`WAIT`)."""
+        if self._replicas is None:
+            info = self.client.info("replication")
+            self._replicas = int(info.get("connected_slaves", 0))
+        if self._replicas:
+            acked = int(self.client.wait(self._replicas, WAIT_TIMEOUT_MS))
+            if acked < self._replicas:
+                log.warning(
+                    "fork %s: %d of %d replicas acknowledged the record within %d ms",
+                    fork_id,
+                    acked,
+                    self._replicas,
+                    WAIT_TIMEOUT_MS,
+                )
+
+    def dead_letter(self, task_id: str, reason: str) -> None:
+        """Keep a rejected job's id and reason (last 1,000) for operators: `LRANGE forkq:dead 0 -1`."""
+        entry = json.dumps({"task_id": task_id, "reason": reason[:2000]})
+        pipe = self.client.pipeline(transaction=False)
+        pipe.lpush(self.keys.dead_letters, entry)
+        pipe.ltrim(self.keys.dead_letters, 0, DEAD_LETTERS_MAX - 1)
+        pipe.execute()
 
     # ── worker side ───────────────────────────────────────────────────────────────────────────
 

@@ -62,11 +62,13 @@ def register_tasks(app: Celery, runtime: WorkerRuntime) -> None:
         except (ValidationError, TypeError) as exc:
             # a hostile or malformed message: refuse it, never run it, never crash the worker
             log.error("rejected malformed run_fork job %s: %s", self.request.id, exc)
+            runtime.store.dead_letter(str(self.request.id), f"malformed run_fork job: {exc}")
             return "rejected:malformed"
         try:
             return run_fork_job(runtime, job)
         except (RecordIntegrityError, RecordDecodeError, ForkNotFound) as exc:
             log.error("fork %s: refused: %s", job.fork_id, exc)
+            runtime.store.dead_letter(str(self.request.id), str(exc))
             return f"refused:{type(exc).__name__}"
 
     @app.task(name=SWEEP_TASK, ignore_result=True)

@@ -1,0 +1,221 @@
+"""Shared fixtures: a private redis-server per session, flushed per test, and a fresh one for fault tests."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+from celery.contrib.testing.worker import start_worker
+from celery.worker import WorkController
+
+from broker_config.settings import Settings
+from workers.app import make_app
+from workers.client import ForkClient
+from workers.errors import ConfigurationError
+from workers.redis_server import RedisServer, find_redis_server
+
+
+@pytest.fixture(scope="session")
+def redis_executable() -> str:
+    """The redis-server binary; skips the test when there is none, or fails it when the CI variable is set."""
+    try:
+        return find_redis_server()
+    except ConfigurationError as exc:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI must provide redis-server: {exc}")
+        pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="session")
+def redis_server(redis_executable: str) -> Iterator[RedisServer]:
+    """A private redis-server on a free TCP port (never 127.0.0.1:6379), shared by the session."""
+    with RedisServer(executable=redis_executable) as server:
+        yield server
+
+
+@pytest.fixture
+def redis_url(redis_server: RedisServer) -> Iterator[str]:
+    """The session server's URL, with every database flushed before and after the test."""
+    with redis.Redis.from_url(redis_server.url) as client:
+        client.flushall()
+    yield redis_server.url
+    with redis.Redis.from_url(redis_server.url) as client:
+        client.flushall()
+
+
+@pytest.fixture
+def redis_client(redis_url: str) -> Iterator[redis.Redis]:
+    """A redis-py client on the flushed session server, closed after the test."""
+    with redis.Redis.from_url(redis_url) as client:
+        yield client
+
+
+@pytest.fixture
+def fresh_redis(request: pytest.FixtureRequest, redis_executable: str) -> Iterator[RedisServer]:
+    """A separate redis-server for tests that kill, pause or restart it; RedisServer options via indirect params.
+
+    `@pytest.mark.parametrize("fresh_redis", [{"appendonly": True}], indirect=True)` passes keyword
+    arguments to RedisServer.
+    """
+    options: dict[str, Any] = {"executable": redis_executable, **getattr(request, "param", {})}
+    with RedisServer(**options) as server:
+        yield server
+
+
+# ── forkq runtime fixtures: settings, app, client, live workers ──────────────────────────────
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+PARENT_PATH = REPO_ROOT / "workers" / "examples" / "parent.json"
+TEST_NAMESPACE = "forkq-test"
+TEST_QUEUE = "forks-test"
+
+
+@pytest.fixture(autouse=True)
+def _no_forkq_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tests never inherit FORKQ_* variables from the shell that runs them."""
+    for name in list(os.environ):
+        if name.startswith("FORKQ_"):
+            monkeypatch.delenv(name)
+
+
+@pytest.fixture
+def make_settings(redis_url: str) -> Callable[..., Settings]:
+    """Build `Settings` for the private Redis, test namespace and queue, with overrides."""
+
+    def build(**overrides: Any) -> Settings:
+        values: dict[str, Any] = {"redis_url": redis_url, "namespace": TEST_NAMESPACE, "queue": TEST_QUEUE}
+        return Settings(**{**values, **overrides})
+
+    return build
+
+
+@pytest.fixture
+def settings(make_settings: Callable[..., Settings]) -> Settings:
+    """Settings for the private Redis, a test namespace and a test queue."""
+    return make_settings()
+
+
+@pytest.fixture
+def forkq_env(monkeypatch: pytest.MonkeyPatch, settings: Settings) -> Settings:
+    """The `settings` fixture exported as FORKQ_* variables (for the CLI, which reads the environment)."""
+    monkeypatch.setenv("FORKQ_REDIS_URL", settings.redis_url)
+    monkeypatch.setenv("FORKQ_NAMESPACE", settings.namespace)
+    monkeypatch.setenv("FORKQ_QUEUE", settings.queue)
+    return settings
+
+
+@pytest.fixture
+def parent() -> dict[str, Any]:
+    """The example parent snapshot shipped with the package, as parsed JSON."""
+    data: dict[str, Any] = json.loads(PARENT_PATH.read_text(encoding="utf-8"))
+    return data
+
+
+@pytest.fixture
+def app(settings: Settings) -> Iterator[Celery]:
+    """forkq's Celery app for `settings`."""
+    celery_app = make_app(settings)
+    yield celery_app
+    celery_app.close()
+
+
+@pytest.fixture
+def client(settings: Settings, app: Celery) -> Iterator[ForkClient]:
+    """A ForkClient on the private Redis, sending jobs through `app`."""
+    with ForkClient(settings, app=app) as fork_client:
+        yield fork_client
+
+
+@pytest.fixture
+def start_live_worker() -> Iterator[Callable[[Celery], WorkController]]:
+    """Start an in-process Celery worker (threads pool) for an app; every worker stops after the test."""
+    with contextlib.ExitStack() as stack:
+
+        def start(celery_app: Celery, concurrency: int = 4) -> WorkController:
+            # perform_ping_check=False: the ping check needs the `celery.ping` task and a result backend,
+            # and forkq has neither
+            worker: WorkController = stack.enter_context(
+                start_worker(
+                    celery_app,
+                    pool="threads",
+                    concurrency=concurrency,
+                    perform_ping_check=False,
+                    loglevel="WARNING",
+                    shutdown_timeout=30,
+                )
+            )
+            return worker
+
+        yield start
+
+
+@pytest.fixture
+def live_worker(start_live_worker: Callable[[Celery], WorkController], app: Celery) -> WorkController:
+    """An in-process worker consuming the test queue with `app`."""
+    return start_live_worker(app)
+
+
+@dataclass
+class WorkerProcess:
+    """A `forkq worker` subprocess and its log file."""
+
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+    def log(self) -> str:
+        """What the worker wrote so far."""
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, timeout: float = 15.0) -> int:
+        """SIGTERM (Celery's warm shutdown), then SIGKILL if it does not exit within `timeout`."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+        return self.process.wait()
+
+
+@pytest.fixture
+def worker_process(settings: Settings, tmp_path: Path) -> Iterator[Callable[..., WorkerProcess]]:
+    """Start `python -m workers.cli worker` subprocesses for `settings`; each is stopped after the test."""
+    started: list[WorkerProcess] = []
+
+    def start(concurrency: int = 2, **env: str) -> WorkerProcess:
+        log_path = tmp_path / f"worker-{len(started)}.log"
+        environment = {
+            **os.environ,
+            "FORKQ_REDIS_URL": settings.redis_url,
+            "FORKQ_NAMESPACE": settings.namespace,
+            "FORKQ_QUEUE": settings.queue,
+            **env,
+        }
+        argv = [sys.executable, "-m", "workers.cli", "worker", "--concurrency", str(concurrency)]
+        with log_path.open("wb") as log:
+            process = subprocess.Popen(
+                [*argv, "--loglevel", "WARNING"],
+                cwd=REPO_ROOT,
+                env=environment,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        worker = WorkerProcess(process, log_path)
+        started.append(worker)
+        return worker
+
+    yield start
+    for worker in started:
+        worker.stop()

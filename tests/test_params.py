@@ -1,0 +1,205 @@
+"""Examples for workers.params: the Agent tool's parameters (spec/fork-history.md §4)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+
+from workers.errors import InvalidAgentParams
+from workers.params import agent_tool_schema, validate_agent_params
+
+VALUE = 'Parameter "fork_turns" must be "all" or a positive integer string such as "3".'
+NOT_FORK = 'Parameter "fork_turns" can only be used with subagent_type "fork".'
+TEAMMATE = 'Parameter "fork_turns" cannot be used when spawning a named teammate.'
+MODEL = 'Parameter "model" cannot be used with subagent_type "fork".'
+
+REJECTED = ["none", "0", "-1", "1.5", " 3 ", "ALL", "03", "+3", "", 3, 0, -1, 1.5, None, True, False]
+MORE_REJECTED = ["All", "3 ", " 3", "3\n", "1e3", "0x3", "٣", "all ", ["3"], {"n": 3}]
+ACCEPTED = ["all", "1", "3", "10", "100", "99999999999999999999"]
+
+
+def params(**overrides: Any) -> dict[str, Any]:
+    """A valid fork call, with `overrides` applied (a value of `...` removes the key)."""
+    raw: dict[str, Any] = {"description": "rename things", "prompt": "Rename parse_args.", "subagent_type": "fork"}
+    raw.update(overrides)
+    return {k: v for k, v in raw.items() if v is not ...}
+
+
+def rejection(raw: dict[str, Any]) -> InvalidAgentParams:
+    with pytest.raises(InvalidAgentParams) as caught:
+        validate_agent_params(raw)
+    return caught.value
+
+
+# ── the value ─────────────────────────────────────────────────────────────────────────────────
+
+
+@pytest.mark.parametrize("value", REJECTED + MORE_REJECTED)
+def test_every_fork_turns_value_but_all_or_a_positive_integer_string_is_rejected(value: Any) -> None:
+    error = rejection(params(fork_turns=value))
+    assert str(error) == VALUE
+    assert error.field == "fork_turns"
+
+
+@pytest.mark.parametrize("value", ACCEPTED)
+def test_all_and_positive_integer_strings_are_accepted_and_kept_as_given(value: str) -> None:
+    assert validate_agent_params(params(fork_turns=value)).fork_turns == value
+
+
+def test_an_omitted_fork_turns_is_accepted_for_a_fork() -> None:
+    assert validate_agent_params(params()).fork_turns is None
+
+
+def test_a_null_fork_turns_counts_as_given_and_is_rejected() -> None:
+    assert str(rejection(params(fork_turns=None))) == VALUE
+
+
+# ── the order of checks ───────────────────────────────────────────────────────────────────────
+
+
+@pytest.mark.parametrize("field", ["description", "prompt"])
+@pytest.mark.parametrize("bad", [..., None, "", 5], ids=["missing", "null", "empty", "number"])
+def test_description_and_prompt_are_required_non_empty_strings_checked_before_everything(field: str, bad: Any) -> None:
+    # Given a call that also breaks every fork_turns and model rule
+    raw = params(**{field: bad}, fork_turns="0", subagent_type="general", name="bob", model="m")
+    # Then the missing or empty description/prompt is what is reported
+    error = rejection(raw)
+    assert error.field == field
+    assert field in str(error)
+
+
+def test_description_is_checked_before_prompt() -> None:
+    assert rejection(params(description=..., prompt=...)).field == "description"
+
+
+def test_the_value_is_checked_before_the_fork_only_rule() -> None:
+    assert str(rejection(params(fork_turns="0", subagent_type="general"))) == VALUE
+
+
+def test_the_value_is_checked_before_the_teammate_rule() -> None:
+    assert str(rejection(params(fork_turns="ALL", name="bob"))) == VALUE
+
+
+@pytest.mark.parametrize("subagent_type", ["general-purpose", "forks", "fork ", "", ...])
+def test_fork_turns_is_only_valid_with_subagent_type_fork(subagent_type: Any) -> None:
+    error = rejection(params(fork_turns="3", subagent_type=subagent_type))
+    assert str(error) == NOT_FORK
+    assert error.field == "fork_turns"
+
+
+def test_a_missing_subagent_type_is_not_a_fork() -> None:
+    assert str(rejection(params(fork_turns="all", subagent_type=...))) == NOT_FORK
+
+
+@pytest.mark.parametrize("subagent_type", ["FORK", "Fork", "fOrK"])
+def test_subagent_type_fork_is_compared_case_insensitively(subagent_type: str) -> None:
+    assert validate_agent_params(params(fork_turns="2", subagent_type=subagent_type)).fork_turns == "2"
+
+
+def test_the_fork_only_rule_is_checked_before_the_teammate_rule() -> None:
+    assert str(rejection(params(fork_turns="3", subagent_type="general", name="bob"))) == NOT_FORK
+
+
+@pytest.mark.parametrize("name", ["bob", ""])
+def test_fork_turns_is_never_valid_with_a_teammate_name_even_an_empty_one(name: str) -> None:
+    error = rejection(params(fork_turns="3", name=name))
+    assert str(error) == TEAMMATE
+    assert error.field == "fork_turns"
+
+
+def test_the_teammate_rule_is_checked_before_the_model_rule() -> None:
+    assert str(rejection(params(fork_turns="3", name="bob", model="gemini-2.5-pro"))) == TEAMMATE
+
+
+def test_the_fork_only_rule_is_checked_before_the_model_rule() -> None:
+    assert str(rejection(params(fork_turns="3", subagent_type=..., model="gemini-2.5-pro"))) == NOT_FORK
+
+
+@pytest.mark.parametrize("fork_turns", ["3", ...], ids=["with-fork-turns", "without-fork-turns"])
+@pytest.mark.parametrize("subagent_type", ["fork", "FORK"])
+def test_model_is_rejected_for_forks_after_the_fork_turns_checks(fork_turns: Any, subagent_type: str) -> None:
+    error = rejection(params(fork_turns=fork_turns, subagent_type=subagent_type, model="gemini-2.5-pro"))
+    assert str(error) == MODEL
+    assert error.field == "model"
+
+
+def test_model_is_accepted_for_a_regular_subagent() -> None:
+    raw = params(subagent_type="general-purpose", model="gemini-2.5-flash")
+    assert validate_agent_params(raw).model == "gemini-2.5-flash"
+
+
+def test_a_regular_subagent_and_a_teammate_without_fork_turns_are_accepted() -> None:
+    assert validate_agent_params(params(subagent_type="general-purpose")).subagent_type == "general-purpose"
+    assert validate_agent_params(params(subagent_type="general-purpose", name="bob")).name == "bob"
+
+
+# ── the advertised schema ─────────────────────────────────────────────────────────────────────
+
+
+def fork_turns_schema() -> dict[str, Any]:
+    return agent_tool_schema()["properties"]["fork_turns"]
+
+
+def branches_accepting(value: str) -> int:
+    """How many oneOf branches of the fork_turns schema accept `value` (string branches only)."""
+    count = 0
+    for branch in fork_turns_schema()["oneOf"]:
+        assert branch.get("type", "string") == "string"
+        if "const" in branch:
+            count += value == branch["const"]
+        elif "pattern" in branch:
+            count += re.search(branch["pattern"], value) is not None and not value.endswith("\n")
+    return count
+
+
+def test_the_schema_advertises_fork_turns_as_one_of_all_or_the_positive_integer_pattern() -> None:
+    branches = fork_turns_schema()["oneOf"]
+    assert len(branches) == 2
+    assert {"type": "string", "const": "all"} in branches or {"const": "all"} in branches
+    assert [b["pattern"] for b in branches if "pattern" in b] == ["^[1-9][0-9]*$"]
+
+
+@pytest.mark.parametrize("value", ACCEPTED)
+def test_the_schema_accepts_each_valid_value_in_exactly_one_branch(value: str) -> None:
+    assert branches_accepting(value) == 1
+
+
+@pytest.mark.parametrize("value", [v for v in REJECTED + MORE_REJECTED if isinstance(v, str)])
+def test_the_schema_accepts_no_rejected_string(value: str) -> None:
+    assert branches_accepting(value) == 0
+
+
+def test_the_schema_gives_fork_turns_no_default() -> None:
+    assert "default" not in fork_turns_schema()
+    assert all("default" not in branch for branch in fork_turns_schema()["oneOf"])
+
+
+def test_the_schema_says_fork_turns_is_only_valid_with_subagent_type_fork() -> None:
+    description = fork_turns_schema()["description"]
+    assert "subagent_type" in description
+    assert '"fork"' in description
+
+
+def test_the_schema_requires_description_and_prompt() -> None:
+    schema = agent_tool_schema()
+    assert schema["type"] == "object"
+    assert set(schema["required"]) == {"description", "prompt"}
+    assert {"description", "prompt", "subagent_type", "name", "fork_turns", "model"} <= set(schema["properties"])
+
+
+# ── decisions recorded in docs/fork-history.md ────────────────────────────────────────────────
+
+
+def test_a_null_name_counts_as_given_like_any_present_key() -> None:
+    assert str(rejection(params(fork_turns="3", name=None))) == TEAMMATE
+
+
+def test_a_null_model_counts_as_given_for_a_fork() -> None:
+    assert str(rejection(params(model=None))) == MODEL
+
+
+@pytest.mark.parametrize("field", ["description", "prompt"])
+def test_a_blank_description_or_prompt_is_rejected_like_an_empty_one(field: str) -> None:
+    assert rejection(params(**{field: " \n\t"})).field == field
