@@ -119,6 +119,15 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_resume(args: argparse.Namespace) -> int:
+    """Re-enqueue a paused fork."""
+    with _client() as client:
+        resumed = client.resume(args.fork_id)
+        status = client.status(args.fork_id).status.value
+    print(status if resumed else f"fork {args.fork_id} is {status}, not paused: nothing to resume")
+    return EXIT_OK if resumed else EXIT_FAIL
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     """Print a fork's bootstrap record, seed resolved and verified."""
     with _client() as client:

@@ -175,6 +175,14 @@ class ForkClient:
         """Cancel the fork; returns its status afterwards (unchanged if it had already ended)."""
         return self.store.cancel(fork_id)
 
+    def resume(self, fork_id: str) -> bool:
+        """Re-enqueue a paused fork (after its missing tools were installed); False if it was not paused."""
+        if not self.store.resume(fork_id):
+            return False
+        state = self.store.state(fork_id)
+        enqueue_fork(self.app, self.settings.queue, fork_id, state.digest, attempt=state.attempt + 1)
+        return True
+
     def inspect(self, fork_id: str) -> dict[str, Any]:
         """The bootstrap record in wire form, with its seed resolved and verified."""
         state = self.store.state(fork_id)

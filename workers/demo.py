@@ -405,7 +405,7 @@ def _follow(client: ForkClient, handles: Mapping[str, ForkHandle], workers: list
         for label, event in batch:
             after[label] = event.id
             origin = origin or [event.at_ms]
-            _say(f"  +{(event.at_ms - origin[0]) / 1000:5.2f}s  {label:<9} {event.type:<9} {_detail(event, names)}")
+            _say(f"  +{(event.at_ms - origin[0]) / 1000:5.2f}s  {label:<9} {event.type:<10} {_detail(event, names)}")
             if event.terminal:
                 results[label] = client.wait(handles[label].fork_id, timeout=5)
         if not batch:
@@ -422,15 +422,18 @@ def _stream_order(event_id: str) -> tuple[int, int]:
 
 
 def _detail(event: ForkEvent, worker_names: Mapping[str, str]) -> str:
-    """The event's data in words; unknown event types as compact JSON."""
+    """The event's data in words; other event types as `key value` pairs."""
     data = event.data
     describe: dict[str, Callable[[], str]] = {
         "queued": lambda: (
-            f"{data.get('kind')}, seed of {data.get('messages')} messages, digest {str(data.get('digest'))[:12]}…"
+            f"{data.get('kind')}, seed of {data.get('messages')} messages, digest {_short(data, 'digest')}"
         ),
-        "started": lambda: f"claimed by {_worker_of(str(data.get('owner', '')), worker_names)}",
+        "started": lambda: (
+            f"claimed by {_worker_of(str(data.get('owner', '')), worker_names)}, attempt {data.get('attempt', 1)}"
+        ),
+        "model_call": lambda: f"model call {data.get('step')} sent, request digest {_short(data, 'request_digest')}",
         "step": lambda: (
-            f"model call {data.get('step')}: {_calls(data.get('tool_calls'))}, "
+            f"model call {data.get('step')} answered: {_calls(data.get('tool_calls'))}, "
             f"{data.get('input_tokens', 0):,} tokens in / {data.get('output_tokens', 0):,} out"
         ),
         "tool": lambda: f"{data.get('tool')} {'ok' if data.get('ok') else 'error'}",
@@ -438,7 +441,11 @@ def _detail(event: ForkEvent, worker_names: Mapping[str, str]) -> str:
     }
     if event.type in describe:
         return describe[event.type]()
-    return json.dumps(data, ensure_ascii=False, separators=(",", ":"))[:100]
+    return _clip(", ".join(f"{key} {value}" for key, value in data.items()), 90)
+
+
+def _short(data: Mapping[str, Any], key: str) -> str:
+    return f"{str(data.get(key, ''))[:12]}…"
 
 
 def _worker_of(owner: str, worker_names: Mapping[str, str]) -> str:

@@ -1,6 +1,7 @@
 """The step journal: a fork's own messages after its seed, and how a revived run replays them.
 
-One entry per model response, and for each tool call one `tool_started` before it runs and one
+The first entry (`surface`) records which declared tools the first worker could execute; then one
+entry per model response, and for each tool call one `tool_started` before it runs and one
 `tool_result` after. Replaying the entries over the seed rebuilds the exact messages the original
 run had, so a revived fork's next model request is identical to the one the dead worker made.
 """
@@ -31,7 +32,7 @@ class JournalEntry(BaseModel):
     schema_version: int = 1
     seq: int
     step: int
-    kind: Literal["model", "tool_started", "tool_result"]
+    kind: Literal["surface", "model", "tool_started", "tool_result"]
     content: dict[str, Any] | None = None  # model: the response Content (wire form)
     request_digest: str | None = None  # model: digest of the request that produced it
     input_tokens: int = 0
@@ -40,6 +41,7 @@ class JournalEntry(BaseModel):
     call_id: str | None = None
     name: str | None = None
     response: dict[str, Any] | None = None  # tool_result: {"output": ...} or {"error": ...}
+    tools: list[str] | None = None  # surface: declared tools the first worker could execute
 
     def encode(self) -> bytes:
         """Canonical bytes."""

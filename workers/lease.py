@@ -93,6 +93,18 @@ return 'released'
 """
 )
 
+# KEYS: state, lease, events, running. ARGV: epoch, owner, fork_id, reason. Parked until resumed.
+_PAUSE = (
+    _FENCE
+    + """
+redis.call('HSET', KEYS[1], 'status', 'paused', 'owner', '', 'error', ARGV[4])
+redis.call('DEL', KEYS[2])
+redis.call('ZREM', KEYS[4], ARGV[3])
+redis.call('XADD', KEYS[3], 'MAXLEN', '~', @MAXLEN@, '*', 'type', 'paused', 'data', cjson.encode({reason = ARGV[4]}))
+return 'released'
+"""
+)
+
 # KEYS: lease, running. ARGV: owner, ttl_ms, fork_id.
 _RENEW = (
     _NOW
@@ -151,6 +163,7 @@ class Leases:
         self._append = client.register_script(_APPEND)
         self._finish = client.register_script(_FINISH.replace("@MAXLEN@", MAXLEN))
         self._release = client.register_script(_RELEASE.replace("@MAXLEN@", MAXLEN))
+        self._pause = client.register_script(_PAUSE.replace("@MAXLEN@", MAXLEN))
         self._renew = client.register_script(_RENEW)
         self._revive = client.register_script(_REVIVE.replace("@MAXLEN@", MAXLEN))
 
@@ -228,6 +241,15 @@ class Leases:
             keys=[k.state(fid), k.lease(fid), k.events(fid), k.running], args=[claim.epoch, claim.owner, fid, reason]
         )
         self._fenced(claim, outcome, "release")
+
+    def pause(self, claim: Claim, reason: str) -> None:
+        """Park the fork (`paused`, lease deleted) with a reason, until an operator resumes it."""
+        k = self.keys
+        fid = claim.fork_id
+        outcome = self._pause(
+            keys=[k.state(fid), k.lease(fid), k.events(fid), k.running], args=[claim.epoch, claim.owner, fid, reason]
+        )
+        self._fenced(claim, outcome, "pause")
 
     def renew(self, claims: list[Claim]) -> list[bool]:
         """Renew many leases in one round trip; False where the lease is no longer ours."""

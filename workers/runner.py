@@ -143,6 +143,15 @@ def _run_claimed(runtime: WorkerRuntime, job: RunForkJob, claim: Claim, lost: th
         runtime.leases.finish(claim, ForkResult(fork_id=fid, status=Status.FAILED, error=str(exc)))
         raise
 
+    missing = _check_tool_surface(runtime, claim, record.tools, entries)
+    if missing:
+        reason = (
+            f"declared tool(s) {', '.join(missing)} not available on this worker; the fork was started "
+            "with them and does not run with a different tool surface: install them and `forkq resume`"
+        )
+        runtime.leases.pause(claim, reason)
+        return "paused"
+
     def stop_reason() -> str | None:
         if lost.is_set():
             return "lease_lost"
@@ -172,6 +181,20 @@ def _run_claimed(runtime: WorkerRuntime, job: RunForkJob, claim: Claim, lost: th
         result = ForkResult(fork_id=fid, status=Status.FAILED, error=f"{type(exc).__name__}: {exc}")
     runtime.leases.finish(claim, result)
     return result.status.value
+
+
+def _check_tool_surface(
+    runtime: WorkerRuntime, claim: Claim, declared: list[dict[str, Any]], entries: list[JournalEntry]
+) -> list[str]:
+    """Record the executable tool surface on the first run; on a revival, the tools now missing."""
+    surface = sorted({str(d.get("name")) for d in declared if runtime.tools.get(d.get("name"))})
+    recorded = next((e.tools for e in entries if e.kind == "surface"), None)
+    if recorded is None:
+        entry = JournalEntry(seq=len(entries), step=0, kind="surface", tools=surface)
+        runtime.leases.append(claim, entry)
+        entries.append(entry)
+        return []
+    return sorted(set(recorded) - set(surface))
 
 
 def _stopped(runtime: WorkerRuntime, job: RunForkJob, claim: Claim, reason: str) -> str:

@@ -61,6 +61,15 @@ return 'cancelled'
 )
 
 
+# KEYS: state, events. A paused fork goes back to queued (the caller re-enqueues it).
+_RESUME = """
+if redis.call('HGET', KEYS[1], 'status') ~= 'paused' then return 'no' end
+redis.call('HSET', KEYS[1], 'status', 'queued', 'error', '')
+redis.call('XADD', KEYS[2], '*', 'type', 'resumed', 'data', '{}')
+return 'queued'
+"""
+
+
 @dataclass(frozen=True, slots=True)
 class ForkEvent:
     """One progress event of a fork; `id` is the stream id (Redis milliseconds-sequence)."""
@@ -89,6 +98,7 @@ class ForkStore:
         self.ttl_s = ttl_s
         self._launch = client.register_script(_LAUNCH)
         self._cancel = client.register_script(_CANCEL)
+        self._resume = client.register_script(_RESUME)
         self._replicas: int | None = None  # learned on the first launch
 
     # ── launch ────────────────────────────────────────────────────────────────────────────────
@@ -214,6 +224,10 @@ class ForkStore:
         if outcome == "missing":
             raise ForkNotFound(f"fork {fork_id}: not found (never launched, or past its retention)", fork_id=fork_id)
         return Status(outcome)
+
+    def resume(self, fork_id: str) -> bool:
+        """Put a paused fork back in the queue state; True when it was paused."""
+        return bool(self._resume(keys=[self.keys.state(fork_id), self.keys.events(fork_id)]) == b"queued")
 
     def is_cancelled(self, fork_id: str) -> bool:
         """True once the fork was cancelled (checked by the worker at every step boundary)."""

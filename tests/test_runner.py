@@ -1,0 +1,147 @@
+"""run_fork_job without a broker: claims, replay after a simulated death, the tool surface, shutdown."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from broker_config.settings import Settings
+from workers.client import ForkClient
+from workers.lease import Leases
+from workers.messages import Content, FunctionCall, Part
+from workers.providers import ModelRequest, ModelResponse
+from workers.records import Status
+from workers.runner import RunForkJob, WorkerRuntime, run_fork_job
+from workers.tools import Tool, ToolContext, ToolRegistry
+
+
+class Died(BaseException):
+    """Stands for the worker process dying mid-step (nothing after it runs)."""
+
+
+class CallsThenAnswers:
+    """A provider: step 0 calls `count`, step 1 answers; it can die at a chosen step."""
+
+    name = "test"
+
+    def __init__(self, die_at: int | None = None) -> None:
+        self.die_at = die_at
+        self.requests: list[ModelRequest] = []
+
+    def generate(self, request: ModelRequest) -> ModelResponse:
+        self.requests.append(request)
+        if request.step == self.die_at:
+            raise Died
+        if request.step == 0:
+            call = FunctionCall(id="c1", name="count", args={})
+            return ModelResponse(content=Content(role="model", parts=[Part(function_call=call)]))
+        return ModelResponse(content=Content(role="model", parts=[Part(text="done")]))
+
+
+def counting_tools(effects: list[str]) -> ToolRegistry:
+    def count(args: Any, ctx: ToolContext) -> str:
+        effects.append(ctx.idempotency_key)
+        return "counted"
+
+    registry = ToolRegistry()
+    registry.register(Tool("count", "count a side effect", {"type": "object"}, count, mutating=True))
+    return registry
+
+
+def runtime_with(settings: Settings, provider: Any, tools: ToolRegistry) -> WorkerRuntime:
+    runtime = WorkerRuntime(settings)
+    runtime.provider = provider  # cached properties: an instance attribute replaces them
+    runtime.tools = tools
+    return runtime
+
+
+def launch(client: ForkClient, parent: dict[str, Any]) -> tuple[str, RunForkJob]:
+    parent = {**parent, "tools": [{"name": "count", "parameters": {"type": "object"}}]}
+    handle = client.launch(parent, {"description": "t", "prompt": "count once", "subagent_type": "fork"})
+    return handle.fork_id, RunForkJob(fork_id=handle.fork_id, digest=handle.digest)
+
+
+def expire(settings: Settings, fork_id: str) -> Leases:
+    """Simulate the lease running out: delete it, then let a sweeper pass revive the fork."""
+    leases = WorkerRuntime(settings).leases
+    leases.client.delete(leases.keys.lease(fork_id))
+    assert leases.revive(fork_id, max_attempts=3) == "revive"
+    return leases
+
+
+def test_a_fork_runs_to_its_result_and_a_second_delivery_is_a_no_op(
+    settings: Settings, client: ForkClient, parent: dict[str, Any]
+) -> None:
+    effects: list[str] = []
+    fork_id, job = launch(client, parent)
+    runtime = runtime_with(settings, CallsThenAnswers(), counting_tools(effects))
+    assert run_fork_job(runtime, job) == "succeeded"
+    assert run_fork_job(runtime, job) == "duplicate:succeeded"
+    assert effects == [f"{fork_id}:0:c1"]
+    result = client.result(fork_id)
+    assert result is not None and result.output == "done" and result.usage.tool_uses == 1
+
+
+def test_a_revived_fork_replays_its_journal_and_makes_the_same_request(
+    settings: Settings, client: ForkClient, parent: dict[str, Any]
+) -> None:
+    # Given a first run that called the tool and died during its second model call
+    effects: list[str] = []
+    fork_id, job = launch(client, parent)
+    first = CallsThenAnswers(die_at=1)
+    with pytest.raises(Died):
+        run_fork_job(runtime_with(settings, first, counting_tools(effects)), job)
+    # When its lease expires and another worker takes it
+    expire(settings, fork_id)
+    second = CallsThenAnswers()
+    assert run_fork_job(runtime_with(settings, second, counting_tools(effects)), job) == "succeeded"
+    # Then the recorded tool call is not run again and the step-1 request is identical
+    assert effects == [f"{fork_id}:0:c1"]
+    assert [r.step for r in second.requests] == [1]
+    assert second.requests[0].model_dump() == first.requests[1].model_dump()
+    assert client.status(fork_id).attempt == 2
+
+
+def test_a_revived_fork_pauses_when_a_tool_it_started_with_is_missing(
+    settings: Settings, client: ForkClient, parent: dict[str, Any]
+) -> None:
+    # Given a fork whose first worker could run `count`, and died
+    fork_id, job = launch(client, parent)
+    with pytest.raises(Died):
+        run_fork_job(runtime_with(settings, CallsThenAnswers(die_at=0), counting_tools([])), job)
+    expire(settings, fork_id)
+    # When a worker without `count` revives it
+    outcome = run_fork_job(runtime_with(settings, CallsThenAnswers(), ToolRegistry()), job)
+    # Then the fork pauses with a reason naming the tool, and resumes when asked
+    state = client.status(fork_id)
+    assert outcome == "paused" and state.status is Status.PAUSED
+    assert state.error is not None and "count" in state.error
+    assert client.resume(fork_id) is True
+    assert client.status(fork_id).status is Status.QUEUED
+
+
+def test_a_worker_shutting_down_releases_its_fork_for_another_worker(
+    settings: Settings, client: ForkClient, parent: dict[str, Any]
+) -> None:
+    fork_id, job = launch(client, parent)
+    runtime = runtime_with(settings, CallsThenAnswers(), counting_tools([]))
+    requeued: list[tuple[str, int]] = []
+    runtime.requeue = lambda fid, digest, attempt: requeued.append((fid, attempt))
+    runtime.stopping.set()
+    assert run_fork_job(runtime, job) == "released"
+    assert client.status(fork_id).status is Status.QUEUED
+    assert requeued == [(fork_id, 2)]
+    assert [e.type for e in client.events(fork_id)][-1] == "released"
+
+
+def test_a_job_whose_digest_is_not_the_launch_digest_leaves_the_fork_untouched(
+    settings: Settings, client: ForkClient, parent: dict[str, Any]
+) -> None:
+    from workers.errors import RecordIntegrityError
+
+    fork_id, _ = launch(client, parent)
+    forged = RunForkJob(fork_id=fork_id, digest="0" * 64)
+    with pytest.raises(RecordIntegrityError, match="launch digest"):
+        run_fork_job(runtime_with(settings, CallsThenAnswers(), counting_tools([])), forged)
+    assert client.status(fork_id).status is Status.QUEUED
