@@ -160,6 +160,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
         str(args.concurrency or settings.worker_concurrency),
         "-l",
         args.loglevel,
+        # forkq keeps its own state in Redis: no revoke lists to sync at start (mingle), no gossip
+        "--without-mingle",
+        "--without-gossip",
     ]
     if args.hostname:
         argv += ["-n", args.hostname]
@@ -258,7 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--private-redis",
         action="store_true",
-        help="always start a private redis-server, even if one listens on 127.0.0.1:6379",
+        help="start a private redis-server even if one listens on 127.0.0.1:6379 (FORKQ_REDIS_URL still wins)",
     )
     return parser
 

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import redis
@@ -40,6 +41,8 @@ from workers.redis_server import RedisServer
 from workers.store import ForkEvent
 
 EXAMPLE_PARENT = Path(__file__).parent / "examples" / "parent.json"
+# FORKQ_SCRIPT of the demo's workers: every fork's k-th model call gets step k (look, read, answer)
+DEMO_SCRIPT = Path(__file__).parent / "examples" / "demo-script.json"
 SHARED_REDIS_URL = "redis://127.0.0.1:6379/0"
 WORKER_NAMES = ("demo1", "demo2")
 WORKER_CONCURRENCY = 4
@@ -49,29 +52,10 @@ STOP_TIMEOUT_S = 15.0
 POLL_S = 0.05
 LOG_TAIL_LINES = 20
 EXIT_INTERRUPTED = 130
-
-FINAL_TEXT = (
-    "Done: the workspace holds README.md, app/ and tests/ (shorty, a small URL shortener). "
-    "[scripted answer: a real model would carry out the directive here]"
-)
-
-
-def _model_step(delay_s: float, *parts: dict[str, Any]) -> dict[str, Any]:
-    return {"delay_s": delay_s, "content": {"role": "model", "parts": list(parts)}}
-
-
-def _call(name: str, **args: str) -> dict[str, Any]:
-    return {"functionCall": {"id": f"demo_{name}", "name": name, "args": args}}
-
-
-# The scripted provider answers every fork's k-th model call with step k: look, read, answer.
-DEMO_SCRIPT: dict[str, Any] = {
-    "steps": [
-        _model_step(0.4, {"text": "Looking at the working directory first."}, _call("list_directory", path=".")),
-        _model_step(0.5, _call("read_file", path="README.md")),
-        _model_step(0.3, {"text": FINAL_TEXT}),
-    ]
-}
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# the settings the demo chooses; its workers get these and defaults for everything else
+DEMO_FIELDS = frozenset(("redis_url", "broker_url", "namespace", "queue", "provider", "script", "record_ttl_s"))
+DEMO_FIELDS |= {"worker_pool", "worker_concurrency"}
 
 WORKSPACE_FILES: dict[str, str] = {
     "README.md": "# shorty\n\nA small URL shortener (FastAPI + SQLite). Copy made by `forkq demo`.\n",
@@ -93,44 +77,17 @@ class DemoFork:
     @property
     def params(self) -> dict[str, str]:
         """The Agent tool call's parameters."""
-        if self.fork_turns is None:
-            return {"description": self.description, "prompt": self.prompt, "subagent_type": "general-purpose"}
-        return {
-            "description": self.description,
-            "prompt": self.prompt,
-            "subagent_type": "fork",
-            "fork_turns": self.fork_turns,
-        }
+        params = {"description": self.description, "prompt": self.prompt, "subagent_type": "general-purpose"}
+        if self.fork_turns is not None:
+            params.update(subagent_type="fork", fork_turns=self.fork_turns)
+        return params
 
 
 DEMO_FORKS = (
-    DemoFork(
-        "fork all",
-        "all",
-        "Changelog of the session",
-        "Summarise every decision taken in this session (rate limiting, the test_redirect fix, the 0003 "
-        "migration review) as a changelog for the PR description. Do not edit files.",
-    ),
-    DemoFork(
-        "fork 1",
-        "1",
-        "Write missing expiry tests",
-        "Write the missing expiry tests in tests/test_expiry.py as discussed, without changing application "
-        "code; run the tests and report the new test names.",
-    ),
-    DemoFork(
-        "fork 3",
-        "3",
-        "Audit rate limiter races",
-        "Audit app/ratelimit.py for race conditions and bypasses without modifying any file; report each "
-        "finding with its severity.",
-    ),
-    DemoFork(
-        "general",
-        None,
-        "Describe the project layout",
-        "List the files of the working directory and describe the project layout in three sentences.",
-    ),
+    DemoFork("fork all", "all", "Changelog of the session", "Write the PR changelog of this session; edit no file."),
+    DemoFork("fork 1", "1", "Write missing expiry tests", "Write the expiry tests we just listed (test_expiry.py)."),
+    DemoFork("fork 3", "3", "Audit rate limiter races", "Audit app/ratelimit.py for races; change no file."),
+    DemoFork("general", None, "Describe the project layout", "List the working directory and describe the project."),
 )
 
 
@@ -148,15 +105,14 @@ def run_demo(*, private_redis: bool = False) -> int:
     """Run the demo; 0 when all four forks succeeded, 1 otherwise, 130 on Ctrl-C."""
     started = time.monotonic()
     code = EXIT_INTERRUPTED
-    try:
-        with ExitStack() as stack:
-            try:
-                code = _run(stack, private_redis=private_redis)
-            except KeyboardInterrupt:
-                print("\nforkq demo: interrupted", file=sys.stderr, flush=True)
+    with _stop_signals(), ExitStack() as stack:
+        try:
+            code = _run(stack, private_redis=private_redis)
+        except KeyboardInterrupt:
+            print("\nforkq demo: interrupted", file=sys.stderr, flush=True)
+        finally:
+            _ignore_stop_signals()
             _say("stopping the workers and everything else the demo started ...")
-    except KeyboardInterrupt:  # a second Ctrl-C while stopping: ExitStack still ran every cleanup
-        pass
     _say(f"done in {time.monotonic() - started:.1f} s")
     return code
 
@@ -164,7 +120,7 @@ def run_demo(*, private_redis: bool = False) -> int:
 def _run(stack: ExitStack, *, private_redis: bool) -> int:
     """Set everything up on `stack` (which tears it down), run the forks, report; the exit code."""
     tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="forkq-demo-")))
-    settings = _demo_settings(stack, tmp, private_redis=private_redis)
+    settings = _demo_settings(stack, private_redis=private_redis)
     workers = _start_workers(stack, settings, tmp)
     client = ForkClient(settings)
     stack.callback(client.close)
@@ -202,7 +158,7 @@ def _env_settings() -> Settings:
         raise ConfigurationError(f"{name}: {first['msg']}", field=name, cause=exc) from exc
 
 
-def _demo_settings(stack: ExitStack, tmp: Path, *, private_redis: bool) -> Settings:
+def _demo_settings(stack: ExitStack, *, private_redis: bool) -> Settings:
     """Choose the Redis (see the module docstring) and build the settings shared by client and workers."""
     env = _env_settings()
     name = f"forkq-demo-{secrets.token_hex(4)}"
@@ -220,15 +176,13 @@ def _demo_settings(stack: ExitStack, tmp: Path, *, private_redis: bool) -> Setti
         _say(f"redis      {where}, namespace and queue {name!r} (deleted at the end)")
         # every key the demo creates there carries `name`: delete them once the workers have stopped
         stack.callback(_delete_keys, redis_url, name)
-    script = tmp / "script.json"
-    script.write_text(json.dumps(DEMO_SCRIPT, indent=2), encoding="utf-8")
     return Settings(
         redis_url=redis_url,
         broker_url=broker_url,
         namespace=name,
         queue=name,
         provider="scripted",
-        script=script,
+        script=DEMO_SCRIPT,
         worker_pool="threads",
         worker_concurrency=WORKER_CONCURRENCY,
         record_ttl_s=3600,  # if the demo itself is killed, its records still go away
@@ -259,9 +213,11 @@ def _delete_keys(redis_url: str, name: str) -> None:
 
 
 def _worker_env(settings: Settings) -> dict[str, str]:
-    """This process's environment with every FORKQ_* variable replaced by the demo's settings."""
+    """This process's environment with every FORKQ_* variable replaced by the settings the demo chose."""
+    # nothing else passes: FORKQ_PROVIDER_ROUTES, say, would send the demo's forks to a real model
+    # (and passing provider_routes={} to Settings would not help: pydantic-settings merges dicts with the env)
     env = {k: v for k, v in os.environ.items() if not k.startswith("FORKQ_")}
-    for field, value in settings.model_dump(mode="json").items():
+    for field, value in settings.model_dump(mode="json", include=set(DEMO_FIELDS)).items():
         if value is not None:  # pydantic-settings reads complex values as JSON
             env[f"FORKQ_{field.upper()}"] = value if isinstance(value, str) else json.dumps(value)
     env["FORKQ_BROKER_URL"] = settings.effective_broker_url
@@ -307,7 +263,8 @@ def _wait_until_ready(app: Celery, workers: list[DemoWorker]) -> None:
 
 
 def _worker_error(workers: list[DemoWorker], what: str) -> ConfigurationError:
-    return ConfigurationError(f"{what}; expected both demo workers to start.\n{_log_tails(workers)}", field="worker")
+    message = f"{what}; expected both demo workers to start and answer. The end of their logs:\n{_log_tails(workers)}"
+    return ConfigurationError(message, field="worker")
 
 
 def _log_tails(workers: list[DemoWorker]) -> str:
@@ -319,36 +276,49 @@ def _log_tails(workers: list[DemoWorker]) -> str:
         except OSError:
             lines = ["<log unreadable>"]
         body = "\n".join(f"    {line}" for line in lines) or "    <log empty>"
-        blocks.append(f"  end of {worker.name}'s log ({worker.log_path}):\n{body}")
+        blocks.append(f"  {worker.name} (pid {worker.process.pid}), last lines of its log:\n{body}")
     return "\n".join(blocks)
 
 
 def _stop_workers(workers: list[DemoWorker]) -> None:
     """SIGTERM every worker (a warm shutdown), then SIGKILL those still running after STOP_TIMEOUT_S."""
-    with _sigint_deferred():
-        for worker in workers:
-            if worker.process.poll() is None:
-                worker.process.terminate()
-        deadline = time.monotonic() + STOP_TIMEOUT_S
-        for worker in workers:
-            try:
-                worker.process.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                worker.process.kill()
-                worker.process.wait()
+    for worker in workers:
+        if worker.process.poll() is None:
+            worker.process.terminate()
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    for worker in workers:
+        try:
+            worker.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            worker.process.kill()
+            worker.process.wait()
 
 
 @contextmanager
-def _sigint_deferred() -> Iterator[None]:
-    """Ignore Ctrl-C while stopping children, so a second Ctrl-C cannot leave them running."""
+def _stop_signals() -> Iterator[None]:
+    """SIGTERM interrupts like Ctrl-C does; the previous handlers come back on exit (main thread only)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    previous = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for signum, handler in previous.items():
+            if handler is not None:
+                signal.signal(signum, handler)
+
+
+def _ignore_stop_signals() -> None:
+    """From here on the cleanup must finish: a second Ctrl-C or a SIGTERM would leave children running."""
+    if threading.current_thread() is threading.main_thread():
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, signal.SIG_IGN)
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 # ── parent and launch ─────────────────────────────────────────────────────────────────────────
@@ -410,7 +380,7 @@ def _follow(client: ForkClient, handles: Mapping[str, ForkHandle], workers: list
                 results[label] = client.wait(handles[label].fork_id, timeout=5)
         if not batch:
             time.sleep(POLL_S)
-    for label in handles.keys() - results.keys():
+    for label in [label for label in handles if label not in results]:
         status = client.status(handles[label].fork_id).status.value
         _say(f"  {label}: still {status} after {RUN_TIMEOUT_S:.0f} s, giving up on it")
     return results
@@ -424,14 +394,16 @@ def _stream_order(event_id: str) -> tuple[int, int]:
 def _detail(event: ForkEvent, worker_names: Mapping[str, str]) -> str:
     """The event's data in words; other event types as `key value` pairs."""
     data = event.data
+
+    def _short(key: str) -> str:
+        return f"{str(data.get(key, ''))[:12]}…"
+
     describe: dict[str, Callable[[], str]] = {
-        "queued": lambda: (
-            f"{data.get('kind')}, seed of {data.get('messages')} messages, digest {_short(data, 'digest')}"
-        ),
+        "queued": lambda: f"{data.get('kind')}, seed of {data.get('messages')} messages, digest {_short('digest')}",
         "started": lambda: (
             f"claimed by {_worker_of(str(data.get('owner', '')), worker_names)}, attempt {data.get('attempt', 1)}"
         ),
-        "model_call": lambda: f"model call {data.get('step')} sent, request digest {_short(data, 'request_digest')}",
+        "model_call": lambda: f"model call {data.get('step')} sent, request digest {_short('request_digest')}",
         "step": lambda: (
             f"model call {data.get('step')} answered: {_calls(data.get('tool_calls'))}, "
             f"{data.get('input_tokens', 0):,} tokens in / {data.get('output_tokens', 0):,} out"
@@ -444,8 +416,10 @@ def _detail(event: ForkEvent, worker_names: Mapping[str, str]) -> str:
     return _clip(", ".join(f"{key} {value}" for key, value in data.items()), 90)
 
 
-def _short(data: Mapping[str, Any], key: str) -> str:
-    return f"{str(data.get(key, ''))[:12]}…"
+def _calls(tool_calls: object) -> str:
+    if isinstance(tool_calls, list) and tool_calls:
+        return "calls " + ", ".join(map(str, tool_calls))
+    return "final answer"
 
 
 def _worker_of(owner: str, worker_names: Mapping[str, str]) -> str:
@@ -453,12 +427,6 @@ def _worker_of(owner: str, worker_names: Mapping[str, str]) -> str:
     parts = owner.split(":")
     pid = parts[1] if len(parts) > 1 else ""
     return worker_names.get(pid, owner or "?")
-
-
-def _calls(tool_calls: object) -> str:
-    if isinstance(tool_calls, list) and tool_calls:
-        return "calls " + ", ".join(str(c) for c in tool_calls)
-    return "final answer"
 
 
 # ── report ────────────────────────────────────────────────────────────────────────────────────
@@ -534,7 +502,7 @@ def _preview(content: Content) -> str:
         text = f"[response of {part.function_response.name}]"
     else:
         text = part.text or "[media]"
-    more = f" (+{len(content.parts) - 1} parts)" if len(content.parts) > 1 else ""
+    more = f" (+{len(content.parts) - 1} more)" if len(content.parts) > 1 else ""
     return _clip(text) + more
 
 

@@ -9,7 +9,8 @@ ForkqError                      base; never raised bare
 ├── RecordIntegrityError        a stored record does not match its digest (.fork_id, .key)
 ├── RecordExistsError           a write-once record already exists with other bytes (.fork_id, .key)
 ├── ForkNotFound                no fork with that id in Redis (.fork_id)
-└── ConfigurationError          settings or the Redis server are unfit for forkq (.field)
+├── ConfigurationError          settings or the Redis server are unfit for forkq (.field)
+└── ProviderError               a model provider call failed for good (.provider, .model, .status, .attempts)
 ```
 
 Every message names the thing, what was expected, and how to fix it.
@@ -85,3 +86,27 @@ class LeaseLost(ForkqError):
 
 class ConfigurationError(ForkqError):
     """Settings or the Redis server are not fit for forkq; the message says what to change."""
+
+
+class ProviderError(ForkqError):
+    """A model provider call failed for good: not retryable, or still failing after the last attempt.
+
+    The message names the provider, the model, the HTTP status (if any) and the attempts made; it never
+    contains an API key.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        provider: str,
+        model: str | None,
+        status: int | None = None,
+        attempts: int | None = None,
+        fork_id: str | None = None,
+    ) -> None:
+        super().__init__(message, fork_id=fork_id)
+        self.provider = provider
+        self.model = model
+        self.status = status
+        self.attempts = attempts

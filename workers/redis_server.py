@@ -215,7 +215,10 @@ class RedisServer:
         """Spawn the process with output appended to the log, then poll PING."""
         command = self._command()
         with self.log_path.open("ab") as log:
-            self._process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+            # own session: a Ctrl-C in the terminal reaches the caller, which stops the server last
+            self._process = subprocess.Popen(
+                command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
         try:
             self._wait_until_ready()
         except BaseException:

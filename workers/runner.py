@@ -22,7 +22,7 @@ from workers.journal import JournalEntry
 from workers.keys import Keys
 from workers.lease import Claim, LeaseKeeper, Leases
 from workers.providers import ModelProvider
-from workers.providers.scripted import ScriptedProvider, load_script
+from workers.providers.routing import ProviderRouter
 from workers.records import ForkResult, Status
 from workers.store import ForkStore
 from workers.tools import ToolRegistry, load_tools
@@ -77,9 +77,8 @@ class WorkerRuntime:
 
     @cached_property
     def provider(self) -> ModelProvider:
-        """The model provider forks of this worker use."""
-        script = load_script(self.settings.script) if self.settings.script else None
-        return ScriptedProvider(script)
+        """The model provider forks of this worker use: a router choosing one per request by model name."""
+        return ProviderRouter(self.settings)
 
     @cached_property
     def tools(self) -> ToolRegistry:

@@ -6,6 +6,7 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from workers.errors import ConfigurationError
 from workers.messages import Content
 
 
@@ -32,11 +33,21 @@ class TokenUsage(BaseModel):
 
 
 class ModelResponse(BaseModel):
-    """A model's answer: a model Content, its token usage and why it stopped."""
+    """A model's answer: a model Content, its token usage and why it stopped.
+
+    `finish_reason` is normalised across providers: `stop`, `tool_calls`, `length`, `content_filter`,
+    else the provider's own reason in lower case (e.g. Gemini's `malformed_function_call`).
+
+    `invalid_calls` maps a call id to the error text the model must read for a call the provider
+    returned in unusable form (e.g. arguments that are not a JSON object). Such a call is still a
+    `functionCall` part of `content` (with `args` `{}` and that id), so the history stays paired; the
+    loop must answer it with `{"error": <text>}` without running the tool.
+    """
 
     content: Content
     usage: TokenUsage = Field(default_factory=TokenUsage)
     finish_reason: str = "stop"
+    invalid_calls: dict[str, str] = Field(default_factory=dict)
 
 
 class ModelProvider(Protocol):
@@ -47,3 +58,19 @@ class ModelProvider(Protocol):
     def generate(self, request: ModelRequest) -> ModelResponse:
         """Call the model once."""
         ...
+
+
+def require_model(request: ModelRequest, provider: str) -> str:
+    """The request's model name.
+
+    Raises:
+        ConfigurationError: there is none.
+    """
+    if not request.model:
+        raise ConfigurationError(
+            f"fork {request.fork_id}: the {provider} provider needs a model name and the fork has none; "
+            "launch it from a parent that names its model",
+            fork_id=request.fork_id,
+            field="model",
+        )
+    return request.model

@@ -1,0 +1,239 @@
+"""Gemini through the official `google-genai` client: native Contents, function declarations, usage metadata.
+
+Our Contents are already Gemini's, so they go over the wire as they are, minus the keys the Gemini
+API does not know (unknown keys round-trip through forkq, but the API rejects them). Declarations
+send their JSON schema as `parametersJsonSchema`: forkq's declarations are JSON Schema, while
+Gemini's `parameters` is an OpenAPI subset that the SDK would rewrite or reject (`oneOf`).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any, get_args
+
+import httpx2
+from google import genai
+from google.genai import errors as genai_errors
+from google.genai import types
+from pydantic import BaseModel, ValidationError
+from pydantic.alias_generators import to_camel, to_snake
+
+from workers.errors import ConfigurationError, ProviderError
+from workers.messages import Content
+from workers.providers import ModelRequest, ModelResponse, TokenUsage, require_model
+from workers.providers.declarations import function_declarations, parameters_schema
+from workers.providers.retry import Failure, RetryPolicy, call_with_retries, is_retryable_status, parse_retry_after
+
+log = logging.getLogger("forkq.provider")
+
+# GenerateContentConfig fields a fork's generation settings may not set: the adapter owns them
+RESERVED_CONFIG = frozenset(
+    {"http_options", "system_instruction", "tools", "automatic_function_calling", "should_return_http_response"}
+)
+GENERATION_ALIASES = {"max_tokens": "max_output_tokens", "stop": "stop_sequences"}
+FILTERED = frozenset(
+    {"SAFETY", "RECITATION", "BLOCKLIST", "PROHIBITED_CONTENT", "SPII", "IMAGE_SAFETY", "IMAGE_PROHIBITED_CONTENT"}
+)
+FINISH_REASONS = {"STOP": "stop", "MAX_TOKENS": "length"} | dict.fromkeys(FILTERED, "content_filter")
+_RETRY_DELAY = re.compile(r"^(\d+(?:\.\d+)?)s$")
+
+
+class GeminiProvider:
+    """A `ModelProvider` over the Gemini Developer API (`models/{model}:generateContent`); thread-safe."""
+
+    name = "gemini"
+
+    def __init__(
+        self, *, api_key: str, base_url: str, timeout_s: float, retry: RetryPolicy, api_version: str = "v1beta"
+    ) -> None:
+        # explicit vertexai, key, base URL and API version: the SDK reads no environment variable of its own
+        # (v1beta: thought signatures, call ids and parametersJsonSchema); attempts=1: ours are the only retries
+        options = types.HttpOptions(
+            base_url=base_url,
+            api_version=api_version,
+            timeout=max(1, round(timeout_s * 1000)),  # milliseconds
+            retry_options=types.HttpRetryOptions(attempts=1),
+        )
+        self._client = genai.Client(vertexai=False, api_key=api_key, http_options=options)
+        self._secret = api_key
+        self._timeout_s = timeout_s
+        self._base_url = base_url
+        self.retry = retry
+
+    def __repr__(self) -> str:
+        return f"GeminiProvider(base_url={self._base_url!r})"
+
+    def close(self) -> None:
+        """Close the HTTP connection pool."""
+        self._client.close()
+
+    def generate(self, request: ModelRequest) -> ModelResponse:
+        """One `generateContent` call, retried on transient failures.
+
+        Raises:
+            ConfigurationError: the request names no model, or its generation settings do not fit Gemini.
+            ProviderError: the API failed for good, or answered without a candidate (e.g. a blocked prompt).
+        """
+        model = require_model(request, self.name)
+        contents = to_contents(request.messages)
+        config = generation_config(request)
+        response = call_with_retries(
+            lambda: self._client.models.generate_content(model=model, contents=contents, config=config),
+            provider=self.name,
+            model=model,
+            policy=self.retry,
+            classify=self._classify,
+            secrets=(self._secret,),
+            fork_id=request.fork_id,
+        )
+        return from_response(response, model=model, fork_id=request.fork_id)
+
+    def _classify(self, exc: Exception) -> Failure | None:
+        if isinstance(exc, genai_errors.APIError):
+            detail = exc.message or exc.status or "no detail"
+            headers = getattr(exc.response, "headers", None)
+            retry_after = parse_retry_after(headers) or _retry_info_delay(exc.details)
+            return Failure(is_retryable_status(exc.code), exc.code, str(detail), retry_after)
+        if isinstance(exc, httpx2.TimeoutException):
+            return Failure(True, None, f"no answer within {self._timeout_s:g}s (FORKQ_PROVIDER_TIMEOUT_S)")
+        if isinstance(exc, httpx2.TransportError):
+            return Failure(True, None, f"connection failed: {type(exc).__name__}: {exc}")
+        return None
+
+
+def _retry_info_delay(details: Any) -> float | None:
+    """The `retryDelay` of a `google.rpc.RetryInfo` error detail (Gemini's 429s carry one), in seconds."""
+    error = details.get("error", details) if isinstance(details, dict) else {}
+    for item in error.get("details") or [] if isinstance(error, dict) else []:
+        delay = item.get("retryDelay") if isinstance(item, dict) else None
+        match = _RETRY_DELAY.match(delay) if isinstance(delay, str) else None
+        if match:
+            return float(match.group(1))
+    return None
+
+
+# --- request conversion ------------------------------------------------------------------------------
+
+
+def to_contents(messages: list[Content]) -> list[types.Content]:
+    """genai Contents for our Contents, keys the Gemini API does not know dropped."""
+    return [types.Content.model_validate(fit(c.to_wire(), types.Content)) for c in messages]
+
+
+def fit(value: Any, model: type[BaseModel]) -> Any:
+    """`value` (a wire dict) with only the keys `model` knows, recursively; data inside fields kept as is."""
+    if not isinstance(value, dict):
+        return value
+    names = {to_camel(name): name for name in model.model_fields} | {name: name for name in model.model_fields}
+    kept: dict[str, Any] = {}
+    for key, item in value.items():
+        name = names.get(key)
+        if name is None:
+            continue
+        nested = _model_in(model.model_fields[name].annotation)
+        if nested is None:
+            kept[key] = item
+        else:
+            kept[key] = [fit(i, nested) for i in item] if isinstance(item, list) else fit(item, nested)
+    return kept
+
+
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    """The pydantic model inside an annotation like `Optional[list[Part]]`, if any."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in get_args(annotation):
+        found = _model_in(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def to_tools(tools: list[dict[str, Any]]) -> list[types.Tool]:
+    """One genai Tool holding every function declaration (JSON schema as `parametersJsonSchema`)."""
+    declarations = [
+        types.FunctionDeclaration(
+            name=d["name"], description=d.get("description"), parameters_json_schema=parameters_schema(d)
+        )
+        for d in function_declarations(tools)
+    ]
+    return [types.Tool(function_declarations=declarations)] if declarations else []
+
+
+def system_instruction(value: str | dict[str, Any] | None) -> str | types.Content | None:
+    """The system instruction: a string as is, a Content-like object as a genai Content."""
+    if value is None or isinstance(value, str):
+        return value or None
+    if "parts" not in value and isinstance(value.get("text"), str):
+        return str(value["text"])
+    return types.Content.model_validate(fit(value, types.Content))
+
+
+def generation_config(request: ModelRequest) -> types.GenerateContentConfig:
+    """The request's GenerateContentConfig: system instruction, tools and the fork's generation settings.
+
+    Raises:
+        ConfigurationError: a generation setting has a value Gemini does not accept.
+    """
+    settings: dict[str, Any] = {}
+    for key, value in request.generation.items():
+        name = GENERATION_ALIASES.get(to_snake(key), to_snake(key))
+        if name in types.GenerateContentConfig.model_fields and name not in RESERVED_CONFIG:
+            settings[name] = value
+        else:
+            log.debug("gemini: generation setting %r has no GenerateContentConfig equivalent; ignored", key)
+    try:
+        return types.GenerateContentConfig(
+            system_instruction=system_instruction(request.system_instruction),
+            tools=to_tools(request.tools) or None,
+            # the fork's loop runs the tools; the SDK must never call anything itself
+            automatic_function_calling=types.AutomaticFunctionCallingConfig(disable=True),
+            **settings,
+        )
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        raise ConfigurationError(
+            f"fork {request.fork_id}: generation setting {'.'.join(map(str, first['loc']))} does not fit Gemini's "
+            f"GenerateContentConfig ({first['msg']}); fix the parent's generation settings",
+            fork_id=request.fork_id,
+            field="generation",
+            cause=exc,
+        ) from exc
+
+
+# --- response conversion -----------------------------------------------------------------------------
+
+
+def from_response(response: types.GenerateContentResponse, *, model: str, fork_id: str | None = None) -> ModelResponse:
+    """Our response for the first candidate.
+
+    Raises:
+        ProviderError: there is no candidate (the prompt was blocked, or the answer is empty).
+    """
+    if not response.candidates:
+        feedback = response.prompt_feedback
+        reason = feedback.block_reason.value if feedback and feedback.block_reason else "none given"
+        raise ProviderError(
+            f"gemini model {model!r}: the response has no candidates (prompt block reason: {reason}); "
+            "expected one candidate — the prompt was refused, rephrase the directive or check safety settings",
+            provider="gemini",
+            model=model,
+            fork_id=fork_id,
+        )
+    candidate = response.candidates[0]
+    wire = candidate.content.model_dump(mode="json", by_alias=True, exclude_none=True) if candidate.content else {}
+    content = Content.model_validate({"role": "model", "parts": wire.get("parts") or []})
+    calls = any(p.function_call is not None for p in content.parts)
+    raw = candidate.finish_reason.value if candidate.finish_reason else "STOP"
+    finish = FINISH_REASONS.get(raw, raw.lower())
+    usage = response.usage_metadata
+    return ModelResponse(
+        content=content,
+        usage=TokenUsage(
+            input_tokens=(usage.prompt_token_count or 0) if usage else 0,
+            # thinking tokens are billed as output
+            output_tokens=((usage.candidates_token_count or 0) + (usage.thoughts_token_count or 0)) if usage else 0,
+        ),
+        finish_reason="tool_calls" if calls and finish == "stop" else finish,
+    )

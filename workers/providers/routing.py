@@ -1,0 +1,115 @@
+"""Which provider serves a model: `FORKQ_PROVIDER_ROUTES` globs first, else `FORKQ_PROVIDER`.
+
+`make_provider` builds a provider for one model name; `ProviderRouter` is the worker's provider: it
+dispatches each request by `request.model` and keeps one provider per kind (one HTTP connection pool
+each) for the life of the worker process that owns it.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import threading
+from collections.abc import Callable
+from typing import Literal
+
+from pydantic import SecretStr
+
+from broker_config.settings import Settings
+from workers.errors import ConfigurationError
+from workers.providers import ModelProvider, ModelRequest, ModelResponse
+from workers.providers.retry import RetryPolicy
+from workers.providers.scripted import ScriptedProvider, load_script
+
+ProviderKind = Literal["scripted", "openai", "gemini"]
+
+
+def provider_kind(settings: Settings, model_name: str | None) -> ProviderKind:
+    """The provider for a model: the first matching glob of `provider_routes` (in order), else `provider`."""
+    if model_name:
+        for pattern, kind in settings.provider_routes.items():
+            if fnmatch.fnmatchcase(model_name, pattern):
+                return kind
+    return settings.provider
+
+
+def make_provider(settings: Settings, model_name: str | None) -> ModelProvider:
+    """A new provider for `model_name`, configured from `settings`.
+
+    Raises:
+        ConfigurationError: the chosen provider's API key is not set, or the scripted provider's script is bad.
+    """
+    return build_provider(settings, provider_kind(settings, model_name))
+
+
+def build_provider(settings: Settings, kind: ProviderKind) -> ModelProvider:
+    """A new provider of `kind`, configured from `settings` (imports each SDK only when it is used)."""
+    policy = RetryPolicy(
+        max_attempts=settings.provider_max_attempts,
+        base_delay_s=settings.provider_retry_base_s,
+        max_delay_s=settings.provider_retry_max_s,
+    )
+    if kind == "openai":
+        from workers.providers.openai_compat import OpenAICompatProvider  # noqa: PLC0415  (SDK import is slow)
+
+        return OpenAICompatProvider(
+            api_key=_key(settings.openai_api_key, "OPENAI"),
+            base_url=settings.openai_base_url,
+            timeout_s=settings.provider_timeout_s,
+            retry=policy,
+        )
+    if kind == "gemini":
+        from workers.providers.gemini import GeminiProvider  # noqa: PLC0415  (SDK import is slow)
+
+        return GeminiProvider(
+            api_key=_key(settings.gemini_api_key, "GEMINI"),
+            base_url=settings.gemini_base_url,
+            timeout_s=settings.provider_timeout_s,
+            retry=policy,
+        )
+    return ScriptedProvider(load_script(settings.script) if settings.script else None)
+
+
+def _key(secret: SecretStr | None, provider: str) -> str:
+    if secret is None or not secret.get_secret_value():
+        raise ConfigurationError(
+            f"the {provider.lower()} provider has no API key; set FORKQ_{provider}_API_KEY (or {provider}_API_KEY) "
+            "in the worker's environment — servers that need no key accept any value, e.g. EMPTY",
+            field=f"{provider.lower()}_api_key",
+        )
+    return secret.get_secret_value()
+
+
+class ProviderRouter:
+    """The worker's `ModelProvider`: routes each request by its model, one cached provider per kind."""
+
+    name = "router"
+
+    def __init__(
+        self, settings: Settings, build: Callable[[Settings, ProviderKind], ModelProvider] = build_provider
+    ) -> None:
+        self.settings = settings
+        self._build = build
+        self._providers: dict[ProviderKind, ModelProvider] = {}
+        self._lock = threading.Lock()  # forks run in threads; build each provider (and pool) once
+
+    def provider_for(self, model_name: str | None) -> ModelProvider:
+        """The cached provider `model_name` routes to, built on first use."""
+        kind = provider_kind(self.settings, model_name)
+        with self._lock:
+            provider = self._providers.get(kind)
+            if provider is None:
+                provider = self._providers[kind] = self._build(self.settings, kind)
+            return provider
+
+    def generate(self, request: ModelRequest) -> ModelResponse:
+        """Send `request` to the provider of its model."""
+        return self.provider_for(request.model).generate(request)
+
+    def close(self) -> None:
+        """Close every provider built so far that holds a connection pool."""
+        with self._lock:
+            providers, self._providers = list(self._providers.values()), {}
+        for provider in providers:
+            close = getattr(provider, "close", None)
+            if callable(close):
+                close()
