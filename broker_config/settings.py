@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Literal
 from urllib.parse import urlsplit
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 REDIS_SCHEMES = ("redis", "rediss", "unix")
@@ -28,6 +28,31 @@ class Settings(BaseSettings):
     record_ttl_s: int = Field(7 * 24 * 3600, gt=0, description="Retention of a fork's records after launch.")
     provider: Literal["scripted", "openai", "gemini"] = Field("scripted", description="Default model provider.")
     script: Path | None = Field(None, description="JSON script of the scripted provider.")
+    provider_routes: dict[str, Literal["scripted", "openai", "gemini"]] = Field(
+        default_factory=dict,
+        description='JSON object of model-name glob → provider, e.g. {"gemini-*": "gemini"}; first match wins.',
+    )
+    openai_base_url: str = Field(
+        "https://api.openai.com/v1", description="Chat Completions endpoint (OpenAI, DashScope, vLLM, Ollama, ...)."
+    )
+    # AliasChoices: the FORKQ_ name wins, the provider's conventional name is the fallback; both read here only
+    openai_api_key: SecretStr | None = Field(
+        None,
+        validation_alias=AliasChoices("FORKQ_OPENAI_API_KEY", "OPENAI_API_KEY"),
+        description="API key of the OpenAI-compatible endpoint (else OPENAI_API_KEY).",
+    )
+    gemini_base_url: str = Field(
+        "https://generativelanguage.googleapis.com/", description="Gemini API endpoint (the Developer API)."
+    )
+    gemini_api_key: SecretStr | None = Field(
+        None,
+        validation_alias=AliasChoices("FORKQ_GEMINI_API_KEY", "GEMINI_API_KEY"),
+        description="Gemini API key (else GEMINI_API_KEY).",
+    )
+    provider_timeout_s: float = Field(120.0, gt=0, description="Timeout of one model call (one attempt).")
+    provider_max_attempts: int = Field(5, ge=1, description="Attempts per model call, retries on 429/5xx included.")
+    provider_retry_base_s: float = Field(1.0, ge=0, description="First retry delay; doubles per retry, jittered.")
+    provider_retry_max_s: float = Field(60.0, ge=0, description="Longest backoff delay (a longer Retry-After wins).")
     worker_pool: Literal["threads", "prefork", "solo"] = Field("threads", description="Celery pool of `forkq worker`.")
     worker_concurrency: int = Field(32, gt=0, description="Forks one worker process runs at once.")
     max_turns: int = Field(200, gt=0, description="Model calls a fork may make before it is stopped.")

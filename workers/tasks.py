@@ -54,7 +54,7 @@ def make_sweeper(app: Celery, runtime: WorkerRuntime) -> Sweeper:
 def register_tasks(app: Celery, runtime: WorkerRuntime) -> None:
     """Register `run_fork` and `sweep` on `app`, bound to the process's runtime."""
 
-    @app.task(name=RUN_FORK_TASK, bind=True, ignore_result=True, acks_late=True, reject_on_worker_lost=True)
+    @app.task(name=RUN_FORK_TASK, bind=True, shared=False, ignore_result=True, acks_late=True, reject_on_worker_lost=True)
     def run_fork(self: Task[Any, Any], *args: Any, **kwargs: Any) -> str:
         """Run one delivery of a fork job (a no-op when the fork is not queued)."""
         try:
@@ -71,7 +71,7 @@ def register_tasks(app: Celery, runtime: WorkerRuntime) -> None:
             runtime.store.dead_letter(str(self.request.id), str(exc))
             return f"refused:{type(exc).__name__}"
 
-    @app.task(name=SWEEP_TASK, ignore_result=True)
+    @app.task(name=SWEEP_TASK, shared=False, ignore_result=True)
     def sweep() -> dict[str, int]:
         """One sweeper pass (Celery beat schedules it every FORKQ_SWEEP_S)."""
         return dict(make_sweeper(app, runtime).sweep_once())

@@ -12,7 +12,6 @@ import logging
 import re
 from typing import Any, get_args
 
-import httpx2
 from google import genai
 from google.genai import errors as genai_errors
 from google.genai import types
@@ -95,11 +94,28 @@ class GeminiProvider:
             headers = getattr(exc.response, "headers", None)
             retry_after = parse_retry_after(headers) or _retry_info_delay(exc.details)
             return Failure(is_retryable_status(exc.code), exc.code, str(detail), retry_after)
-        if isinstance(exc, httpx2.TimeoutException):
+        kind = transport_failure(exc)
+        if kind == "timeout":
             return Failure(True, None, f"no answer within {self._timeout_s:g}s (FORKQ_PROVIDER_TIMEOUT_S)")
-        if isinstance(exc, httpx2.TransportError):
+        if kind == "connection":
             return Failure(True, None, f"connection failed: {type(exc).__name__}: {exc}")
         return None
+
+
+def transport_failure(exc: Exception) -> str | None:
+    """`timeout` or `connection` for a transport exception, else None.
+
+    google-genai lets its HTTP transport's exceptions through unwrapped, and the transport is `httpx`
+    or `httpx2` depending on the SDK release; matching by class name keeps this adapter working with
+    either without importing one.
+    """
+    names = {cls.__name__ for cls in type(exc).__mro__}
+    if type(exc).__module__.split(".")[0] in ("httpx", "httpx2"):
+        if "TimeoutException" in names:
+            return "timeout"
+        if "TransportError" in names:
+            return "connection"
+    return "connection" if isinstance(exc, ConnectionError) else None
 
 
 def _retry_info_delay(details: Any) -> float | None:
