@@ -54,7 +54,10 @@ def make_sweeper(app: Celery, runtime: WorkerRuntime) -> Sweeper:
 def register_tasks(app: Celery, runtime: WorkerRuntime) -> None:
     """Register `run_fork` and `sweep` on `app`, bound to the process's runtime."""
 
-    @app.task(name=RUN_FORK_TASK, bind=True, shared=False, ignore_result=True, acks_late=True, reject_on_worker_lost=True)
+    # shared=False: each app gets its own task (a shared task would register on every app built later)
+    @app.task(
+        name=RUN_FORK_TASK, bind=True, shared=False, ignore_result=True, acks_late=True, reject_on_worker_lost=True
+    )
     def run_fork(self: Task[Any, Any], *args: Any, **kwargs: Any) -> str:
         """Run one delivery of a fork job (a no-op when the fork is not queued)."""
         try:
