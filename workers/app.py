@@ -6,7 +6,7 @@ import logging
 from functools import cache
 from typing import Any
 
-from celery import Celery, signals
+from celery import Celery, bootsteps
 
 from broker_config.celery import celery_config
 from broker_config.settings import Settings
@@ -26,26 +26,35 @@ def make_app(settings: Settings) -> Celery:
     runtime.requeue = lambda fid, digest, attempt: enqueue_fork(app, settings.queue, fid, digest, attempt=attempt)
     app.forkq_runtime = runtime  # type: ignore[attr-defined]
     register_tasks(app, runtime)
-    _connect_worker_hooks(app, runtime)
+    app.steps["worker"].add(ForkqWorkerStep)
     return app
 
 
-def _connect_worker_hooks(app: Celery, runtime: WorkerRuntime) -> None:
-    def refuse_unfit_redis(sender: Any = None, **_: Any) -> None:
-        if getattr(sender, "app", None) is not app:
-            return
-        health = check_redis(runtime.settings)
+class ForkqWorkerStep(bootsteps.StartStopStep):
+    """The app's own worker step: refuse an unfit Redis at start; stop forks at a boundary on shutdown.
+
+    A bootstep belongs to one app (unlike Celery's global signals), and it starts after the pool
+    and stops before it, so forks are told to stop while the pool still waits for them.
+    """
+
+    requires = ("celery.worker.components:Pool",)
+
+    def __init__(self, parent: Any, **kwargs: Any) -> None:
+        super().__init__(parent, **kwargs)
+        self.runtime = runtime_of(parent.app)
+
+    def start(self, parent: Any) -> None:
+        health = check_redis(self.runtime.settings)
         for warning in health.warnings:
             log.warning("%s", warning)
         if health.problems:
             raise ConfigurationError("worker refuses to start: " + "; ".join(health.problems))
 
-    def stop_at_next_step(sender: Any = None, **_: Any) -> None:
+    def stop(self, parent: Any) -> None:
         # forks stop at their next step boundary, are released and re-enqueued for another worker
-        runtime.stopping.set()
+        self.runtime.stopping.set()
 
-    signals.worker_init.connect(refuse_unfit_redis, weak=False)
-    signals.worker_shutting_down.connect(stop_at_next_step, weak=False)
+    shutdown = stop
 
 
 def runtime_of(app: Celery) -> WorkerRuntime:

@@ -145,29 +145,34 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    """Run a Celery worker for forkq's queue."""
+    """Run a Celery worker for forkq's queue; refuses a Redis that may evict records."""
     from workers.app import make_app
 
     settings = _settings()
+    health = check_redis(settings)
+    if health.problems:
+        raise ConfigurationError("worker refuses to start: " + "; ".join(health.problems))
     app = make_app(settings)
+    pool = args.pool or settings.worker_pool
+    concurrency = str(args.concurrency or settings.worker_concurrency)
+    # forkq keeps its own state in Redis: no revoke lists to sync at start (mingle), no gossip
     argv = [
         "worker",
         "-Q",
         settings.queue,
         "-P",
-        args.pool or settings.worker_pool,
+        pool,
         "-c",
-        str(args.concurrency or settings.worker_concurrency),
+        concurrency,
         "-l",
         args.loglevel,
-        # forkq keeps its own state in Redis: no revoke lists to sync at start (mingle), no gossip
         "--without-mingle",
         "--without-gossip",
     ]
     if args.hostname:
         argv += ["-n", args.hostname]
-    app.worker_main(argv)
-    return EXIT_OK
+    code: int | None = app.start(argv)  # unlike worker_main, start returns the exit code
+    return int(code or 0)
 
 
 def cmd_check(args: argparse.Namespace) -> int:

@@ -1,0 +1,569 @@
+"""Benchmark: dispatching forks through Celery and Redis, each figure beside a baseline from the same run.
+
+Run: `python bench/dispatch.py [--quick]`. Starts a private redis-server (TCP) and four worker
+processes on it: two forkq workers (`celery -A workers.app`) and two bare-Celery workers
+(`celery -A bench.bare_app`), all with the threads pool and forkq's broker settings. Measures:
+
+1. latency: launch → the fork's first model call has answered (scripted, delay 0; seen by the
+   caller on the fork's event stream), vs send → a bare no-op task has run (seen by BLPOP);
+2. throughput: N one-step forks vs N bare no-op tasks, enqueued at once, until all are done;
+3. Redis memory of 100 `all` forks of one ~5 MB parent (launch only) vs one copy of its history;
+4. the inline-seed trade-off behind FORKQ_INLINE_SEED_MAX_BYTES (inline vs read from Redis).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # `python bench/dispatch.py` puts bench/, not the repo root, on sys.path
+    sys.path.insert(0, str(ROOT))
+
+import celery  # noqa: E402
+import msgpack  # noqa: E402
+import redis  # noqa: E402
+
+from bench.bare_app import BARE_QUEUE, NOOP_TASK, make_bare_app  # noqa: E402
+from bench.history import make_history  # noqa: E402
+from bench.worker_procs import Worker, wait_ready, worker_env, workers  # noqa: E402
+from broker_config.settings import Settings  # noqa: E402
+from workers.client import ForkClient, new_fork_id  # noqa: E402
+from workers.history import build_fork_seed  # noqa: E402
+from workers.messages import parse_history  # noqa: E402
+from workers.records import split_seed  # noqa: E402
+from workers.redis_server import RedisServer  # noqa: E402
+from workers.snapshot import ParentSnapshot, parse_parent_snapshot  # noqa: E402
+
+EXAMPLE_PARENT = ROOT / "workers" / "examples" / "parent.json"
+PARAMS = {"description": "bench fork", "prompt": "Review the lease code.", "subagent_type": "fork"}
+CONCURRENCY = 32  # forkq's default FORKQ_WORKER_CONCURRENCY, for both worker kinds
+FORK_QUEUE = "forks"
+IDLE_QUEUE = "bench-idle"  # no worker consumes it: jobs stay in the broker to be measured
+IDLE_NS = "bench-idle"
+SEED_TARGETS = (4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20)
+HUGE = 1 << 40
+TIMEOUT_S = 60.0
+T = TypeVar("T")
+# the worker's first event at the first model call: 'model_call' (emitted as the call starts) where the
+# runner emits it, else 'step' (emitted when the call has answered; the scripted step takes no time)
+FIRST_CALL_EVENTS = ("model_call", "step")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How much to measure: the full run, or `--quick`."""
+
+    latency_n: int
+    throughput_n: int
+    memory_forks: int
+    memory_messages: int
+    inline_k: int
+    warmup: int
+
+
+FULL = Plan(latency_n=300, throughput_n=500, memory_forks=100, memory_messages=1250, inline_k=25, warmup=20)
+QUICK = Plan(latency_n=200, throughput_n=200, memory_forks=100, memory_messages=1250, inline_k=3, warmup=5)
+
+
+# ── measurements ──────────────────────────────────────────────────────────────────────────────
+
+
+def done_key(token: str) -> str:
+    """The list a bare no-op task pushes to when it has run."""
+    return f"bench:bare:done:{token}"
+
+
+def bare_round_trip(app: celery.Celery, r: redis.Redis) -> float:
+    """send_task → a worker runs the no-op → the caller's BLPOP returns; seconds."""
+    key = done_key(uuid.uuid4().hex)
+    start = time.perf_counter()
+    app.send_task(NOOP_TASK, args=[key])
+    if r.blpop([key], timeout=TIMEOUT_S) is None:
+        raise RuntimeError(f"bare task {key} did not run within {TIMEOUT_S:.0f} s")
+    return time.perf_counter() - start
+
+
+@dataclass(frozen=True)
+class ForkSample:
+    """One launch: s to `launch()` returning and to the first model call; ms to 'started' (Redis clock)."""
+
+    fork_id: str
+    launch_s: float
+    first_call_s: float
+    started_ms: int
+    event: str
+
+
+def fork_round_trip(client: ForkClient, parent: ParentSnapshot) -> ForkSample:
+    """launch() → the caller reads the worker's first-model-call event (XREAD BLOCK on the fork's stream)."""
+    fid = new_fork_id()
+    wall = time.time()
+    start = time.perf_counter()
+    client.launch(parent, PARAMS, fork_id=fid)
+    launched = time.perf_counter()
+    after, started_ms = "0-0", -1
+    while True:
+        events = client.store.events(fid, after=after, block_ms=int(TIMEOUT_S * 1000))
+        if not events:
+            raise RuntimeError(f"fork {fid}: no model call within {TIMEOUT_S:.0f} s")
+        for event in events:
+            after = event.id
+            if event.type == "started":
+                started_ms = event.at_ms - int(wall * 1000)
+            elif event.type in FIRST_CALL_EVENTS:
+                return ForkSample(fid, launched - start, time.perf_counter() - start, started_ms, event.type)
+            elif event.type == "finished":
+                raise RuntimeError(f"fork {fid} ended before a model call: {event.data}")
+
+
+def pct(values: Sequence[float], p: int) -> float:
+    """The p-th percentile (p50 is the median)."""
+    return statistics.median(values) if p == 50 else statistics.quantiles(values, n=100)[p - 1]
+
+
+def wait_all(r: redis.Redis, keys: Sequence[str]) -> None:
+    """Poll EXISTS over `keys` every 5 ms until all exist."""
+    deadline = time.monotonic() + TIMEOUT_S
+    while r.exists(*keys) < len(keys):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"only {r.exists(*keys)} of {len(keys)} jobs done after {TIMEOUT_S:.0f} s")
+        time.sleep(0.005)
+
+
+@dataclass(frozen=True)
+class Burst:
+    """N jobs enqueued at once: enqueue and total seconds; caller CPU, worker CPU, Redis commands per job."""
+
+    n: int
+    enqueue_s: float
+    total_s: float
+    caller_cpu_ms: float
+    worker_cpu_ms: float
+    redis_cmds: float
+
+    @property
+    def rate(self) -> float:
+        """Jobs per second, first enqueue to last completion."""
+        return self.n / self.total_s
+
+
+def burst(n: int, group: Sequence[Worker], enqueue: Callable[[], list[str]], r: redis.Redis) -> Burst:
+    """Run `enqueue` (which returns the keys that appear when each job is done) and wait for them all."""
+    cmds0, cpu0, wcpu0 = redis_calls(r), time.process_time(), sum(w.cpu_ns() for w in group)
+    start = time.perf_counter()
+    keys = enqueue()
+    enqueued, caller_cpu = time.perf_counter(), time.process_time() - cpu0
+    wait_all(r, keys)
+    end = time.perf_counter()
+    worker_cpu = (sum(w.cpu_ns() for w in group) - wcpu0) / 1e6
+    cmds = redis_calls(r) - cmds0
+    return Burst(n, enqueued - start, end - start, caller_cpu * 1e3 / n, worker_cpu / n, cmds / n)
+
+
+def redis_calls(r: redis.Redis) -> int:
+    """Commands Redis has run so far (INFO commandstats), minus this benchmark's own EXISTS polls and INFOs."""
+    stats = r.info("commandstats")
+    return sum(int(v["calls"]) for k, v in stats.items() if k not in ("cmdstat_exists", "cmdstat_info"))
+
+
+def fork_burst(client: ForkClient, parent: ParentSnapshot, n: int, group: Sequence[Worker]) -> Burst:
+    """N one-step forks: launch them all, then wait for every result record."""
+    fids = [new_fork_id() for _ in range(n)]
+
+    def enqueue() -> list[str]:
+        for fid in fids:
+            client.launch(parent, PARAMS, fork_id=fid)
+        return [client.store.keys.result(fid) for fid in fids]
+
+    result = burst(n, group, enqueue, client.redis)
+    statuses = {client.store.state(fid).status.value for fid in fids}
+    if statuses != {"succeeded"}:
+        raise RuntimeError(f"throughput forks ended as {statuses}, expected all succeeded")
+    return result
+
+
+def bare_burst(app: celery.Celery, r: redis.Redis, n: int, group: Sequence[Worker]) -> Burst:
+    """N bare no-op tasks: send them all, then wait for every done key."""
+    keys = [done_key(uuid.uuid4().hex) for _ in range(n)]
+
+    def enqueue() -> list[str]:
+        for key in keys:
+            app.send_task(NOOP_TASK, args=[key])
+        return keys
+
+    result = burst(n, group, enqueue, r)
+    r.delete(*keys)
+    return result
+
+
+def memory_now(r: redis.Redis) -> int:
+    """INFO memory used_memory."""
+    return int(r.info("memory")["used_memory"])
+
+
+def key_bytes(r: redis.Redis, patterns: Sequence[str]) -> dict[str, tuple[int, int]]:
+    """MEMORY USAGE of the keys matching `patterns`, by kind (the key's last part): kind → (keys, bytes)."""
+    kinds: dict[str, tuple[int, int]] = {}
+    for key in {k.decode() for p in patterns for k in r.scan_iter(match=p, count=1000)}:
+        kind = "chunk" if ":chunk:" in key else key.rsplit(":", 1)[-1] if ":" in key else "job queue"
+        count, size = kinds.get(kind, (0, 0))
+        kinds[kind] = (count + 1, size + int(r.memory_usage(key, samples=0) or 0))
+    return kinds
+
+
+@contextmanager
+def writer(url: str) -> Iterator[redis.Redis]:
+    """A connection for big writes, closed before memory is read: Redis frees its grown query buffer then."""
+    client = redis.Redis.from_url(url)
+    try:
+        yield client
+    finally:
+        client.connection_pool.disconnect()
+        time.sleep(0.05)
+
+
+def drop(r: redis.Redis, patterns: Sequence[str]) -> None:
+    """Delete every key matching `patterns` (this benchmark's own namespaces only)."""
+    for pattern in patterns:
+        for batch in _batches(list(r.scan_iter(match=pattern, count=1000)), 500):
+            r.delete(*batch)
+
+
+def _batches(items: list[Any], size: int) -> Iterator[list[Any]]:
+    for i in range(0, len(items), size):
+        yield items[i : i + size]
+
+
+# ── the four figures ──────────────────────────────────────────────────────────────────────────
+
+
+@dataclass
+class Bench:
+    """Everything a measurement needs: Redis, clients, apps and worker groups."""
+
+    url: str
+    r: redis.Redis
+    plan: Plan
+    bare_app: celery.Celery
+    fork_client: ForkClient
+    parent: ParentSnapshot
+    fork_workers: list[Worker]
+    bare_workers: list[Worker]
+
+    def client(self, **overrides: Any) -> ForkClient:
+        """A ForkClient on this Redis with some settings changed."""
+        return ForkClient(Settings(redis_url=self.url, **overrides), redis_client=self.r)
+
+
+def measure_latency(b: Bench) -> tuple[list[float], list[ForkSample]]:
+    """Alternate bare round trips and fork launches, one at a time, after a warm-up."""
+    bare: list[float] = []
+    forks: list[ForkSample] = []
+    for i in range(b.plan.warmup + b.plan.latency_n):
+        bare_s = bare_round_trip(b.bare_app, b.r)
+        fork = fork_round_trip(b.fork_client, b.parent)
+        if i >= b.plan.warmup:
+            bare.append(bare_s)
+            forks.append(fork)
+    return bare, forks
+
+
+def measure_throughput(b: Bench) -> tuple[Burst, Burst]:
+    """One burst of bare no-ops, then one of forks (each after a small warm burst)."""
+    bare_burst(b.bare_app, b.r, 50, b.bare_workers)
+    bare = bare_burst(b.bare_app, b.r, b.plan.throughput_n, b.bare_workers)
+    fork_burst(b.fork_client, b.parent, 50, b.fork_workers)
+    forks = fork_burst(b.fork_client, b.parent, b.plan.throughput_n, b.fork_workers)
+    return bare, forks
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Redis memory of N forks of one parent vs one copy of its history, two ways."""
+
+    history_bytes: int
+    forks: int
+    fork_delta: int
+    fork_kinds: dict[str, tuple[int, int]]
+    copy_delta: int
+    copy_key_bytes: int
+    launch_ms: float
+
+
+def measure_memory(b: Bench) -> Memory:
+    """Launch N `all` forks of a ~5 MB parent into an unconsumed queue; then SET one copy of its history."""
+    raw = make_history(b.plan.memory_messages)
+    blob = msgpack.packb(raw)
+    parent = b.parent.model_copy(update={"history": parse_history(raw)})
+    ns, queue = "bench-mem", "bench-mem-idle"
+    patterns = [f"{ns}:*", queue]
+    with writer(b.url) as w:
+        ForkClient(Settings(redis_url=b.url, namespace=ns, queue=queue), redis_client=w).launch(parent, PARAMS)
+    drop(b.r, patterns)  # the warm-up above loaded the Lua scripts and declared the queue
+    before = memory_now(b.r)
+    start = time.perf_counter()
+    with writer(b.url) as w:
+        client = ForkClient(Settings(redis_url=b.url, namespace=ns, queue=queue), redis_client=w)
+        for _ in range(b.plan.memory_forks):
+            client.launch(parent, PARAMS)
+        launch_ms = (time.perf_counter() - start) * 1e3 / b.plan.memory_forks
+    fork_delta = memory_now(b.r) - before
+    fork_kinds = key_bytes(b.r, patterns)
+    drop(b.r, patterns)
+    copy_delta, copy_key_bytes = one_copy(b, blob)
+    return Memory(len(blob), b.plan.memory_forks, fork_delta, fork_kinds, copy_delta, copy_key_bytes, launch_ms)
+
+
+def one_copy(b: Bench, blob: bytes) -> tuple[int, int]:
+    """(used_memory delta, MEMORY USAGE) of one SET of `blob`; the smallest of three tries, because Redis
+    sometimes keeps a grown query buffer as the value (5.0 or 5.5 MB for the same 5.0 MB blob)."""
+    tries = []
+    for _ in range(3):
+        before = memory_now(b.r)
+        with writer(b.url) as w:
+            w.set("bench:one-copy", blob)
+        tries.append((memory_now(b.r) - before, int(b.r.memory_usage("bench:one-copy", samples=0) or 0)))
+        b.r.delete("bench:one-copy")
+    return min(tries)
+
+
+def seed_bytes(raw: list[dict[str, Any]]) -> int:
+    """Bytes of an `all` fork's seed chunks for this parent history."""
+    seed = build_fork_seed(parse_history(raw), fork_turns=None, directive=PARAMS["prompt"])
+    return sum(map(len, split_seed(seed.initial_messages)))
+
+
+def history_for_seed(target: int) -> tuple[list[dict[str, Any]], int]:
+    """A make_history() parent whose `all` seed is as close to `target` bytes as message counts allow."""
+    low, high = 4, 4000
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if seed_bytes(make_history(mid)) < target else (low, mid)
+    candidates = [make_history(n) for n in (low, high)]
+    best = min(candidates, key=lambda raw: abs(seed_bytes(raw) - target))
+    return best, seed_bytes(best)
+
+
+@dataclass(frozen=True)
+class InlineRow:
+    """One seed size and transport: caller and worker costs per fork."""
+
+    seed: int
+    mode: str
+    launch_ms: float
+    first_call_ms: float
+    first_call_p99_ms: float
+    worker_cpu_ms: float
+    broker_bytes: int
+
+
+MODES = {"inline": HUGE, "redis": 0}  # inline_seed_max_bytes that forces each transport
+
+
+def _one_fork(b: Bench, client: ForkClient, parent: ParentSnapshot) -> tuple[ForkSample, float]:
+    """One launch, and the workers' CPU (ms) until the fork has finished."""
+    cpu0 = sum(w.cpu_ns() for w in b.fork_workers)
+    sample = fork_round_trip(client, parent)
+    client.wait(sample.fork_id, timeout=TIMEOUT_S)
+    return sample, (sum(w.cpu_ns() for w in b.fork_workers) - cpu0) / 1e6
+
+
+def broker_bytes(b: Bench, parent: ParentSnapshot, limit: int) -> int:
+    """MEMORY USAGE of one job in the broker (launched into a queue no worker consumes)."""
+    idle = b.client(inline_seed_max_bytes=limit, namespace=IDLE_NS, queue=IDLE_QUEUE)
+    for _ in range(3):
+        idle.launch(parent, PARAMS)
+    queued = int(b.r.memory_usage(IDLE_QUEUE, samples=0) or 0) // 3
+    drop(b.r, [f"{IDLE_NS}:*", IDLE_QUEUE])
+    return queued
+
+
+def inline_rows(b: Bench, parent: ParentSnapshot, seed: int) -> list[InlineRow]:
+    """k sequential launches per transport, alternating inline and Redis so that drift hits both alike."""
+    clients = {mode: b.client(inline_seed_max_bytes=limit) for mode, limit in MODES.items()}
+    runs: dict[str, list[tuple[ForkSample, float]]] = {mode: [] for mode in MODES}
+    for i in range(2 + b.plan.inline_k):
+        for mode, client in clients.items():
+            run = _one_fork(b, client, parent)
+            if i >= 2:  # the first two warm up each client's connections
+                runs[mode].append(run)
+    rows = []
+    for mode, limit in MODES.items():
+        first = [s.first_call_s * 1e3 for s, _ in runs[mode]]
+        launch = statistics.median(s.launch_s * 1e3 for s, _ in runs[mode])
+        cpu = statistics.median(c for _, c in runs[mode])
+        rows.append(InlineRow(seed, mode, launch, pct(first, 50), pct(first, 99), cpu, broker_bytes(b, parent, limit)))
+    return rows
+
+
+def measure_inline(b: Bench) -> list[InlineRow]:
+    """Both transports for each seed size in SEED_TARGETS."""
+    rows = []
+    for target in SEED_TARGETS:
+        raw, size = history_for_seed(target)
+        rows += inline_rows(b, b.parent.model_copy(update={"history": parse_history(raw)}), size)
+    return rows
+
+
+def recommend(rows: Sequence[InlineRow], slack: float = 1.1, floor_ms: float = 1.0) -> int:
+    """The largest measured seed size up to which inline costs at most `slack`× (or `floor_ms` more than) the
+    p50 first-call latency and the worker CPU of reading the seed from Redis; 0 when inline never keeps up."""
+    by_seed: dict[int, dict[str, InlineRow]] = {}
+    for row in rows:
+        by_seed.setdefault(row.seed, {})[row.mode] = row
+
+    def keeps_up(inline: float, fetched: float) -> bool:
+        return inline <= max(slack * fetched, fetched + floor_ms)
+
+    best = 0
+    for seed in sorted(by_seed):
+        inline, fetched = by_seed[seed]["inline"], by_seed[seed]["redis"]
+        if not (
+            keeps_up(inline.first_call_ms, fetched.first_call_ms)
+            and keeps_up(inline.worker_cpu_ms, fetched.worker_cpu_ms)
+        ):
+            break
+        best = seed
+    return best
+
+
+# ── report ────────────────────────────────────────────────────────────────────────────────────
+
+
+def verdict(ratio: float, target: str) -> str:
+    """`≤2× ok`, `≥0.5× MISS`, ... for a ratio against a target written as `≤N×` or `≥N×`."""
+    if not target:
+        return ""
+    bound = float(target[1:-1])
+    ok = ratio <= bound if target[0] == "≤" else ratio >= bound
+    return f"{target} {'ok' if ok else 'MISS'}"
+
+
+def print_report(
+    b: Bench, latency: tuple[list[float], list[ForkSample]], bursts: tuple[Burst, Burst], mem: Memory
+) -> None:
+    """The headline table: each figure, its baseline from this run, the ratio and the target."""
+    bare_ms = [s * 1e3 for s in latency[0]]
+    first = [s.first_call_s * 1e3 for s in latency[1]]
+    bare_b, fork_b = bursts
+    server = b.r.info("server")["redis_version"]
+    print(
+        f"\nforkq dispatch: {os.cpu_count()} CPUs, Python {platform.python_version()}, redis-server {server}, ", end=""
+    )
+    print(f"Celery {celery.__version__}; 2 forkq + 2 bare-Celery workers, threads pool, concurrency {CONCURRENCY}")
+    print("load average (1, 5, 15 min) at the end: {:.1f} {:.1f} {:.1f}".format(*os.getloadavg()))
+    rows = [
+        ("launch → first model call, p50 (ms)", pct(first, 50), pct(bare_ms, 50), "≤2×"),
+        ("launch → first model call, p99 (ms)", pct(first, 99), pct(bare_ms, 99), ""),
+        (f"throughput, {fork_b.n} at once (jobs/s)", fork_b.rate, bare_b.rate, "≥0.5×"),
+        (f"Redis memory, {mem.forks} forks (MB)", mem.fork_delta / 1e6, mem.copy_delta / 1e6, "≤1.3×"),
+    ]
+    print(f"\n{'figure':<42} {'forkq':>9} {'baseline':>9} {'ratio':>7}  target")
+    for label, value, base, target in rows:
+        print(f"{label:<42} {value:>9.2f} {base:>9.2f} {value / base:>6.2f}×  {verdict(value / base, target)}")
+
+
+def print_details(latency: tuple[list[float], list[ForkSample]], bursts: tuple[Burst, Burst], mem: Memory) -> None:
+    """What each figure measured, with the breakdowns that locate the time."""
+    forks = latency[1]
+    kinds = sorted({s.event for s in forks})
+    print(f"\nlatency: {len(forks)} sequential launches of workers/examples/parent.json (all), alternating with as")
+    print(f"  many bare no-ops; fork = launch() start → caller reads the '{'/'.join(kinds)}' event (XREAD BLOCK);")
+    print("  bare = send_task → caller's BLPOP returns the no-op's LPUSH.")
+    print(f"  fork p50: launch() returns at {pct([s.launch_s * 1e3 for s in forks], 50):.2f} ms, ", end="")
+    print(f"'started' (claim; Redis clock, 1 ms steps) at {pct([s.started_ms for s in forks], 50):.0f} ms")
+    for name, x in zip(("bare", "forks"), bursts, strict=True):
+        print(f"throughput {name:<5}: enqueue {x.enqueue_s:.2f} s, all done {x.total_s:.2f} s; per job: ", end="")
+        print(
+            f"caller CPU {x.caller_cpu_ms:.2f} ms, worker CPU {x.worker_cpu_ms:.2f} ms, "
+            f"{x.redis_cmds:.1f} Redis commands"
+        )
+    total = sum(size for _, size in mem.fork_kinds.values())
+    print(f"memory: parent history {mem.history_bytes / 1e6:.2f} MB as msgpack; {mem.forks} launches ", end="")
+    print(f"({mem.launch_ms:.0f} ms each); used_memory delta {mem.fork_delta / 1e6:.2f} MB vs one copy's ", end="")
+    print(f"{mem.copy_delta / 1e6:.2f} MB; by MEMORY USAGE {total / 1e6:.2f} MB vs {mem.copy_key_bytes / 1e6:.2f} MB:")
+    for kind, (count, size) in sorted(mem.fork_kinds.items(), key=lambda item: -item[1][1]):
+        print(f"  {kind:<10} {count:>4} keys {size / 1e6:>7.3f} MB  ({size / count / 1024:>6.1f} KB each)")
+
+
+def print_inline(rows: Sequence[InlineRow]) -> None:
+    """The inline-seed table and the largest size where inline does not lose."""
+    print("\ninline seed (FORKQ_INLINE_SEED_MAX_BYTES): seed inside the job vs read by the worker from Redis")
+    head = ("seed", "mode", "launch() p50", "1st call p50", "1st call p99", "worker CPU/fork", "broker B/job")
+    print("{:>8} {:<7} {:>13} {:>13} {:>13} {:>16} {:>13}".format(*head))
+    for row in rows:
+        print(
+            f"{row.seed / 1024:>6.0f}KB {row.mode:<7} {row.launch_ms:>10.2f} ms {row.first_call_ms:>10.2f} ms "
+            f"{row.first_call_p99_ms:>10.2f} ms {row.worker_cpu_ms:>13.2f} ms {row.broker_bytes:>13,}"
+        )
+    best = recommend(rows) / 1024
+    print(f"inline keeps up with Redis (p50 first call and worker CPU within 10% or 1 ms) up to {best:.0f} KB")
+
+
+# ── main ──────────────────────────────────────────────────────────────────────────────────────
+
+
+def timed(name: str, phase: Callable[[Bench], T], b: Bench) -> T:
+    """Run one phase and say how long it took."""
+    start = time.monotonic()
+    result = phase(b)
+    print(f"{name}: {time.monotonic() - start:.1f} s", flush=True)
+    return result
+
+
+def run(plan: Plan) -> None:
+    """Start Redis and the workers, measure, print, stop everything."""
+    started = time.monotonic()
+    with ExitStack() as stack:
+        server = stack.enter_context(RedisServer())
+        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="forkq-bench-")))
+        script = tmp / "script.json"
+        step = {"delay_s": 0, "content": {"role": "model", "parts": [{"text": "Done."}]}}
+        script.write_text(json.dumps({"steps": [step]}))
+        env = worker_env(server.url, script)
+        fork_group = stack.enter_context(
+            workers("workers.app", FORK_QUEUE, ["fork1", "fork2"], env, tmp, concurrency=CONCURRENCY)
+        )
+        bare_group = stack.enter_context(
+            workers("bench.bare_app", BARE_QUEUE, ["bare1", "bare2"], env, tmp, concurrency=CONCURRENCY)
+        )
+        r = stack.enter_context(redis.Redis.from_url(server.url))
+        settings = Settings(redis_url=server.url, queue=FORK_QUEUE)
+        bare_app = make_bare_app(settings)
+        fork_client = ForkClient(settings, redis_client=r)
+        wait_ready(bare_app, [*fork_group, *bare_group])
+        parent = parse_parent_snapshot(json.loads(EXAMPLE_PARENT.read_text()))
+        b = Bench(server.url, r, plan, bare_app, fork_client, parent, fork_group, bare_group)
+        print(f"redis-server {server.url}, workers ready after {time.monotonic() - started:.1f} s", flush=True)
+        latency = timed("latency", measure_latency, b)
+        bursts = timed("throughput", measure_throughput, b)
+        mem = timed("memory", measure_memory, b)
+        inline = timed("inline seed", measure_inline, b)
+        print_report(b, latency, bursts, mem)
+        print_details(latency, bursts, mem)
+        print_inline(inline)
+    print(f"\ntotal {time.monotonic() - started:.0f} s")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer samples (under a minute)")
+    args = parser.parse_args()
+    run(QUICK if args.quick else FULL)
+
+
+if __name__ == "__main__":
+    main()
