@@ -13,6 +13,7 @@ SWEEP_TASK = "forkq.sweep"
 def celery_config(settings: Settings) -> dict[str, Any]:
     """Celery settings (lower-case names) for forkq's app."""
     return {
+        # the broker: FORKQ_BROKER_URL, else forkq's own Redis (one server to run and back up)
         "broker_url": settings.effective_broker_url,
         # forkq keeps results, state and events in its own Redis records, never in a result backend
         "result_backend": None,
@@ -47,5 +48,6 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "worker_concurrency": settings.worker_concurrency,
         # no Celery-level retries: a fork's failure is recorded in its state, not retried blindly
         "task_default_retry_delay": 0,
+        # forkq logs through the host application's logging setup, never replaces it
         "worker_hijack_root_logger": False,
     }

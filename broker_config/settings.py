@@ -16,7 +16,7 @@ BROKER_SCHEMES = ("redis", "rediss", "redis+socket", "sentinel", "sentinel+ssl")
 class Settings(BaseSettings):
     """forkq's configuration, read from `FORKQ_*` environment variables (see README)."""
 
-    model_config = SettingsConfigDict(env_prefix="FORKQ_", extra="ignore", frozen=True)
+    model_config = SettingsConfigDict(env_prefix="FORKQ_", extra="ignore", frozen=True, hide_input_in_errors=True)
 
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis holding records, state and events.")
     broker_url: str | None = Field(None, description="Celery broker; defaults to the Redis URL.")

@@ -23,7 +23,10 @@ from broker_config.settings import Settings
 from workers.app import make_app
 from workers.client import ForkClient
 from workers.errors import ConfigurationError
+from workers.keys import Keys
+from workers.records import BootstrapRecord
 from workers.redis_server import RedisServer, find_redis_server
+from workers.store import ForkStore
 
 
 @pytest.fixture(scope="session")
@@ -139,12 +142,17 @@ def client(settings: Settings, app: Celery) -> Iterator[ForkClient]:
 
 @pytest.fixture
 def start_live_worker() -> Iterator[Callable[[Celery], WorkController]]:
-    """Start an in-process Celery worker (threads pool) for an app; every worker stops after the test."""
+    """Start an in-process Celery worker (threads pool) for an app; every worker stops after the test.
+
+    One app per test: Celery keeps worker state per process (`celery.app.trace`), so in-process
+    workers of two different apps cannot run at the same time.
+    """
     with contextlib.ExitStack() as stack:
 
         def start(celery_app: Celery, concurrency: int = 4) -> WorkController:
             # perform_ping_check=False: the ping check needs the `celery.ping` task and a result backend,
-            # and forkq has neither
+            # and forkq has neither. shutdown_timeout: start_worker raises if the worker thread has not
+            # exited by then (default 10 s); 30 s leaves room for a fork still in a model call at teardown
             worker: WorkController = stack.enter_context(
                 start_worker(
                     celery_app,
@@ -219,3 +227,36 @@ def worker_process(settings: Settings, tmp_path: Path) -> Iterator[Callable[...,
     yield start
     for worker in started:
         worker.stop()
+
+
+# ── revival fixtures: queued forks written straight to the store, for lease and sweeper tests ─
+
+
+@pytest.fixture
+def fork_store(redis_client: redis.Redis) -> ForkStore:
+    """A ForkStore over the flushed private Redis, in the test namespace."""
+    return ForkStore(redis_client, Keys(TEST_NAMESPACE), ttl_s=3600)
+
+
+@pytest.fixture
+def make_queued_fork(fork_store: ForkStore) -> Callable[..., tuple[str, str]]:
+    """Write a minimal queued fork (record, state, `queued` event) without enqueueing a job; (fork id, digest)."""
+    counter = iter(range(1_000_000))
+
+    def make(fork_id: str | None = None) -> tuple[str, str]:
+        fid = fork_id or f"f-unit-{next(counter):04d}-{os.getpid()}"
+        record = BootstrapRecord(
+            fork_id=fid,
+            parent_session="s-unit",
+            kind="fork",
+            seed_chunks=[],
+            message_count=0,
+            task_prompt="Begin.",
+            directive="Do the task.",
+            description="unit fork",
+        )
+        data, digest = record.encode()
+        fork_store.put_launch(record, data, digest)
+        return fid, digest
+
+    return make

@@ -8,7 +8,6 @@ re-calls nothing. Everything the loop touches is passed in, so it runs without a
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -23,14 +22,23 @@ from workers.tools import ToolContext, ToolRegistry
 
 NO_OUTPUT = "(subagent produced no model-visible output)"
 
-EventSink = Callable[[str, dict[str, Any]], None]
 
+class ForkIO(Protocol):
+    """The loop's link to Redis: buffered progress events and fenced journal writes."""
 
-class JournalWriter(Protocol):
-    """Appends journal entries under the fork's current claim; raises LeaseLost when refused."""
+    def emit(self, kind: str, data: dict[str, Any]) -> None:
+        """Queue a progress event (published with the next checkpoint or append)."""
+        ...
 
-    def append(self, entry: JournalEntry) -> None:
-        """Append one entry."""
+    def checkpoint(self) -> None:
+        """A step boundary: publish queued events; raise `Stopped` if the fork must stop here."""
+        ...
+
+    def append(self, entry: JournalEntry, *, boundary: bool = False) -> None:
+        """Append a journal entry with the queued events (fenced: raises LeaseLost when refused).
+
+        With `boundary`, the entry starts a side effect: raise `Stopped` first if the fork must stop.
+        """
         ...
 
 
@@ -50,9 +58,7 @@ class ChildLoop:
     seed: ForkSeed
     provider: ModelProvider
     tools: ToolRegistry
-    journal: JournalWriter
-    emit: EventSink
-    stop_reason: Callable[[], str | None]  # checked at every model and tool boundary
+    io: ForkIO
     entries: list[JournalEntry] = field(default_factory=list)
     max_turns: int = 200
 
@@ -60,7 +66,7 @@ class ChildLoop:
         """Run to the final answer or the turn limit.
 
         Raises:
-            Stopped: at a boundary, when `stop_reason` says so.
+            Stopped: at a boundary, when the fork must stop (cancel, shutdown, lost lease).
             LeaseLost: a fenced journal write was refused.
         """
         started = time.monotonic()
@@ -76,39 +82,21 @@ class ChildLoop:
             self._model_step(state)
         return self._result(state, started, Status.SUCCEEDED, final_text(state.final), None)
 
-    def _boundary(self) -> None:
-        reason = self.stop_reason()
-        if reason is not None:
-            raise Stopped(reason)
-
-    def _write(self, state: Replay, **fields: Any) -> JournalEntry:
+    def _write(self, state: Replay, *, boundary: bool = False, **fields: Any) -> JournalEntry:
         entry = JournalEntry(seq=state.next_seq, **fields)
-        self.journal.append(entry)
+        self.io.append(entry, boundary=boundary)
         state.next_seq += 1
         return entry
 
     def _model_step(self, state: Replay) -> None:
-        self._boundary()
         request = self._request(state.step, state.messages)
-        digest = digest_of(request.model_dump(mode="json", exclude={"directive"}))
-        self.emit("model_call", {"step": state.step + 1, "request_digest": digest})
+        digest = digest_of(request.model_dump(mode="json", exclude={"directive"}))  # what the model sees
+        self.io.emit("model_call", {"step": state.step + 1, "request_digest": digest})
+        self.io.checkpoint()
         response = self.provider.generate(request)
-        self._boundary()
-        self._write(
-            state,
-            step=state.step,
-            kind="model",
-            content=response.content.to_wire(),
-            request_digest=digest,
-            input_tokens=response.usage.input_tokens,
-            output_tokens=response.usage.output_tokens,
-        )
         content = response.content
-        state.messages.append(content)
-        state.input_tokens += response.usage.input_tokens
-        state.output_tokens += response.usage.output_tokens
         calls = calls_of(content)
-        self.emit(
+        self.io.emit(
             "step",
             {
                 "step": state.step + 1,
@@ -117,6 +105,18 @@ class ChildLoop:
                 "output_tokens": response.usage.output_tokens,
             },
         )
+        self._write(
+            state,
+            step=state.step,
+            kind="model",
+            content=content.to_wire(),
+            request_digest=digest,
+            input_tokens=response.usage.input_tokens,
+            output_tokens=response.usage.output_tokens,
+        )
+        state.messages.append(content)
+        state.input_tokens += response.usage.input_tokens
+        state.output_tokens += response.usage.output_tokens
         state.step += 1
         state.answers = {}
         state.pending = [PendingCall(i, c, started=False) for i, c in calls]
@@ -125,14 +125,19 @@ class ChildLoop:
     def _run_tools(self, state: Replay) -> None:
         step = state.step - 1
         for pending in list(state.pending):
-            self._boundary()
             call = pending.call
             tool = self.tools.get(call.name)
             if pending.started and not (tool is not None and tool.idempotent):
                 outcome: dict[str, Any] = {"error": INTERRUPTED_ERROR}
             else:
                 self._write(
-                    state, step=step, kind="tool_started", call_index=pending.index, call_id=call.id, name=call.name
+                    state,
+                    boundary=True,
+                    step=step,
+                    kind="tool_started",
+                    call_index=pending.index,
+                    call_id=call.id,
+                    name=call.name,
                 )
                 ctx = ToolContext(
                     fork_id=self.record.fork_id,
@@ -141,6 +146,7 @@ class ChildLoop:
                     idempotency_key=f"{self.record.fork_id}:{step}:{call.id or pending.index}",
                 )
                 outcome = self.tools.run(call, ctx)
+            self.io.emit("tool", {"step": step + 1, "tool": call.name, "ok": "error" not in outcome})
             self._write(
                 state,
                 step=step,
@@ -153,7 +159,6 @@ class ChildLoop:
             state.answers[pending.index] = response_part(call, outcome)
             state.pending.remove(pending)
             state.tool_uses += 1
-            self.emit("tool", {"step": step + 1, "tool": call.name, "ok": "error" not in outcome})
         last = state.messages[-1]
         state.messages.append(state.answer_content(calls_of(last)))
 

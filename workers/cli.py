@@ -28,8 +28,11 @@ def _settings() -> Settings:
         return Settings()
     except ValidationError as exc:
         first = exc.errors()[0]
+        message = str(first.get("ctx", {}).get("error", first["msg"]))
+        if not first["loc"]:  # a check across settings: its message names the variables
+            raise ConfigurationError(message, field=None, cause=exc) from exc
         name = "FORKQ_" + "_".join(str(p) for p in first["loc"]).upper()
-        raise ConfigurationError(f"{name}: {first['msg']}", field=name, cause=exc) from exc
+        raise ConfigurationError(f"{name}: {message}", field=name, cause=exc) from exc
 
 
 def _client() -> Any:

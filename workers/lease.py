@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, cast
 
@@ -35,14 +36,17 @@ local status = redis.call('HGET', KEYS[1], 'status')
 if status ~= 'running' then return status or 'missing' end
 """
 
-# KEYS: state, lease, events, running. ARGV: owner, ttl_ms, fork_id.
+# KEYS: state, lease, events, running, bootstrap, journal. ARGV: owner, ttl_ms, fork_id, job digest ('' = any).
+# One round trip: refuse a job whose digest is not the launch digest, claim, and hand back the
+# bootstrap record and the journal the run starts from.
 _CLAIM = (
     _NOW
     + """
 local status = redis.call('HGET', KEYS[1], 'status')
-if not status then return {'missing', 0, 0} end
-if status ~= 'queued' then return {status, 0, 0} end
-if redis.call('EXISTS', KEYS[2]) == 1 then return {'leased', 0, 0} end
+if not status then return {'missing'} end
+if ARGV[4] ~= '' and redis.call('HGET', KEYS[1], 'digest') ~= ARGV[4] then return {'forged'} end
+if status ~= 'queued' then return {status} end
+if redis.call('EXISTS', KEYS[2]) == 1 then return {'leased'} end
 redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
 local epoch = redis.call('HINCRBY', KEYS[1], 'epoch', 1)
 local attempt = redis.call('HINCRBY', KEYS[1], 'attempt', 1)
@@ -50,19 +54,32 @@ redis.call('HSET', KEYS[1], 'status', 'running', 'owner', ARGV[1], 'started_ms',
 redis.call('ZADD', KEYS[4], now + tonumber(ARGV[2]), ARGV[3])
 redis.call('XADD', KEYS[3], 'MAXLEN', '~', @MAXLEN@, '*', 'type', 'started', 'data',
            cjson.encode({owner = ARGV[1], attempt = attempt, epoch = epoch}))
-return {'claimed', attempt, epoch}
+return {'claimed', attempt, epoch, redis.call('GET', KEYS[5]) or '', redis.call('LRANGE', KEYS[6], 0, -1)}
 """
 )
 
-# KEYS: state, lease, journal. ARGV: epoch, owner, seq, entry bytes.
+# KEYS: state, lease, journal, events. ARGV: epoch, owner, seq, n entries, entries…, then event (type, data)
+# pairs. Entries are appended only at the expected position; the events go with them.
 _APPEND = (
     _FENCE
     + """
 if redis.call('LLEN', KEYS[3]) ~= tonumber(ARGV[3]) then return 'seq' end
-redis.call('RPUSH', KEYS[3], ARGV[4])
+local n = tonumber(ARGV[4])
+for i = 5, 4 + n do redis.call('RPUSH', KEYS[3], ARGV[i]) end
+for i = 5 + n, #ARGV, 2 do
+  redis.call('XADD', KEYS[4], 'MAXLEN', '~', @MAXLEN@, '*', 'type', ARGV[i], 'data', ARGV[i + 1])
+end
 return 'ok'
 """
 )
+
+# KEYS: state, events. ARGV: event (type, data) pairs. Publishes progress and returns the status.
+_EMIT = """
+for i = 1, #ARGV, 2 do
+  redis.call('XADD', KEYS[2], 'MAXLEN', '~', @MAXLEN@, '*', 'type', ARGV[i], 'data', ARGV[i + 1])
+end
+return redis.call('HGET', KEYS[1], 'status') or 'missing'
+"""
 
 # KEYS: state, lease, events, running, result, journal, bootstrap. ARGV: epoch, owner, status,
 # result bytes, error, event data, ttl_s, fork_id.
@@ -116,29 +133,48 @@ return 1
 """
 )
 
-# KEYS: state, lease, events, running, result. ARGV: fork_id, max_attempts, failed result bytes.
+# KEYS: state, lease, events, running, result. ARGV: fork_id, max_attempts, failed result bytes, ttl_s,
+# grace_ms. A revived fork stays in the running index, `grace_ms` ahead, until its job is enqueued
+# (`_ENQUEUED`): if the sweeper dies or the broker is down in between, a later sweep enqueues it.
 _REVIVE = (
     _NOW
     + """
 local status = redis.call('HGET', KEYS[1], 'status')
+if status == 'queued' then
+  -- revived earlier: enqueue again only if its job was never confirmed and its grace has passed
+  local due = redis.call('ZSCORE', KEYS[4], ARGV[1])
+  if not due or tonumber(due) > now then return 'queued' end
+  redis.call('ZADD', KEYS[4], now + tonumber(ARGV[5]), ARGV[1])
+  return 'requeue'
+end
 if status ~= 'running' then redis.call('ZREM', KEYS[4], ARGV[1]); return status or 'missing' end
 local left = redis.call('PTTL', KEYS[2])
 if left > 0 then redis.call('ZADD', KEYS[4], now + left, ARGV[1]); return 'alive' end
-redis.call('ZREM', KEYS[4], ARGV[1])
-local attempt = tonumber(redis.call('HGET', KEYS[1], 'attempt') or '0')
-if attempt >= tonumber(ARGV[2]) then
-  local reason = 'worker_lost: the worker running this fork died ' .. attempt .. ' times; attempts exhausted'
+local lost = redis.call('HINCRBY', KEYS[1], 'lost', 1)
+if lost >= tonumber(ARGV[2]) then
+  redis.call('ZREM', KEYS[4], ARGV[1])
+  local reason = 'worker_lost: the worker running this fork was lost ' .. lost .. ' times; attempts exhausted'
   redis.call('HSET', KEYS[1], 'status', 'failed', 'finished_ms', now, 'error', reason, 'owner', '')
-  redis.call('SET', KEYS[5], ARGV[3], 'KEEPTTL')
+  redis.call('SET', KEYS[5], ARGV[3], 'EX', ARGV[4])
+  for _, i in ipairs({1, 3}) do redis.call('EXPIRE', KEYS[i], ARGV[4]) end
   redis.call('XADD', KEYS[3], 'MAXLEN', '~', @MAXLEN@, '*', 'type', 'finished', 'data',
              cjson.encode({status = 'failed', error = reason}))
   return 'failed'
 end
 redis.call('HSET', KEYS[1], 'status', 'queued', 'owner', '')
-redis.call('XADD', KEYS[3], 'MAXLEN', '~', @MAXLEN@, '*', 'type', 'revived', 'data', cjson.encode({attempt = attempt}))
+redis.call('ZADD', KEYS[4], now + tonumber(ARGV[5]), ARGV[1])
+local attempt = tonumber(redis.call('HGET', KEYS[1], 'attempt') or '0')
+redis.call('XADD', KEYS[3], 'MAXLEN', '~', @MAXLEN@, '*', 'type', 'revived', 'data',
+           cjson.encode({attempt = attempt, lost = lost}))
 return 'revive'
 """
 )
+
+# KEYS: state, running. ARGV: fork_id. The revived fork's job is in the broker: drop it from the index.
+_ENQUEUED = """
+if redis.call('HGET', KEYS[1], 'status') == 'queued' then redis.call('ZREM', KEYS[2], ARGV[1]) end
+return 1
+"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,6 +185,8 @@ class Claim:
     owner: str
     epoch: int
     attempt: int
+    record: bytes = field(default=b"", repr=False, compare=False)  # bootstrap bytes read by the claim
+    journal: tuple[bytes, ...] = field(default=(), repr=False, compare=False)  # journal entries at claim time
 
 
 class Leases:
@@ -160,26 +198,42 @@ class Leases:
         self.ttl_ms = ttl_ms
         self.retention_s = retention_s
         self._claim = client.register_script(_CLAIM.replace("@MAXLEN@", MAXLEN))
-        self._append = client.register_script(_APPEND)
+        self._append = client.register_script(_APPEND.replace("@MAXLEN@", MAXLEN))
+        self._emit = client.register_script(_EMIT.replace("@MAXLEN@", MAXLEN))
         self._finish = client.register_script(_FINISH.replace("@MAXLEN@", MAXLEN))
         self._release = client.register_script(_RELEASE.replace("@MAXLEN@", MAXLEN))
         self._pause = client.register_script(_PAUSE.replace("@MAXLEN@", MAXLEN))
         self._renew = client.register_script(_RENEW)
+        self._enqueued = client.register_script(_ENQUEUED)
         self._revive = client.register_script(_REVIVE.replace("@MAXLEN@", MAXLEN))
 
-    def claim(self, fork_id: str, owner: str) -> Claim | str:
-        """Take a queued fork: a `Claim`, or the reason it was not taken (its status, or `leased`)."""
+    def claim(self, fork_id: str, owner: str, digest: str | None = None) -> Claim | str:
+        """Take a queued fork: a `Claim` (with the record and journal), or why not.
+
+        The reason is the fork's status, `leased`, `missing`, or `forged` when `digest` is given
+        and is not the fork's launch digest (the fork is then left untouched).
+        """
         k = self.keys
-        outcome, attempt, epoch = cast(
+        reply = cast(
             list[Any],
             self._claim(
-                keys=[k.state(fork_id), k.lease(fork_id), k.events(fork_id), k.running],
-                args=[owner, self.ttl_ms, fork_id],
+                keys=[
+                    k.state(fork_id),
+                    k.lease(fork_id),
+                    k.events(fork_id),
+                    k.running,
+                    k.bootstrap(fork_id),
+                    k.journal(fork_id),
+                ],
+                args=[owner, self.ttl_ms, fork_id, digest or ""],
             ),
         )
-        if outcome != b"claimed":
-            return cast(bytes, outcome).decode()
-        return Claim(fork_id=fork_id, owner=owner, epoch=int(epoch), attempt=int(attempt))
+        if reply[0] != b"claimed":
+            return cast(bytes, reply[0]).decode()
+        _, attempt, epoch, record, journal = reply
+        return Claim(
+            fork_id=fork_id, owner=owner, epoch=int(epoch), attempt=int(attempt), record=record, journal=tuple(journal)
+        )
 
     def _fenced(self, claim: Claim, outcome: Any, what: str) -> None:
         text = cast(bytes, outcome).decode()
@@ -190,15 +244,26 @@ class Leases:
                 fork_id=claim.fork_id,
             )
 
-    def append(self, claim: Claim, entry: JournalEntry) -> None:
-        """Append a journal entry under the claim (LeaseLost when refused)."""
+    def append(self, claim: Claim, *entries: JournalEntry, events: Sequence[tuple[str, dict[str, Any]]] = ()) -> None:
+        """Append journal entries (and publish events) under the claim, in one round trip.
+
+        Raises:
+            LeaseLost: the claim is stale, the lease lost, or the fork no longer running.
+        """
         k = self.keys
         fid = claim.fork_id
-        outcome = self._append(
-            keys=[k.state(fid), k.lease(fid), k.journal(fid)],
-            args=[claim.epoch, claim.owner, entry.seq, entry.encode()],
-        )
-        self._fenced(claim, outcome, f"journal entry {entry.seq} ({entry.kind})")
+        args: list[Any] = [claim.epoch, claim.owner, entries[0].seq if entries else 0, len(entries)]
+        args += [e.encode() for e in entries]
+        args += [item for kind, data in events for item in (kind, json.dumps(data))]
+        outcome = self._append(keys=[k.state(fid), k.lease(fid), k.journal(fid), k.events(fid)], args=args)
+        what = ", ".join(f"{e.seq} ({e.kind})" for e in entries) or "events"
+        self._fenced(claim, outcome, f"journal entries {what}")
+
+    def emit(self, fork_id: str, events: Sequence[tuple[str, dict[str, Any]]]) -> str:
+        """Publish events and read the fork's status, in one round trip."""
+        args = [item for kind, data in events for item in (kind, json.dumps(data))]
+        status = self._emit(keys=[self.keys.state(fork_id), self.keys.events(fork_id)], args=args)
+        return cast(bytes, status).decode()
 
     def journal(self, fork_id: str) -> list[JournalEntry]:
         """Every journal entry of the fork, in order."""
@@ -271,19 +336,27 @@ class Leases:
         ids = cast(list[bytes], self.client.zrangebyscore(self.keys.running, "-inf", now_ms, start=0, num=limit))
         return [i.decode() for i in ids]
 
-    def revive(self, fork_id: str, *, max_attempts: int) -> str:
-        """Sweeper's check of one fork: `revive` (now queued), `failed`, `alive`, or its status."""
+    def revive(self, fork_id: str, *, max_attempts: int, grace_ms: int = 30_000) -> str:
+        """Sweeper's check of one fork.
+
+        `revive` (now queued: enqueue it), `requeue` (revived earlier, its job may be missing:
+        enqueue it), `failed` (worker lost `max_attempts` times), `alive`, or the fork's status.
+        """
         k = self.keys
         failed = ForkResult(
             fork_id=fork_id,
             status=Status.FAILED,
-            error="worker_lost: the worker running this fork died; attempts exhausted",
+            error="worker_lost: the worker running this fork was lost too many times; attempts exhausted",
         )
         outcome = self._revive(
             keys=[k.state(fork_id), k.lease(fork_id), k.events(fork_id), k.running, k.result(fork_id)],
-            args=[fork_id, max_attempts, failed.encode()],
+            args=[fork_id, max_attempts, failed.encode(), self.retention_s, grace_ms],
         )
         return cast(bytes, outcome).decode()
+
+    def enqueued(self, fork_id: str) -> None:
+        """The revived fork's job is in the broker: it leaves the running index."""
+        self._enqueued(keys=[self.keys.state(fork_id), self.keys.running], args=[fork_id])
 
 
 @dataclass

@@ -17,13 +17,14 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from broker_config.settings import Settings
 from workers.child import ChildLoop, Stopped
-from workers.errors import ForkqError, LeaseLost, RecordIntegrityError
+from workers.errors import ForkNotFound, ForkqError, LeaseLost, RecordIntegrityError
+from workers.history import ForkSeed
 from workers.journal import JournalEntry
 from workers.keys import Keys
 from workers.lease import Claim, LeaseKeeper, Leases
 from workers.providers import ModelProvider
 from workers.providers.routing import ProviderRouter
-from workers.records import ForkResult, Status
+from workers.records import BootstrapRecord, ForkResult, Status
 from workers.store import ForkStore
 from workers.tools import ToolRegistry, load_tools
 
@@ -86,16 +87,52 @@ class WorkerRuntime:
         return load_tools()
 
 
-@dataclass(frozen=True)
-class FencedJournal:
-    """The journal writer of one claim."""
+@dataclass
+class FencedChannel:
+    """The loop's `ForkIO` for one claim: events buffered into the next fenced write or checkpoint.
+
+    A step costs two round trips: a checkpoint before the model call (events + status check) and
+    the journal append after it (entry + events, fenced by epoch and lease).
+    """
 
     leases: Leases
     claim: Claim
+    lost: threading.Event
+    stopping: threading.Event
+    pending_entries: list[JournalEntry] = field(default_factory=list)  # written with the next append
+    pending_events: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
 
-    def append(self, entry: JournalEntry) -> None:
-        """Append under the claim's epoch (LeaseLost when refused)."""
-        self.leases.append(self.claim, entry)
+    def emit(self, kind: str, data: dict[str, Any]) -> None:
+        """Queue a progress event."""
+        self.pending_events.append((kind, data))
+
+    def _take_events(self) -> list[tuple[str, dict[str, Any]]]:
+        events, self.pending_events = self.pending_events, []
+        return events
+
+    def _stop_if_asked(self) -> None:
+        if self.lost.is_set():
+            raise Stopped("lease_lost")
+        if self.stopping.is_set():
+            raise Stopped("shutdown")
+
+    def checkpoint(self) -> None:
+        """Publish queued events and stop if the fork was cancelled, lost or its worker stops."""
+        self._stop_if_asked()
+        if self.pending_entries:  # the first run's tool surface: recorded before the first model call
+            entries, self.pending_entries = self.pending_entries, []
+            self.leases.append(self.claim, *entries, events=self._take_events())
+            return
+        status = self.leases.emit(self.claim.fork_id, self._take_events())
+        if status != "running":
+            raise Stopped("cancelled" if status == "cancelled" else "lease_lost")
+
+    def append(self, entry: JournalEntry, *, boundary: bool = False) -> None:
+        """Fenced append of `entry` (after any pending ones) with the queued events."""
+        if boundary:
+            self._stop_if_asked()
+        entries, self.pending_entries = [*self.pending_entries, entry], []
+        self.leases.append(self.claim, *entries, events=self._take_events())
 
 
 def new_owner() -> str:
@@ -111,14 +148,15 @@ def run_fork_job(runtime: WorkerRuntime, job: RunForkJob) -> str:
     not queued (running under a live lease, finished, cancelled) is a no-op.
     """
     fid = job.fork_id
-    state = runtime.store.state(fid)
-    if state.digest and job.digest != state.digest:
+    claim = runtime.leases.claim(fid, new_owner(), job.digest)
+    if claim == "forged":
         raise RecordIntegrityError(
-            f"fork {fid}: job digest {job.digest[:12]}… is not the launch digest {state.digest[:12]}…; "
+            f"fork {fid}: job digest {job.digest[:12]}… is not the fork's launch digest; "
             "the job message was altered or belongs to another fork",
             fork_id=fid,
         )
-    claim = runtime.leases.claim(fid, new_owner())
+    if claim == "missing":
+        raise ForkNotFound(f"fork {fid}: no such fork (never launched, or past its retention)", fork_id=fid)
     if isinstance(claim, str):
         log.info("fork %s: delivery ignored, fork is %s", fid, claim)
         return f"duplicate:{claim}"
@@ -135,14 +173,14 @@ def run_fork_job(runtime: WorkerRuntime, job: RunForkJob) -> str:
 def _run_claimed(runtime: WorkerRuntime, job: RunForkJob, claim: Claim, lost: threading.Event) -> str:
     fid = job.fork_id
     try:
-        record = runtime.store.get_record(fid, job.digest)
-        seed = runtime.store.load_seed(record, job.seed_chunks)
-        entries = runtime.leases.journal(fid)
+        record = BootstrapRecord.decode(claim.record, fork_id=fid, expected_digest=job.digest)
+        seed = _load_seed(runtime, record, job)
+        entries = [JournalEntry.decode(raw, fork_id=fid) for raw in claim.journal]
     except (ForkqError, redis.RedisError) as exc:
         runtime.leases.finish(claim, ForkResult(fork_id=fid, status=Status.FAILED, error=str(exc)))
         raise
-
-    missing = _check_tool_surface(runtime, claim, record.tools, entries)
+    channel = FencedChannel(runtime.leases, claim, lost, runtime.stopping)
+    missing = _check_tool_surface(runtime, record.tools, entries, channel)
     if missing:
         reason = (
             f"declared tool(s) {', '.join(missing)} not available on this worker; the fork was started "
@@ -150,22 +188,12 @@ def _run_claimed(runtime: WorkerRuntime, job: RunForkJob, claim: Claim, lost: th
         )
         runtime.leases.pause(claim, reason)
         return "paused"
-
-    def stop_reason() -> str | None:
-        if lost.is_set():
-            return "lease_lost"
-        if runtime.stopping.is_set():
-            return "shutdown"
-        return "cancelled" if runtime.store.is_cancelled(fid) else None
-
     loop = ChildLoop(
         record=record,
         seed=seed,
         provider=runtime.provider,
         tools=runtime.tools,
-        journal=FencedJournal(runtime.leases, claim),
-        emit=lambda kind, data: _emit(runtime, fid, kind, data),
-        stop_reason=stop_reason,
+        io=channel,
         entries=entries,
         max_turns=runtime.settings.max_turns,
     )
@@ -182,15 +210,29 @@ def _run_claimed(runtime: WorkerRuntime, job: RunForkJob, claim: Claim, lost: th
     return result.status.value
 
 
+def _load_seed(runtime: WorkerRuntime, record: BootstrapRecord, job: RunForkJob) -> ForkSeed:
+    """The seed from the job's inline chunks; if they do not match the record, from Redis instead.
+
+    A corrupted job must not fail an intact fork: the record in Redis is the source of truth.
+    """
+    if job.seed_chunks is not None:
+        try:
+            return runtime.store.load_seed(record, job.seed_chunks)
+        except RecordIntegrityError as exc:
+            log.warning("fork %s: inline seed refused (%s); reading the seed from Redis", job.fork_id, exc)
+    return runtime.store.load_seed(record)
+
+
 def _check_tool_surface(
-    runtime: WorkerRuntime, claim: Claim, declared: list[dict[str, Any]], entries: list[JournalEntry]
+    runtime: WorkerRuntime, declared: list[dict[str, Any]], entries: list[JournalEntry], channel: FencedChannel
 ) -> list[str]:
-    """Record the executable tool surface on the first run; on a revival, the tools now missing."""
+    """Record the executable tool surface on the first run (with the first append); on a revival,
+    the tools of the recorded surface this worker lacks."""
     surface = sorted({str(d.get("name")) for d in declared if runtime.tools.get(d.get("name"))})
     recorded = next((e.tools for e in entries if e.kind == "surface"), None)
     if recorded is None:
         entry = JournalEntry(seq=len(entries), step=0, kind="surface", tools=surface)
-        runtime.leases.append(claim, entry)
+        channel.pending_entries.append(entry)
         entries.append(entry)
         return []
     return sorted(set(recorded) - set(surface))
@@ -203,7 +245,3 @@ def _stopped(runtime: WorkerRuntime, job: RunForkJob, claim: Claim, reason: str)
             runtime.requeue(job.fork_id, job.digest, claim.attempt + 1)
         return "released"
     return reason
-
-
-def _emit(runtime: WorkerRuntime, fork_id: str, kind: str, data: dict[str, Any]) -> None:
-    runtime.store.add_event(fork_id, kind, data)

@@ -46,7 +46,7 @@ return 'created'
 """.replace("@MAXLEN@", str(EVENTS_MAXLEN))
 )
 
-# KEYS: state, events, result. ARGV: result bytes, event data. Terminal forks stay as they are.
+# KEYS: state, events, result, bootstrap, journal. ARGV: result bytes, event data, ttl_s. Terminal forks stay.
 _CANCEL = (
     _NOW
     + """
@@ -54,8 +54,9 @@ local status = redis.call('HGET', KEYS[1], 'status')
 if not status then return 'missing' end
 if status == 'succeeded' or status == 'failed' or status == 'cancelled' then return status end
 redis.call('HSET', KEYS[1], 'status', 'cancelled', 'finished_ms', now, 'error', 'cancelled by request')
-redis.call('SET', KEYS[3], ARGV[1], 'KEEPTTL')
+redis.call('SET', KEYS[3], ARGV[1], 'EX', ARGV[3])
 redis.call('XADD', KEYS[2], 'MAXLEN', '~', @MAXLEN@, '*', 'type', 'finished', 'data', ARGV[2])
+for _, i in ipairs({1, 2, 4, 5}) do redis.call('EXPIRE', KEYS[i], ARGV[3]) end
 return 'cancelled'
 """.replace("@MAXLEN@", str(EVENTS_MAXLEN))
 )
@@ -217,8 +218,14 @@ class ForkStore:
         """
         result = ForkResult(fork_id=fork_id, status=Status.CANCELLED, error="cancelled by request")
         outcome = self._cancel(
-            keys=[self.keys.state(fork_id), self.keys.events(fork_id), self.keys.result(fork_id)],
-            args=[result.encode(), json.dumps({"status": "cancelled", "error": "cancelled by request"})],
+            keys=[
+                self.keys.state(fork_id),
+                self.keys.events(fork_id),
+                self.keys.result(fork_id),
+                self.keys.bootstrap(fork_id),
+                self.keys.journal(fork_id),
+            ],
+            args=[result.encode(), json.dumps({"status": "cancelled", "error": "cancelled by request"}), self.ttl_s],
         )
         outcome = cast(bytes, outcome).decode()
         if outcome == "missing":

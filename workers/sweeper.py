@@ -12,8 +12,6 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import redis
-
 from workers.lease import Leases
 from workers.store import ForkStore
 
@@ -33,24 +31,31 @@ class Sweeper:
     interval_s: float
 
     def sweep_once(self) -> Counter[str]:
-        """One pass over expired leases; counts outcomes (`revive`, `failed`, `alive`, ...)."""
+        """One pass over expired leases; counts outcomes (`revive`, `requeue`, `failed`, `alive`, ...).
+
+        Raises:
+            the broker's error when an enqueue fails (the fork stays in the index for a later pass).
+        """
         outcomes: Counter[str] = Counter()
+        # another sweeper re-enqueues a revived fork only if this one failed to within the grace
+        grace_ms = int(max(1.0, 5 * self.interval_s) * 1000)
         for fork_id in self.leases.expired():
-            outcome = self.leases.revive(fork_id, max_attempts=self.max_attempts)
+            outcome = self.leases.revive(fork_id, max_attempts=self.max_attempts, grace_ms=grace_ms)
             outcomes[outcome] += 1
-            if outcome == "revive":
+            if outcome in ("revive", "requeue"):
                 state = self.store.state(fork_id)
                 self.enqueue(fork_id, state.digest, state.attempt + 1)
-                log.info("fork %s: lease expired, revived (attempt %d)", fork_id, state.attempt + 1)
+                self.leases.enqueued(fork_id)
+                log.info("fork %s: lease expired, %s (attempt %d)", fork_id, outcome, state.attempt + 1)
             elif outcome == "failed":
-                log.warning("fork %s: failed with worker_lost after %d attempts", fork_id, self.max_attempts)
+                log.warning("fork %s: failed with worker_lost after %d lost runs", fork_id, self.max_attempts)
         return outcomes
 
     def run(self, stop: threading.Event) -> None:
-        """Sweep every `interval_s` until `stop` is set; Redis errors are logged and retried."""
+        """Sweep every `interval_s` until `stop` is set; Redis or broker errors are logged and retried."""
         while not stop.is_set():
             try:
                 self.sweep_once()
-            except redis.RedisError as exc:
-                log.warning("sweep failed, retrying: %s", exc)
+            except Exception as exc:  # Redis or broker down: the next pass retries, the sweeper lives on
+                log.warning("sweep failed, retrying in %.1f s: %s", self.interval_s, exc)
             stop.wait(self.interval_s)

@@ -6,6 +6,8 @@ import logging
 from typing import Any
 
 from celery import Celery, Task
+from celery.exceptions import InvalidTaskError
+from celery.worker.request import Request
 from pydantic import ValidationError
 
 from broker_config.celery import RUN_FORK_TASK, SWEEP_TASK
@@ -51,12 +53,39 @@ def make_sweeper(app: Celery, runtime: WorkerRuntime) -> Sweeper:
     )
 
 
+class ForkqRequest(Request):
+    """Celery's request, refusing a message body that is not `[args, kwargs, embed]`.
+
+    Celery's consumer survives `InvalidTaskError` (it logs and acks the message) but not the
+    `ValueError` its own request raises on a malformed body, which would stop the worker and
+    leave the message to crash the next one.
+    """
+
+    def __init__(self, message: Any, *args: Any, **kwargs: Any) -> None:
+        body = getattr(message, "payload", None)
+        if not (
+            isinstance(body, list | tuple)
+            and len(body) == 3
+            and isinstance(body[0], list | tuple)
+            and isinstance(body[1], dict)
+            and isinstance(body[2], dict | None)
+        ):
+            raise InvalidTaskError(f"malformed task body ({type(body).__name__}); expected [args, kwargs, embed]")
+        super().__init__(message, *args, **kwargs)
+
+
 def register_tasks(app: Celery, runtime: WorkerRuntime) -> None:
     """Register `run_fork` and `sweep` on `app`, bound to the process's runtime."""
 
     # shared=False: each app gets its own task (a shared task would register on every app built later)
     @app.task(
-        name=RUN_FORK_TASK, bind=True, shared=False, ignore_result=True, acks_late=True, reject_on_worker_lost=True
+        name=RUN_FORK_TASK,
+        bind=True,
+        shared=False,
+        ignore_result=True,
+        acks_late=True,
+        reject_on_worker_lost=True,
+        Request=ForkqRequest,
     )
     def run_fork(self: Task[Any, Any], *args: Any, **kwargs: Any) -> str:
         """Run one delivery of a fork job (a no-op when the fork is not queued)."""
@@ -74,7 +103,7 @@ def register_tasks(app: Celery, runtime: WorkerRuntime) -> None:
             runtime.store.dead_letter(str(self.request.id), str(exc))
             return f"refused:{type(exc).__name__}"
 
-    @app.task(name=SWEEP_TASK, shared=False, ignore_result=True)
+    @app.task(name=SWEEP_TASK, shared=False, ignore_result=True, Request=ForkqRequest)
     def sweep() -> dict[str, int]:
         """One sweeper pass (Celery beat schedules it every FORKQ_SWEEP_S)."""
         return dict(make_sweeper(app, runtime).sweep_once())

@@ -1,0 +1,84 @@
+"""Helpers for tests against live workers: polling, and reading or writing kombu messages in Redis."""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import msgpack
+import pytest
+import redis
+
+from broker_config.celery import RUN_FORK_TASK
+from workers.client import ForkClient
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 15.0, what: str = "condition") -> None:
+    """Poll `predicate` until it holds; fail the test after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.02)
+
+
+def envelopes(redis_client: redis.Redis, queue: str) -> list[dict[str, Any]]:
+    """The kombu envelopes waiting in a queue (kombu's Redis transport keeps one JSON string per message)."""
+    return [json.loads(raw) for raw in redis_client.lrange(queue, 0, -1)]
+
+
+def body(envelope: dict[str, Any]) -> Any:
+    """The Celery body (args, kwargs, embed) of a msgpack envelope."""
+    assert envelope["properties"]["body_encoding"] == "base64"
+    return msgpack.unpackb(base64.b64decode(envelope["body"]), raw=False)
+
+
+def push_raw(
+    redis_client: redis.Redis,
+    queue: str,
+    payload: bytes,
+    *,
+    content_type: str = "application/x-msgpack",
+    task: str = RUN_FORK_TASK,
+) -> str:
+    """Push a hand-made message into a kombu Redis queue, as a hostile or buggy producer would."""
+    task_id = f"hostile-{uuid.uuid4().hex[:8]}"
+    envelope = {
+        "body": base64.b64encode(payload).decode(),
+        "content-encoding": "binary",
+        "content-type": content_type,
+        "headers": {"lang": "py", "task": task, "id": task_id, "root_id": task_id, "retries": 0},
+        "properties": {
+            "correlation_id": task_id,
+            "delivery_mode": 2,
+            "delivery_info": {"exchange": "", "routing_key": queue},
+            "priority": 0,
+            "body_encoding": "base64",
+            "delivery_tag": str(uuid.uuid4()),
+        },
+    }
+    redis_client.lpush(queue, json.dumps(envelope))
+    return task_id
+
+
+def job_body(*args: Any, **kwargs: Any) -> bytes:
+    """A Celery protocol-2 body in msgpack."""
+    embed = {"callbacks": None, "errbacks": None, "chain": None, "chord": None}
+    return msgpack.packb([list(args), kwargs, embed], use_bin_type=True)
+
+
+def queue_drained(redis_client: redis.Redis, queue: str) -> Callable[[], bool]:
+    """True once the queue is empty and kombu holds no unacked message."""
+    return lambda: redis_client.llen(queue) == 0 and redis_client.hlen("unacked") == 0
+
+
+MILESTONES = ("queued", "started", "step", "tool", "finished")
+
+
+def event_types(client: ForkClient, fork_id: str) -> list[str]:
+    """The fork's lifecycle events in order (finer progress events such as `model_call` left out)."""
+    return [event.type for event in client.events(fork_id) if event.type in MILESTONES]

@@ -1,0 +1,116 @@
+"""make_app: one independent Celery app per Settings, no import-time or process-global side effects."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery, signals
+from celery.contrib.testing.worker import start_worker
+
+import workers.app as app_module
+from broker_config.celery import RUN_FORK_TASK, SWEEP_TASK
+from broker_config.settings import Settings
+from workers.app import make_app, runtime_of
+from workers.client import ForkClient
+from workers.records import Status
+
+REPO_ROOT = Path(app_module.__file__).resolve().parents[1]
+FORK = {"description": "d", "prompt": "Report back.", "subagent_type": "fork", "fork_turns": "1"}
+
+
+@pytest.fixture
+def fresh_default_app() -> Iterator[None]:
+    """`workers.app.app` rebuilt from this test's environment, and forgotten afterwards."""
+    app_module.default_app.cache_clear()
+    yield
+    app_module.default_app.cache_clear()
+
+
+def test_make_app_registers_forkqs_tasks_and_attaches_the_runtime(app: Celery, settings: Settings) -> None:
+    assert {RUN_FORK_TASK, SWEEP_TASK} <= set(app.tasks)
+    assert runtime_of(app).settings is settings
+    assert app.conf.task_default_queue == settings.queue
+    assert app.main == "forkq"
+
+
+def test_two_apps_in_one_process_each_run_their_own_forks(
+    make_settings: Callable[..., Settings], parent: dict[str, Any]
+) -> None:
+    # Given two apps with their own namespaces and queues, built in one process (a demo, a test run)
+    apps = [make_app(make_settings(namespace=name, queue=f"{name}-forks")) for name in ("blue", "green")]
+    statuses = []
+
+    # When each app launches a fork and runs it on its own worker (one after the other: Celery keeps
+    # per-process worker state, so two in-process workers of different apps cannot run at once)
+    for app in apps:
+        with ForkClient(runtime_of(app).settings, app=app) as client:
+            handle = client.launch(parent, FORK)
+            with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False, loglevel="WARNING"):
+                statuses.append(handle.wait(timeout=10).status)
+        app.close()
+
+    # Then each app's run_fork ran its own fork, with its own settings
+    assert statuses == [Status.SUCCEEDED, Status.SUCCEEDED]
+
+
+def test_building_clients_leaves_no_process_global_signal_handlers_behind(settings: Settings) -> None:
+    # a parent agent may build a ForkClient per request; each builds an app
+    before = (len(signals.worker_init.receivers), len(signals.worker_shutting_down.receivers))
+    for _ in range(3):
+        with ForkClient(settings) as client:
+            client.app.close()
+
+    after = (len(signals.worker_init.receivers), len(signals.worker_shutting_down.receivers))
+    assert after == before
+
+
+def test_the_module_level_app_is_built_from_the_environment_on_first_access(
+    monkeypatch: pytest.MonkeyPatch, fresh_default_app: None, redis_url: str
+) -> None:
+    monkeypatch.setenv("FORKQ_REDIS_URL", redis_url)
+    monkeypatch.setenv("FORKQ_QUEUE", "from-env")
+
+    first = app_module.app
+
+    assert first.conf.task_default_queue == "from-env"
+    assert app_module.celery is first
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        _ = app_module.nope
+
+
+def test_importing_forkq_builds_no_app_and_touches_no_redis() -> None:
+    # FORKQ_REDIS_URL points nowhere: an import that connected or built an app would show here
+    code = (
+        "import celery._state as state, workers.app, workers.client, workers.cli, workers.tasks; "
+        "print(len(list(state._get_active_apps())))"
+    )
+    env = {"FORKQ_REDIS_URL": "redis://127.0.0.1:1/0", "PATH": ""}
+    argv = [sys.executable, "-c", code]
+    done = subprocess.run(argv, check=False, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=60)
+
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "0"
+
+
+def test_a_worker_refuses_to_start_against_a_redis_that_may_evict_records(
+    worker_process: Callable[..., Any], redis_client: redis.Redis
+) -> None:
+    # Given a Redis configured as a cache (allkeys-lru) rather than a database
+    redis_client.config_set("maxmemory-policy", "allkeys-lru")
+    try:
+        # When a worker process starts against it
+        worker = worker_process()
+        code = worker.process.wait(timeout=10)
+    finally:
+        redis_client.config_set("maxmemory-policy", "noeviction")
+
+    # Then it exits with a message saying what to fix
+    assert code != 0
+    assert "maxmemory-policy" in worker.log()
+    assert "noeviction" in worker.log()

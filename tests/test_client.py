@@ -1,0 +1,282 @@
+"""ForkClient against a private Redis and live workers: launch, run, result, records, storage, cancel, events."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+from typing import Any
+
+import pytest
+import redis
+from celery.worker import WorkController
+from live import MILESTONES, wait_until
+
+from workers.client import ForkClient
+from workers.errors import ForkNotFound, ForkTimeout, InvalidAgentParams, InvalidParentSnapshot, RecordExistsError
+from workers.history import build_fork_seed
+from workers.params import MSG_FORK_TURNS_NOT_FORK, MSG_FORK_TURNS_TEAMMATE, MSG_FORK_TURNS_VALUE, MSG_MODEL_FORK
+from workers.records import Status, split_seed
+from workers.snapshot import parse_parent_snapshot
+
+FORK = {"description": "write expiry tests", "prompt": "Write the expiry tests.", "subagent_type": "fork"}
+
+
+def stored_digest(redis_client: redis.Redis, client: ForkClient, fork_id: str) -> str:
+    """BLAKE2b-256 of the bootstrap record's bytes as Redis holds them."""
+    data = redis_client.get(client.store.keys.bootstrap(fork_id))
+    assert isinstance(data, bytes)
+    return hashlib.blake2b(data, digest_size=32).hexdigest()
+
+
+def nothing_reached_redis(redis_client: redis.Redis, queue: str) -> bool:
+    return redis_client.dbsize() == 0 and redis_client.llen(queue) == 0
+
+
+# ── launch → run → result ─────────────────────────────────────────────────────────────────────
+
+
+@pytest.mark.parametrize("fork_turns", ["all", "1", "3", None])
+def test_a_fork_runs_to_its_result_from_the_record_build_fork_seed_made(
+    fork_turns: str | None,
+    client: ForkClient,
+    live_worker: WorkController,
+    redis_client: redis.Redis,
+    parent: dict[str, Any],
+) -> None:
+    params = FORK if fork_turns is None else {**FORK, "fork_turns": fork_turns}
+    handle = client.launch(parent, params)
+    result = handle.wait(timeout=15)
+
+    seed = build_fork_seed(parse_parent_snapshot(parent).history, fork_turns=fork_turns, directive=FORK["prompt"])
+    record = client.inspect(handle.fork_id)
+    assert result.status is Status.SUCCEEDED, result.error
+    output = result.output or ""
+    assert f"received {len(seed.initial_messages) + 1} messages" in output
+    assert f"{len(parent['tools'])} tools); directive: {FORK['prompt']}" in output
+    assert record["initial_messages"] == seed.to_wire()["initial_messages"]
+    assert record["task_prompt"] == seed.task_prompt
+    assert (record["kind"], record["fork_turns"], record["directive"]) == ("fork", fork_turns, FORK["prompt"])
+    assert (record["model"], record["cwd"], record["depth"]) == (parent["model"], parent["cwd"], parent["depth"] + 1)
+    assert (record["system_instruction"], record["tools"]) == (parent["system_instruction"], parent["tools"])
+    assert record["approval_mode"] == parent["approval_mode"]
+    assert record["digest"] == handle.digest == stored_digest(redis_client, client, handle.fork_id)
+    assert result.usage.model_calls == 1
+    assert handle.status().status is Status.SUCCEEDED
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"description": "review", "prompt": "Review the diff.", "subagent_type": "general-purpose", "model": "m-2"},
+        {"description": "review", "prompt": "Review the diff.", "subagent_type": "fork", "name": "reviewer"},
+        {"description": "review", "prompt": "Review the diff.", "name": "reviewer"},
+        {"description": "review", "prompt": "Review the diff."},
+    ],
+    ids=["regular-subagent", "teammate-of-fork-type", "teammate", "no-type"],
+)
+def test_a_regular_subagent_or_named_teammate_runs_from_an_empty_seed(
+    params: dict[str, Any],
+    client: ForkClient,
+    live_worker: WorkController,
+    redis_client: redis.Redis,
+    parent: dict[str, Any],
+) -> None:
+    handle = client.launch(parent, params)
+    result = handle.wait(timeout=15)
+
+    record = client.inspect(handle.fork_id)
+    assert result.status is Status.SUCCEEDED, result.error
+    assert "received 1 messages" in (result.output or "")
+    assert (handle.kind, record["kind"]) == ("spawn", "spawn")
+    assert record["initial_messages"] == []
+    assert record["task_prompt"] == params["prompt"]
+    assert record["model"] == params.get("model", parent["model"])
+    assert record["digest"] == stored_digest(redis_client, client, handle.fork_id)
+    assert redis_client.keys("*:chunk:*") == []
+
+
+# ── nothing reaches Redis for an invalid launch ──────────────────────────────────────────────
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        ({**FORK, "fork_turns": "0"}, MSG_FORK_TURNS_VALUE),
+        ({**FORK, "fork_turns": 3}, MSG_FORK_TURNS_VALUE),
+        ({**FORK, "fork_turns": None}, MSG_FORK_TURNS_VALUE),
+        ({**FORK, "subagent_type": "general-purpose", "fork_turns": "3"}, MSG_FORK_TURNS_NOT_FORK),
+        ({**FORK, "name": "reviewer", "fork_turns": "3"}, MSG_FORK_TURNS_TEAMMATE),
+        ({**FORK, "model": "other-model"}, MSG_MODEL_FORK),
+        ({**FORK, "prompt": "  "}, 'Parameter "prompt" is required'),
+        ({"prompt": "x", "subagent_type": "fork"}, 'Parameter "description" is required'),
+        ({**FORK, "colour": "blue"}, 'Unknown parameter "colour"'),
+    ],
+    ids=["zero", "int", "null", "not-fork", "teammate", "model", "blank-prompt", "no-description", "unknown"],
+)
+def test_invalid_parameters_are_rejected_before_anything_reaches_redis(
+    params: dict[str, Any], message: str, client: ForkClient, redis_client: redis.Redis, parent: dict[str, Any]
+) -> None:
+    with pytest.raises(InvalidAgentParams) as caught:
+        client.launch(parent, params)
+
+    assert message in str(caught.value)
+    assert nothing_reached_redis(redis_client, client.settings.queue)
+
+
+def _bad_history(parent: dict[str, Any]) -> dict[str, Any]:
+    parent["history"][3] = {"role": "assistant", "parts": [{"text": "hi"}]}
+    return parent
+
+
+def _bad_approval_mode(parent: dict[str, Any]) -> dict[str, Any]:
+    parent["approval_mode"] = "always"
+    return parent
+
+
+def _no_session_id(parent: dict[str, Any]) -> dict[str, Any]:
+    del parent["session_id"]
+    return parent
+
+
+def _braced_session_id(parent: dict[str, Any]) -> dict[str, Any]:
+    parent["session_id"] = "a{b}"
+    return parent
+
+
+@pytest.mark.parametrize(
+    ("spoil", "field"),
+    [
+        (_bad_history, "history[3]"),
+        (_bad_approval_mode, "approval_mode"),
+        (_no_session_id, "session_id"),
+        (_braced_session_id, "session_id"),
+    ],
+    ids=["history-entry", "approval-mode", "no-session-id", "braced-session-id"],
+)
+def test_an_invalid_parent_snapshot_is_rejected_before_anything_reaches_redis(
+    spoil: Any, field: str, client: ForkClient, redis_client: redis.Redis, parent: dict[str, Any]
+) -> None:
+    with pytest.raises(InvalidParentSnapshot) as caught:
+        client.launch(spoil(copy.deepcopy(parent)), {**FORK, "fork_turns": "all"})
+
+    assert caught.value.field == field
+    assert field in str(caught.value)
+    assert nothing_reached_redis(redis_client, client.settings.queue)
+
+
+def test_relaunching_a_fork_id_with_a_different_record_is_refused(
+    client: ForkClient, redis_client: redis.Redis, parent: dict[str, Any]
+) -> None:
+    client.launch(parent, {**FORK, "fork_turns": "3"}, fork_id="f-fixed")
+
+    with pytest.raises(RecordExistsError) as caught:
+        client.launch(parent, {**FORK, "fork_turns": "1"}, fork_id="f-fixed")
+
+    assert caught.value.fork_id == "f-fixed"
+    assert redis_client.llen(client.settings.queue) == 1
+    assert client.inspect("f-fixed")["fork_turns"] == "3"
+
+
+# ── shared storage ────────────────────────────────────────────────────────────────────────────
+
+
+def test_fifty_forks_of_one_parent_store_the_shared_messages_once(
+    client: ForkClient, redis_client: redis.Redis, parent: dict[str, Any]
+) -> None:
+    # Given 50 forks of the example parent, each inheriting the whole history with its own directive
+    forks = 50
+    handles = [
+        client.launch(parent, {**FORK, "prompt": f"Task {i}: audit module {i}.", "fork_turns": "all"})
+        for i in range(forks)
+    ]
+    history = parse_parent_snapshot(parent).history
+    one_seed = split_seed(
+        build_fork_seed(history, fork_turns="all", directive="Task 0: audit module 0.").initial_messages
+    )
+    one_seed_bytes = sum(map(len, one_seed))
+
+    # When we measure every chunk in Redis
+    chunk_keys = redis_client.keys("*:chunk:*")
+    chunk_bytes = sum(redis_client.strlen(key) for key in chunk_keys)
+
+    # Then the shared messages are stored once: only each fork's repaired end (its last chunk) differs
+    tail_allowance = 2 * len(one_seed[-1])
+    assert len(chunk_keys) <= len(one_seed) + forks - 1
+    assert chunk_bytes < 1.3 * one_seed_bytes + forks * tail_allowance
+    assert chunk_bytes < 3.5 * one_seed_bytes  # 50 copies would be 50×
+    # and no bootstrap record holds message bodies, only its own settings and the chunk digests
+    own = len(parent["system_instruction"]) + len(str(parent["tools"]))
+    for handle in handles:
+        assert redis_client.strlen(client.store.keys.bootstrap(handle.fork_id)) < own + 2048
+
+
+# ── waiting, cancelling, events ──────────────────────────────────────────────────────────────
+
+
+def test_wait_raises_fork_timeout_when_no_worker_runs(client: ForkClient, parent: dict[str, Any]) -> None:
+    handle = client.launch(parent, {**FORK, "fork_turns": "1"})
+
+    with pytest.raises(ForkTimeout) as caught:
+        handle.wait(timeout=0.3)
+
+    assert caught.value.fork_id == handle.fork_id
+    assert "queued" in str(caught.value)
+    assert handle.status().status is Status.QUEUED
+
+
+def test_following_a_fork_that_does_not_exist_raises_fork_not_found(client: ForkClient) -> None:
+    with pytest.raises(ForkNotFound):
+        client.status("f-missing")
+    with pytest.raises(ForkNotFound):
+        client.wait("f-missing", timeout=0.1)
+    with pytest.raises(ForkNotFound):
+        client.cancel("f-missing")
+    assert client.result("f-missing") is None
+
+
+def test_a_cancelled_queued_fork_is_not_run_when_a_worker_takes_its_job(
+    client: ForkClient, start_live_worker: Any, redis_client: redis.Redis, parent: dict[str, Any]
+) -> None:
+    # Given a queued fork, cancelled before any worker runs
+    handle = client.launch(parent, {**FORK, "fork_turns": "1"})
+    assert handle.cancel() is Status.CANCELLED
+
+    # When a worker takes its job
+    start_live_worker(client.app)
+    wait_until(lambda: redis_client.llen(client.settings.queue) == 0, what="the job to be consumed")
+    wait_until(lambda: redis_client.hlen("unacked") == 0, what="the job to be acknowledged")
+
+    # Then the fork stays cancelled and never started
+    result = handle.wait(timeout=1)
+    assert (result.status, result.error) == (Status.CANCELLED, "cancelled by request")
+    assert handle.status().status is Status.CANCELLED
+    assert handle.status().attempt == 0
+    assert [e.type for e in handle.events() if e.type in MILESTONES] == ["queued", "finished"]
+
+
+def test_cancelling_a_finished_fork_leaves_its_result(
+    client: ForkClient, live_worker: WorkController, parent: dict[str, Any]
+) -> None:
+    handle = client.launch(parent, {**FORK, "fork_turns": "1"})
+    before = handle.wait(timeout=15)
+
+    assert handle.cancel() is Status.SUCCEEDED
+    assert client.result(handle.fork_id) == before
+    assert handle.status().status is Status.SUCCEEDED
+
+
+def test_the_event_stream_has_queued_started_step_finished_in_order(
+    client: ForkClient, live_worker: WorkController, parent: dict[str, Any]
+) -> None:
+    handle = client.launch(parent, {**FORK, "fork_turns": "3"})
+
+    followed = list(handle.events(follow=True))
+
+    milestones = [e for e in followed if e.type in MILESTONES]
+    assert [e.type for e in milestones] == ["queued", "started", "step", "finished"]
+    assert followed[-1].type == "finished"
+    assert milestones[0].data["digest"] == handle.digest
+    assert milestones[2].data["step"] == 1
+    assert milestones[3].data["status"] == "succeeded"
+    assert [e.at_ms for e in followed] == sorted(e.at_ms for e in followed)
+    assert [e.id for e in handle.events()] == [e.id for e in followed]

@@ -1,0 +1,525 @@
+"""Leases, fencing epochs and fenced writes against a real (private) Redis, without worker processes.
+
+Worker death is simulated deterministically: the lease is made to expire (a short TTL, polled until
+Redis drops the key) or the epoch is bumped, and every fenced write must then fail closed.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+import redis
+from conftest import TEST_NAMESPACE
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from workers.errors import LeaseLost
+from workers.journal import JournalEntry
+from workers.keys import Keys
+from workers.lease import Claim, LeaseKeeper, Leases
+from workers.records import ForkResult, Status
+from workers.store import ForkStore
+
+KEYS = Keys(TEST_NAMESPACE)
+SHORT_TTL_MS = 150
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 5.0, what: str = "condition") -> None:
+    """Poll `predicate` until it holds; fail the test after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.01)
+
+
+def make_leases(client: redis.Redis, ttl_ms: int = 10_000) -> Leases:
+    return Leases(client, KEYS, ttl_ms=ttl_ms, retention_s=3600)
+
+
+def model_entry(seq: int, step: int = 0, text: str = "thinking") -> JournalEntry:
+    return JournalEntry(seq=seq, step=step, kind="model", content={"role": "model", "parts": [{"text": text}]})
+
+
+def claimed(leases: Leases, fid: str, owner: str = "worker-a") -> Claim:
+    claim = leases.claim(fid, owner)
+    assert isinstance(claim, Claim), claim
+    return claim
+
+
+def expire(client: redis.Redis, fid: str) -> None:
+    """Wait until Redis itself has dropped the fork's (short) lease."""
+    wait_until(lambda: not client.exists(KEYS.lease(fid)), what=f"the lease of {fid} to expire")
+
+
+def event_types(store: ForkStore, fid: str) -> list[str]:
+    return [e.type for e in store.events(fid)]
+
+
+def state_field(client: redis.Redis, fid: str, name: str) -> str | None:
+    value = client.hget(KEYS.state(fid), name)
+    return None if value is None else value.decode()
+
+
+def result_of(fid: str, status: Status = Status.SUCCEEDED) -> ForkResult:
+    return ForkResult(fork_id=fid, status=status, output="done")
+
+
+# ── claim ─────────────────────────────────────────────────────────────────────────────────────
+
+
+def test_claim_sets_the_lease_and_increments_epoch_and_attempt(
+    redis_client: redis.Redis, fork_store: ForkStore, make_queued_fork: Callable[..., tuple[str, str]]
+) -> None:
+    fid, _ = make_queued_fork()
+    leases = make_leases(redis_client, ttl_ms=5000)
+
+    claim = claimed(leases, fid, "worker-a")
+
+    assert (claim.epoch, claim.attempt, claim.owner) == (1, 1, "worker-a")
+    assert redis_client.get(KEYS.lease(fid)) == b"worker-a"
+    assert 4000 < redis_client.pttl(KEYS.lease(fid)) <= 5000
+    assert (state_field(redis_client, fid, "status"), state_field(redis_client, fid, "owner")) == (
+        "running",
+        "worker-a",
+    )
+    # the sweeper's deadline is Redis time + TTL, not the worker's clock
+    seconds, micros = redis_client.time()
+    now_ms = seconds * 1000 + micros // 1000
+    deadline = redis_client.zscore(KEYS.running, fid)
+    assert deadline is not None and now_ms + 4000 < deadline <= now_ms + 5000
+    started = [e for e in fork_store.events(fid) if e.type == "started"]
+    assert [e.data for e in started] == [{"owner": "worker-a", "attempt": 1, "epoch": 1}]
+
+
+def test_a_fork_that_is_not_queued_cannot_be_claimed(
+    redis_client: redis.Redis, fork_store: ForkStore, make_queued_fork: Callable[..., tuple[str, str]]
+) -> None:
+    leases = make_leases(redis_client)
+    running, _ = make_queued_fork()
+    claimed(leases, running, "worker-a")
+    finished, _ = make_queued_fork()
+    leases.finish(claimed(leases, finished), result_of(finished))
+    cancelled, _ = make_queued_fork()
+    fork_store.cancel(cancelled)
+
+    assert leases.claim(running, "worker-b") == "running"
+    assert leases.claim(finished, "worker-b") == "succeeded"
+    assert leases.claim(cancelled, "worker-b") == "cancelled"
+    assert leases.claim("f-never-launched", "worker-b") == "missing"
+    assert redis_client.get(KEYS.lease(running)) == b"worker-a"
+    assert state_field(redis_client, running, "epoch") == "1"
+
+
+def test_a_queued_fork_whose_lease_is_still_held_cannot_be_claimed(
+    redis_client: redis.Redis, make_queued_fork: Callable[..., tuple[str, str]]
+) -> None:
+    fid, _ = make_queued_fork()
+    redis_client.set(KEYS.lease(fid), b"someone-else", px=10_000)
+
+    assert make_leases(redis_client).claim(fid, "worker-b") == "leased"
+    assert state_field(redis_client, fid, "status") == "queued"
+    assert state_field(redis_client, fid, "epoch") is None
+
+
+# ── fenced writes ─────────────────────────────────────────────────────────────────────────────
+
+
+def test_journal_appends_under_the_claim_are_kept_in_order_and_checked_by_seq(
+    redis_client: redis.Redis, make_queued_fork: Callable[..., tuple[str, str]]
+) -> None:
+    fid, _ = make_queued_fork()
+    leases = make_leases(redis_client)
+    claim = claimed(leases, fid)
+
+    leases.append(claim, model_entry(0, text="a"))
+    leases.append(claim, model_entry(1, text="b"))
+    with pytest.raises(LeaseLost, match=r"refused \(seq\)"):
+        leases.append(claim, model_entry(1, text="again"))  # an entry written twice
+    with pytest.raises(LeaseLost, match=r"refused \(seq\)"):
+        leases.append(claim, model_entry(5, text="gap"))
+
+    assert [e.content for e in leases.journal(fid)] == [
+        {"role": "model", "parts": [{"text": "a"}]},
+        {"role": "model", "parts": [{"text": "b"}]},
+    ]
+
+
+def test_fenced_writes_fail_closed_after_the_epoch_is_bumped(
+    redis_client: redis.Redis, fork_store: ForkStore, make_queued_fork: Callable[..., tuple[str, str]]
+) -> None:
+    # Given a claim, and then another acquisition recorded behind its back (epoch bumped)
+    fid, _ = make_queued_fork()
+    leases = make_leases(redis_client)
+    claim = claimed(leases, fid)
+    leases.append(claim, model_entry(0))
+    redis_client.hincrby(KEYS.state(fid), "epoch", 1)
+
+    # Then every fenced write of the old claim is refused as stale, and nothing is written
+    with pytest.raises(LeaseLost, match=r"refused \(stale\)"):
+        leases.append(claim, model_entry(1))
+    with pytest.raises(LeaseLost, match=r"refused \(stale\)"):
+        leases.finish(claim, result_of(fid))
+    with pytest.raises(LeaseLost, match=r"refused \(stale\)"):
+        leases.release(claim, "worker shutdown")
+
+    assert len(leases.journal(fid)) == 1
+    assert fork_store.result(fid) is None
+    assert state_field(redis_client, fid, "status") == "running"
+    assert event_types(fork_store, fid) == ["queued", "started"]
+
+
+def test_fenced_writes_fail_closed_after_the_lease_expires(
+    redis_client: redis.Redis, fork_store: ForkStore, make_queued_fork: Callable[..., tuple[str, str]]
+) -> None:
+    fid, _ = make_queued_fork()
+    leases = make_leases(redis_client, ttl_ms=SHORT_TTL_MS)
+    claim = claimed(leases, fid)
+    leases.append(claim, model_entry(0))
+
+    expire(redis_client, fid)
+
+    with pytest.raises(LeaseLost, match=r"refused \(lost\)"):
+        leases.append(claim, model_entry(1))
+    with pytest.raises(LeaseLost, match=r"refused \(lost\)"):
+        leases.finish(claim, result_of(fid))
+    with pytest.raises(LeaseLost, match=r"refused \(lost\)"):
+        leases.release(claim, "worker shutdown")
+    assert len(leases.journal(fid)) == 1
+    assert fork_store.result(fid) is None
+
+
+def test_fenced_writes_fail_closed_after_a_cancel(
+    redis_client: redis.Redis, fork_store: ForkStore, make_queued_fork: Callable[..., tuple[str, str]]
+) -> None:
+    fid, _ = make_queued_fork()
+    leases = make_leases(redis_client)
+    claim = claimed(leases, fid)
+
+    assert fork_store.cancel(fid) is Status.CANCELLED
+
+    with pytest.raises(LeaseLost, match=r"refused \(cancelled\)"):
+        leases.append(claim, model_entry(0))
+    with pytest.raises(LeaseLost, match=r"refused \(cancelled\)"):
+        leases.finish(claim, result_of(fid))
+    result = fork_store.result(fid)
+    assert result is not None and result.status is Status.CANCELLED
+    assert state_field(redis_client, fid, "status") == "cancelled"
+
+
+def test_a_stale_worker_is_refused_after_its_fork_was_revived_and_claimed_again(
+    redis_client: redis.Redis, fork_store: ForkStore, make_queued_fork: Callable[..., tuple[str, str]]
+) -> None:
+    # Given worker A's claim expired, the fork was revived and worker B claimed it
+    fid, _ = make_queued_fork()
+    leases = make_leases(redis_client, ttl_ms=SHORT_TTL_MS)
+    old = claimed(leases, fid, "worker-a")
+    leases.append(old, model_entry(0, text="from A"))
+    expire(redis_client, fid)
+    assert leases.revive(fid, max_attempts=3) == "revive"
+    new = claimed(make_leases(redis_client), fid, "worker-b")
+    assert (new.epoch, new.attempt) == (2, 2)
+
+    # When A wakes up and writes, then B writes
+    with pytest.raises(LeaseLost, match=r"refused \(stale\)"):
+        leases.append(old, model_entry(1, text="from A, late"))
+    with pytest.raises(LeaseLost, match=r"refused \(stale\)"):
+        leases.finish(old, ForkResult(fork_id=fid, status=Status.SUCCEEDED, output="A's answer"))
+    leases.append(new, model_entry(1, text="from B"))
+    leases.finish(new, ForkResult(fork_id=fid, status=Status.SUCCEEDED, output="B's answer"))
+
+    # Then only B's writes are there
+    assert [e.content["parts"][0]["text"] for e in leases.journal(fid) if e.content] == ["from A", "from B"]
+    result = fork_store.result(fid)
+    assert result is not None and result.output == "B's answer"
+    assert event_types(fork_store, fid) == ["queued", "started", "revived", "started", "finished"]
+
+
+def test_finish_writes_the_result_once_and_ends_the_lease(
+    redis_client: redis.Redis, fork_store: ForkStore, make_queued_fork: Callable[..., tuple[str, str]]
+) -> None:
+    fid, _ = make_queued_fork()
+    leases = make_leases(redis_client)
+    claim = claimed(leases, fid)
+
+    leases.finish(claim, result_of(fid))
+
+    assert not redis_client.exists(KEYS.lease(fid))
+    assert redis_client.zscore(KEYS.running, fid) is None
+    assert state_field(redis_client, fid, "status") == "succeeded"
+    result = fork_store.result(fid)
+    assert result is not None and result.output == "done"
+    assert 0 < redis_client.ttl(KEYS.result(fid)) <= 3600
+    with pytest.raises(LeaseLost, match=r"refused \(lost\)"):
+        leases.finish(claim, ForkResult(fork_id=fid, status=Status.FAILED, error="again"))
+    assert [e.type for e in fork_store.events(fid)].count("finished") == 1
+
+
+def test_release_hands_the_fork_back_at_once_with_a_released_event(
+    redis_client: redis.Redis, fork_store: ForkStore, make_queued_fork: Callable[..., tuple[str, str]]
+) -> None:
+    fid, _ = make_queued_fork()
+    leases = make_leases(redis_client)
+    claim = claimed(leases, fid, "worker-a")
+
+    leases.release(claim, "worker shutdown")
+
+    assert state_field(redis_client, fid, "status") == "queued"
+    assert not redis_client.exists(KEYS.lease(fid))
+    assert redis_client.zscore(KEYS.running, fid) is None
+    released = [e for e in fork_store.events(fid) if e.type == "released"]
+    assert [e.data for e in released] == [{"reason": "worker shutdown"}]
+    again = claimed(leases, fid, "worker-b")  # no wait for a TTL
+    assert (again.epoch, again.attempt) == (2, 2)
+    with pytest.raises(LeaseLost):
+        leases.append(claim, model_entry(0))
+
+
+# ── renew ─────────────────────────────────────────────────────────────────────────────────────
+
+
+def test_renew_extends_live_leases_and_returns_false_for_lost_ones(
+    redis_client: redis.Redis, make_queued_fork: Callable[..., tuple[str, str]]
+) -> None:
+    leases = make_leases(redis_client, ttl_ms=2000)
+    live_id, _ = make_queued_fork()
+    live = claimed(leases, live_id)
+    expired_id, _ = make_queued_fork()
+    expired = claimed(make_leases(redis_client, ttl_ms=SHORT_TTL_MS), expired_id)
+    taken_id, _ = make_queued_fork()
+    taken = claimed(leases, taken_id, "worker-a")
+    redis_client.set(KEYS.lease(taken_id), b"worker-b", px=2000)  # someone else holds it now
+    expire(redis_client, expired_id)
+    redis_client.pexpire(KEYS.lease(live_id), 500)
+    score_before = redis_client.zscore(KEYS.running, live_id)
+
+    assert leases.renew([live, expired, taken]) == [True, False, False]
+
+    assert redis_client.pttl(KEYS.lease(live_id)) > 1500
+    score_after = redis_client.zscore(KEYS.running, live_id)
+    assert score_before is not None and score_after is not None and score_after >= score_before
+    assert redis_client.get(KEYS.lease(taken_id)) == b"worker-b"
+    assert not redis_client.exists(KEYS.lease(expired_id))
+    assert leases.renew([]) == []
+
+
+# ── revive ────────────────────────────────────────────────────────────────────────────────────
+
+
+def test_revive_on_a_live_lease_returns_alive_and_leaves_the_fork_running(
+    redis_client: redis.Redis, fork_store: ForkStore, make_queued_fork: Callable[..., tuple[str, str]]
+) -> None:
+    fid, _ = make_queued_fork()
+    leases = make_leases(redis_client, ttl_ms=5000)
+    claim = claimed(leases, fid)
+    redis_client.zadd(KEYS.running, {fid: 0})  # the sweeper's index says "expired", the lease does not
+
+    assert leases.revive(fid, max_attempts=3) == "alive"
+
+    assert state_field(redis_client, fid, "status") == "running"
+    assert redis_client.get(KEYS.lease(fid)) == claim.owner.encode()
+    score = redis_client.zscore(KEYS.running, fid)
+    assert score is not None and score > 0  # re-scored at the lease's real deadline
+    assert fid not in leases.expired()
+    assert "revived" not in event_types(fork_store, fid)
+    leases.append(claim, model_entry(0))  # the live worker keeps writing
+
+
+def test_revive_after_expiry_requeues_the_fork_once(
+    redis_client: redis.Redis, fork_store: ForkStore, make_queued_fork: Callable[..., tuple[str, str]]
+) -> None:
+    fid, _ = make_queued_fork()
+    leases = make_leases(redis_client, ttl_ms=SHORT_TTL_MS)
+    claimed(leases, fid)
+    expire(redis_client, fid)
+    wait_until(lambda: fid in leases.expired(), what="the fork to be listed as expired")
+
+    assert leases.revive(fid, max_attempts=3) == "revive"
+    assert leases.revive(fid, max_attempts=3) == "queued"  # a second sweeper finds nothing to do
+
+    assert (state_field(redis_client, fid, "status"), state_field(redis_client, fid, "owner")) == ("queued", "")
+    revived = [e for e in fork_store.events(fid) if e.type == "revived"]
+    assert [e.data for e in revived] == [{"attempt": 1, "lost": 1}]
+    # it stays in the running index, out of the sweepers' way, until its job is confirmed enqueued
+    assert fid not in leases.expired()
+    leases.enqueued(fid)
+    assert redis_client.zscore(KEYS.running, fid) is None
+
+
+def test_revive_at_the_attempt_limit_fails_the_fork_with_worker_lost(
+    redis_client: redis.Redis, fork_store: ForkStore, make_queued_fork: Callable[..., tuple[str, str]]
+) -> None:
+    fid, _ = make_queued_fork()
+    leases = make_leases(redis_client, ttl_ms=SHORT_TTL_MS)
+    for attempt in (1, 2):
+        claim = claimed(leases, fid)
+        assert claim.attempt == attempt
+        expire(redis_client, fid)
+        assert leases.revive(fid, max_attempts=2) == ("revive" if attempt == 1 else "failed")
+
+    state = fork_store.state(fid)
+    assert state.status is Status.FAILED
+    assert state.error is not None and state.error.startswith("worker_lost")
+    result = fork_store.result(fid)
+    assert result is not None and result.status is Status.FAILED
+    assert result.error is not None and result.error.startswith("worker_lost")
+    assert redis_client.zscore(KEYS.running, fid) is None
+    assert event_types(fork_store, fid)[-1] == "finished"
+    assert leases.claim(fid, "worker-c") == "failed"
+
+
+@pytest.mark.parametrize("end", ["finish", "cancel"])
+def test_revive_of_an_ended_fork_only_drops_it_from_the_running_index(
+    end: str, redis_client: redis.Redis, fork_store: ForkStore, make_queued_fork: Callable[..., tuple[str, str]]
+) -> None:
+    fid, _ = make_queued_fork()
+    leases = make_leases(redis_client)
+    claim = claimed(leases, fid)
+    if end == "finish":
+        leases.finish(claim, result_of(fid))
+    else:
+        fork_store.cancel(fid)
+    redis_client.zadd(KEYS.running, {fid: 0})
+    events_before = event_types(fork_store, fid)
+
+    assert leases.revive(fid, max_attempts=3) == ("succeeded" if end == "finish" else "cancelled")
+
+    assert redis_client.zscore(KEYS.running, fid) is None
+    assert event_types(fork_store, fid) == events_before
+    assert leases.revive("f-never-launched", max_attempts=3) == "missing"
+
+
+def test_expired_lists_only_forks_past_their_deadline_oldest_first(
+    redis_client: redis.Redis, make_queued_fork: Callable[..., tuple[str, str]]
+) -> None:
+    long_lived = make_leases(redis_client, ttl_ms=60_000)
+    short_lived = make_leases(redis_client, ttl_ms=SHORT_TTL_MS)
+    live, _ = make_queued_fork()
+    claimed(long_lived, live)
+    first, _ = make_queued_fork()
+    claimed(short_lived, first)
+    second, _ = make_queued_fork()
+    claimed(short_lived, second)
+    redis_client.zadd(KEYS.running, {first: 1})  # the oldest deadline
+
+    wait_until(lambda: len(long_lived.expired()) == 2, what="both short leases to pass their deadline")
+
+    assert long_lived.expired() == [first, second]
+    assert long_lived.expired(limit=1) == [first]
+
+
+# ── the heartbeat ─────────────────────────────────────────────────────────────────────────────
+
+
+def test_the_lease_keeper_renews_held_leases_and_flags_lost_ones(
+    redis_client: redis.Redis, make_queued_fork: Callable[..., tuple[str, str]]
+) -> None:
+    leases = make_leases(redis_client, ttl_ms=1000)
+    keeper = LeaseKeeper(leases, interval_s=3600)  # beats are driven by the test
+    kept_id, _ = make_queued_fork()
+    kept = claimed(leases, kept_id)
+    lost_id, _ = make_queued_fork()
+    lost_claim = claimed(leases, lost_id)
+    kept_lost = keeper.hold(kept)
+    lost_flag = keeper.hold(lost_claim)
+    redis_client.hincrby(KEYS.state(lost_id), "epoch", 1)
+    redis_client.set(KEYS.lease(lost_id), b"another-worker", px=1000)
+    redis_client.pexpire(KEYS.lease(kept_id), 100)
+
+    keeper.beat()
+
+    assert not kept_lost.is_set()
+    assert redis_client.pttl(KEYS.lease(kept_id)) > 500
+    assert lost_flag.is_set()
+    keeper.drop(kept)
+    keeper.drop(lost_claim)
+    redis_client.pexpire(KEYS.lease(kept_id), 100)
+    keeper.beat()  # nothing held: nothing renewed
+    expire(redis_client, kept_id)
+    keeper.stop()
+
+
+def test_the_lease_keeper_thread_keeps_a_lease_alive_past_its_ttl(
+    redis_client: redis.Redis, make_queued_fork: Callable[..., tuple[str, str]]
+) -> None:
+    leases = make_leases(redis_client, ttl_ms=300)
+    keeper = LeaseKeeper(leases, interval_s=0.05)
+    fid, _ = make_queued_fork()
+    claim = claimed(leases, fid)
+    lost = keeper.hold(claim)
+    try:
+        # Given three TTLs have passed with the heartbeat running
+        time.sleep(0.9)
+        # Then the lease is still ours and the sweeper would find it alive
+        assert redis_client.get(KEYS.lease(fid)) == claim.owner.encode()
+        assert leases.revive(fid, max_attempts=3) == "alive"
+        assert not lost.is_set()
+    finally:
+        keeper.stop()
+        keeper.drop(claim)
+
+
+def test_a_heartbeat_that_cannot_reach_redis_is_retried_not_fatal(
+    redis_client: redis.Redis, make_queued_fork: Callable[..., tuple[str, str]]
+) -> None:
+    fid, _ = make_queued_fork()
+    claim = claimed(make_leases(redis_client), fid)
+    # a client pointing at a closed port: every renewal raises a ConnectionError
+    dead = redis.Redis(host="127.0.0.1", port=1, socket_connect_timeout=0.2, retry=Retry(NoBackoff(), 0))
+    keeper = LeaseKeeper(make_leases(dead), interval_s=3600)
+    lost = keeper.hold(claim)
+
+    keeper.beat()
+
+    assert not lost.is_set()  # a missed beat is not a lost lease; the TTL covers a few misses
+    keeper.stop()
+    dead.close()
+
+
+def test_fenced_scripts_are_atomic_under_concurrent_claims(
+    redis_client: redis.Redis, redis_url: str, make_queued_fork: Callable[..., tuple[str, str]]
+) -> None:
+    # Given twenty workers racing to claim the same queued fork with separate connections
+    fid, _ = make_queued_fork()
+    barrier = threading.Barrier(20)
+    outcomes: list[Claim | str] = []
+    lock = threading.Lock()
+
+    def race(i: int) -> None:
+        with redis.Redis.from_url(redis_url) as own:
+            leases = make_leases(own)
+            barrier.wait()
+            outcome = leases.claim(fid, f"worker-{i}")
+        with lock:
+            outcomes.append(outcome)
+
+    threads = [threading.Thread(target=race, args=(i,)) for i in range(20)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+
+    # Then exactly one won, at epoch 1
+    winners = [o for o in outcomes if isinstance(o, Claim)]
+    assert len(outcomes) == 20 and len(winners) == 1
+    assert winners[0].epoch == 1
+    assert {o for o in outcomes if isinstance(o, str)} == {"running"}
+
+
+def test_releases_at_shutdown_do_not_count_toward_the_worker_lost_limit(
+    redis_client: redis.Redis, fork_store: ForkStore, make_queued_fork: Callable[..., tuple[str, str]]
+) -> None:
+    # Given a fork handed back by two graceful shutdowns (rolling restarts), then run by a worker that died
+    fid, _ = make_queued_fork()
+    leases = make_leases(redis_client, ttl_ms=SHORT_TTL_MS)
+    for _ in range(2):
+        leases.release(claimed(leases, fid), "worker shutdown")
+    claimed(leases, fid)
+    expire(redis_client, fid)
+
+    # Then one worker death out of three allowed revives it; it is not failed as "died 3 times"
+    outcome = leases.revive(fid, max_attempts=3)
+    assert outcome == "revive", (outcome, fork_store.state(fid).error)

@@ -1,0 +1,180 @@
+"""Settings: FORKQ_* variables, defaults, URL validation with messages naming the variable, and real URLs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+from celery.worker import WorkController
+from pydantic import ValidationError
+
+from broker_config.settings import Settings, redact_url
+from workers.app import make_app
+from workers.client import ForkClient
+from workers.records import Status
+from workers.redis_server import RedisServer
+
+FORK = {"description": "d", "prompt": "Summarise the session.", "subagent_type": "fork", "fork_turns": "1"}
+
+
+def error_of(**env: str) -> str:
+    """The text of the ValidationError `Settings()` raises under these FORKQ_* variables."""
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in env.items():
+            patch.setenv(name, value)
+        with pytest.raises(ValidationError) as caught:
+            Settings()
+    return str(caught.value)
+
+
+def test_the_defaults_are_those_of_the_readme() -> None:
+    settings = Settings()
+
+    assert settings.redis_url == "redis://127.0.0.1:6379/0"
+    assert settings.broker_url is None
+    assert settings.effective_broker_url == settings.redis_url
+    assert (settings.namespace, settings.queue, settings.provider, settings.script) == (
+        "forkq",
+        "forks",
+        "scripted",
+        None,
+    )
+    assert settings.inline_seed_max_bytes > 0
+    assert settings.record_ttl_s > 0
+
+
+def test_every_setting_is_read_from_its_forkq_variable(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    script = tmp_path / "script.json"
+    script.write_text('{"steps": []}')
+    env = {
+        "FORKQ_REDIS_URL": "rediss://:pw@redis.internal:6380/2",
+        "FORKQ_BROKER_URL": "redis://broker.internal:6379/1",
+        "FORKQ_NAMESPACE": "team-a",
+        "FORKQ_QUEUE": "forks-high",
+        "FORKQ_INLINE_SEED_MAX_BYTES": "0",
+        "FORKQ_RECORD_TTL_S": "60",
+        "FORKQ_SCRIPT": str(script),
+        "FORKQ_WORKER_CONCURRENCY": "7",
+    }
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+
+    settings = Settings()
+
+    assert settings.redis_url == env["FORKQ_REDIS_URL"]
+    assert settings.effective_broker_url == env["FORKQ_BROKER_URL"]
+    assert (settings.namespace, settings.queue) == ("team-a", "forks-high")
+    assert (settings.inline_seed_max_bytes, settings.record_ttl_s, settings.worker_concurrency) == (0, 60, 7)
+    assert settings.script == script
+
+
+def test_arguments_win_over_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FORKQ_QUEUE", "from-env")
+
+    assert Settings(queue="from-code").queue == "from-code"
+
+
+def test_a_unix_socket_url_becomes_kombus_redis_socket_url() -> None:
+    settings = Settings(redis_url="unix:///run/redis/redis.sock?db=3")
+
+    assert settings.effective_broker_url == "redis+socket:///run/redis/redis.sock?db=3"
+
+
+@pytest.mark.parametrize("url", ["http://localhost:6379/0", "localhost:6379", "redis+socket:///tmp/r.sock", ""])
+def test_an_invalid_redis_url_is_refused_naming_the_variable(url: str) -> None:
+    message = error_of(FORKQ_REDIS_URL=url)
+
+    assert "FORKQ_REDIS_URL" in message
+    assert "use redis://, rediss:// or unix://" in message
+
+
+@pytest.mark.parametrize("url", ["amqp://guest@localhost//", "http://broker/"])
+def test_an_invalid_broker_url_is_refused_naming_the_variable(url: str) -> None:
+    message = error_of(FORKQ_BROKER_URL=url)
+
+    assert "FORKQ_BROKER_URL" in message
+    assert "is not a Redis broker URL" in message
+
+
+@pytest.mark.parametrize(
+    ("name", "url"),
+    [
+        ("FORKQ_REDIS_URL", "http://user:s3cret-pw@host:6379/0"),
+        ("FORKQ_BROKER_URL", "amqp://user:s3cret-pw@host//"),
+    ],
+)
+def test_a_refused_url_never_shows_its_password(name: str, url: str) -> None:
+    message = error_of(**{name: url})
+
+    assert name in message
+    assert "s3cret-pw" not in message
+
+
+def test_redaction_hides_only_the_password() -> None:
+    assert redact_url("rediss://user:pw@host:6380/1") == "rediss://user:***@host:6380/1"
+    assert redact_url("redis://host:6379/0") == "redis://host:6379/0"
+
+
+@pytest.mark.parametrize("name", ["FORKQ_NAMESPACE", "FORKQ_QUEUE"])
+@pytest.mark.parametrize("value", ["a:b", "a{b}", "a b", ""])
+def test_a_namespace_or_queue_that_would_break_key_names_is_refused(name: str, value: str) -> None:
+    assert "should match pattern" in error_of(**{name: value})
+
+
+def test_a_script_that_is_not_a_file_is_refused_naming_the_variable(tmp_path: Path) -> None:
+    message = error_of(FORKQ_SCRIPT=str(tmp_path / "missing.json"))
+
+    assert "FORKQ_SCRIPT" in message
+    assert "missing.json" in message
+
+
+@pytest.mark.parametrize(("name", "value"), [("FORKQ_INLINE_SEED_MAX_BYTES", "-1"), ("FORKQ_RECORD_TTL_S", "0")])
+def test_negative_sizes_and_empty_retention_are_refused(name: str, value: str) -> None:
+    error_of(**{name: value})
+
+
+def test_settings_are_frozen() -> None:
+    with pytest.raises(ValidationError, match="frozen"):
+        Settings().queue = "other"  # type: ignore[misc]
+
+
+# ── the URLs work against real servers ──────────────────────────────────────────────────────
+
+
+def run_one_fork(settings: Settings, start: Callable[[Celery], WorkController], parent: dict[str, Any]) -> Status:
+    app = make_app(settings)
+    try:
+        with ForkClient(settings, app=app) as client:
+            handle = client.launch(parent, FORK)
+            start(app)
+            return handle.wait(timeout=15).status
+    finally:
+        app.close()
+
+
+@pytest.mark.parametrize("fresh_redis", [{"unix_socket": True}], indirect=True)
+def test_a_unix_socket_redis_url_serves_both_the_records_and_the_broker(
+    fresh_redis: RedisServer, start_live_worker: Callable[[Celery], WorkController], parent: dict[str, Any]
+) -> None:
+    settings = Settings(redis_url=fresh_redis.url, namespace="sock", queue="sock-forks")
+
+    assert settings.redis_url.startswith("unix://")
+    assert run_one_fork(settings, start_live_worker, parent) is Status.SUCCEEDED
+
+
+def test_a_redis_url_with_a_password_serves_both_the_records_and_the_broker(
+    fresh_redis: RedisServer, start_live_worker: Callable[[Celery], WorkController], parent: dict[str, Any]
+) -> None:
+    # Given a Redis that requires a password
+    with redis.Redis.from_url(fresh_redis.url) as admin:
+        admin.config_set("requirepass", "pa55-word")
+    url = f"redis://:pa55-word@127.0.0.1:{fresh_redis.port}/0"
+    settings = Settings(redis_url=url, namespace="auth", queue="auth-forks")
+
+    # Then forks launch and run through it, and the password never reaches the broker URL shown to users
+    assert run_one_fork(settings, start_live_worker, parent) is Status.SUCCEEDED
+    assert "pa55-word" not in redact_url(settings.effective_broker_url)

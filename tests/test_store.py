@@ -1,0 +1,297 @@
+"""ForkStore against a private Redis: write-once records, verified seeds, events, cancel and retention."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+import redis
+
+from workers.errors import ForkNotFound, RecordDecodeError, RecordExistsError, RecordIntegrityError
+from workers.history import ForkSeed, build_fork_seed
+from workers.keys import Keys
+from workers.lease import Leases
+from workers.records import BootstrapRecord, ForkResult, Status, chunk_digest, split_seed
+from workers.snapshot import parse_parent_snapshot
+from workers.store import ForkStore
+
+TTL_S = 3600
+
+
+@pytest.fixture
+def store(redis_client: redis.Redis) -> ForkStore:
+    return ForkStore(redis_client, Keys("t"), ttl_s=TTL_S)
+
+
+@pytest.fixture
+def seed(parent: dict[str, Any]) -> ForkSeed:
+    return build_fork_seed(parse_parent_snapshot(parent).history, fork_turns="3", directive="Write the tests.")
+
+
+def make_record(seed: ForkSeed, fork_id: str = "f-1", **fields: Any) -> tuple[BootstrapRecord, list[bytes]]:
+    chunks = split_seed(seed.initial_messages)
+    record = BootstrapRecord(
+        fork_id=fork_id,
+        parent_session="s-1",
+        kind="fork",
+        seed_chunks=[chunk_digest(c) for c in chunks],
+        message_count=len(seed.initial_messages),
+        task_prompt=seed.task_prompt,
+        directive="Write the tests.",
+        description="tests",
+        **fields,
+    )
+    return record, chunks
+
+
+def launch(store: ForkStore, seed: ForkSeed, fork_id: str = "f-1", **fields: Any) -> tuple[BootstrapRecord, str]:
+    record, chunks = make_record(seed, fork_id, **fields)
+    data, digest = record.encode()
+    store.put_chunks(record.parent_session, {chunk_digest(c): c for c in chunks})
+    store.put_launch(record, data, digest)
+    return record, digest
+
+
+def finished(store: ForkStore, fork_id: str, status: Status = Status.SUCCEEDED) -> ForkResult:
+    """Run the real claim and finish of a worker on a launched fork."""
+    leases = Leases(store.client, store.keys, ttl_ms=10_000, retention_s=TTL_S)
+    claim = leases.claim(fork_id, "worker-1")
+    assert not isinstance(claim, str), claim
+    result = ForkResult(fork_id=fork_id, status=status, output="done")
+    leases.finish(claim, result)
+    return result
+
+
+# ── write-once bootstrap record ──────────────────────────────────────────────────────────────
+
+
+def test_a_launch_writes_the_record_the_queued_state_and_the_first_event(store: ForkStore, seed: ForkSeed) -> None:
+    record, digest = launch(store, seed)
+
+    state = store.state("f-1")
+    assert store.get_record("f-1", digest) == record
+    assert (state.status, state.kind, state.description, state.digest, state.attempt) == (
+        Status.QUEUED,
+        "fork",
+        "tests",
+        digest,
+        0,
+    )
+    seconds, _ = store.client.time()
+    assert state.created_ms is not None and abs(state.created_ms - seconds * 1000) < 5_000
+    [event] = store.events("f-1")
+    assert (event.type, event.data) == ("queued", {"kind": "fork", "digest": digest, "messages": record.message_count})
+    assert store.result("f-1") is None
+
+
+def test_launching_the_same_record_again_is_idempotent(store: ForkStore, seed: ForkSeed) -> None:
+    record, digest = launch(store, seed)
+    data, _ = record.encode()
+
+    store.put_launch(record, data, digest)
+
+    assert store.get_record_bytes("f-1") == data
+    assert [e.type for e in store.events("f-1")] == ["queued"]
+    assert store.state("f-1").status is Status.QUEUED
+
+
+def test_a_different_record_under_the_same_fork_id_is_refused_and_the_first_kept(
+    store: ForkStore, seed: ForkSeed
+) -> None:
+    record, _ = launch(store, seed)
+    other = record.model_copy(update={"directive": "Something else."})
+    other_bytes, other_digest = other.encode()
+
+    with pytest.raises(RecordExistsError) as caught:
+        store.put_launch(other, other_bytes, other_digest)
+
+    assert (caught.value.fork_id, caught.value.key) == ("f-1", store.keys.bootstrap("f-1"))
+    assert "already exists" in str(caught.value)
+    assert store.get_record_bytes("f-1") == record.encode()[0]
+
+
+def test_reading_a_record_verifies_its_digest(store: ForkStore, seed: ForkSeed) -> None:
+    _, digest = launch(store, seed)
+    key = store.keys.bootstrap("f-1")
+    tampered = (store.get_record_bytes("f-1") or b"").replace(b"Write the tests.", b"Write the testz.")
+    store.client.set(key, tampered, keepttl=True)
+
+    with pytest.raises(RecordIntegrityError, match=digest[:12]):
+        store.get_record("f-1", digest)
+    assert store.get_record("f-1", None).directive == "Write the testz."  # unverified read, for inspection
+
+
+def test_a_missing_or_undecodable_record_is_reported(store: ForkStore) -> None:
+    with pytest.raises(ForkNotFound, match="no bootstrap record"):
+        store.get_record("f-none", None)
+    store.client.set(store.keys.bootstrap("f-junk"), b"\x93junk")
+    with pytest.raises(RecordDecodeError):
+        store.get_record("f-junk", None)
+
+
+# ── seed chunks ──────────────────────────────────────────────────────────────────────────────
+
+
+def test_the_seed_is_rebuilt_from_redis_or_from_inline_chunks(store: ForkStore, seed: ForkSeed) -> None:
+    record, _ = launch(store, seed)
+    _, chunks = make_record(seed)
+
+    assert store.load_seed(record) == seed
+    assert store.load_seed(record, chunks) == seed
+    assert store.load_seed(record).to_wire() == seed.to_wire()
+
+
+def test_a_chunk_missing_from_redis_or_changed_in_it_is_refused(store: ForkStore, seed: ForkSeed) -> None:
+    record, _ = launch(store, seed)
+    first, last = (store.keys.chunk("s-1", d.hex()) for d in (record.seed_chunks[0], record.seed_chunks[-1]))
+
+    store.client.delete(last)
+    with pytest.raises(RecordIntegrityError):
+        store.load_seed(record)
+    store.client.setrange(first, 5, b"X")
+    with pytest.raises(RecordIntegrityError, match="seed chunk 0"):
+        store.load_seed(record)
+
+
+def test_chunks_are_stored_once_and_their_retention_renewed_on_reuse(store: ForkStore, seed: ForkSeed) -> None:
+    record, _ = launch(store, seed, "f-1")
+    keys = [store.keys.chunk("s-1", d.hex()) for d in record.seed_chunks]
+    store.client.expire(keys[0], 10)
+
+    launch(store, seed, "f-2")
+
+    assert len(store.client.keys("t:{parent:s-1}:chunk:*")) == len(keys)
+    assert store.client.ttl(keys[0]) > TTL_S - 60
+
+
+# ── retention ─────────────────────────────────────────────────────────────────────────────────
+
+
+def fork_keys(store: ForkStore, fork_id: str) -> list[str]:
+    return [k.decode() for k in store.client.keys(f"t:{{{fork_id}}}:*")]
+
+
+def test_every_key_a_launch_writes_expires_with_the_retention(store: ForkStore, seed: ForkSeed) -> None:
+    launch(store, seed)
+
+    ttls = {key: store.client.ttl(key) for key in [*fork_keys(store, "f-1"), *store.client.keys("t:{parent:*")]}
+    assert ttls and all(TTL_S - 60 < ttl <= TTL_S for ttl in ttls.values()), ttls
+
+
+def test_a_finished_fork_keeps_every_record_for_the_retention(store: ForkStore, seed: ForkSeed) -> None:
+    launch(store, seed)
+    finished(store, "f-1")
+
+    ttls = {key: store.client.ttl(key) for key in fork_keys(store, "f-1")}
+    assert store.keys.result("f-1") in ttls
+    assert all(TTL_S - 60 < ttl <= TTL_S for ttl in ttls.values()), ttls
+
+
+def test_a_cancelled_fork_keeps_every_record_for_the_retention(store: ForkStore, seed: ForkSeed) -> None:
+    launch(store, seed)
+    store.cancel("f-1")
+
+    ttls = {key: store.client.ttl(key) for key in fork_keys(store, "f-1")}
+    assert store.keys.result("f-1") in ttls
+    assert all(TTL_S - 60 < ttl <= TTL_S for ttl in ttls.values()), ttls
+
+
+# ── cancel ────────────────────────────────────────────────────────────────────────────────────
+
+
+def test_cancelling_a_queued_fork_ends_it_with_a_result_and_a_finished_event(store: ForkStore, seed: ForkSeed) -> None:
+    launch(store, seed)
+
+    assert store.cancel("f-1") is Status.CANCELLED
+
+    assert store.is_cancelled("f-1")
+    state, result = store.state("f-1"), store.result("f-1")
+    assert (state.status, state.error, state.finished_ms is not None) == (
+        Status.CANCELLED,
+        "cancelled by request",
+        True,
+    )
+    assert result == ForkResult(fork_id="f-1", status=Status.CANCELLED, error="cancelled by request")
+    assert [(e.type, e.data["status"]) for e in store.events("f-1")[1:]] == [("finished", "cancelled")]
+    assert store.cancel("f-1") is Status.CANCELLED
+    assert len(store.events("f-1")) == 2
+
+
+def test_cancelling_a_running_fork_marks_it_for_the_worker_to_stop(store: ForkStore, seed: ForkSeed) -> None:
+    launch(store, seed)
+    leases = Leases(store.client, store.keys, ttl_ms=10_000, retention_s=TTL_S)
+    claim = leases.claim("f-1", "worker-1")
+    assert not isinstance(claim, str)
+
+    assert store.cancel("f-1") is Status.CANCELLED
+    assert store.is_cancelled("f-1")
+
+
+@pytest.mark.parametrize("status", [Status.SUCCEEDED, Status.FAILED])
+def test_cancelling_a_finished_fork_leaves_it_as_it_was(store: ForkStore, seed: ForkSeed, status: Status) -> None:
+    launch(store, seed)
+    result = finished(store, "f-1", status)
+    events = store.events("f-1")
+
+    assert store.cancel("f-1") is status
+
+    assert store.state("f-1").status is status
+    assert store.result("f-1") == result
+    assert store.events("f-1") == events
+    assert not store.is_cancelled("f-1")
+
+
+def test_cancelling_or_reading_an_unknown_fork_raises_fork_not_found(store: ForkStore) -> None:
+    with pytest.raises(ForkNotFound, match="f-none"):
+        store.cancel("f-none")
+    with pytest.raises(ForkNotFound, match="f-none"):
+        store.state("f-none")
+    assert store.client.dbsize() == 0
+
+
+# ── events ────────────────────────────────────────────────────────────────────────────────────
+
+
+def test_events_are_read_in_order_from_any_id(store: ForkStore, seed: ForkSeed) -> None:
+    launch(store, seed)
+    ids = [store.add_event("f-1", "step", {"step": n}) for n in (1, 2, 3)]
+
+    everything = store.events("f-1")
+    after_first = store.events("f-1", after=ids[0])
+
+    assert [e.type for e in everything] == ["queued", "step", "step", "step"]
+    assert [e.id for e in everything[1:]] == ids
+    assert [e.data["step"] for e in after_first] == [2, 3]
+    assert all(e.at_ms > 0 for e in everything)
+    assert store.events("f-1", after=ids[-1]) == []
+
+
+def test_following_events_waits_for_new_ones_and_stops_at_the_finished_event(store: ForkStore, seed: ForkSeed) -> None:
+    launch(store, seed)
+
+    def produce() -> None:
+        time.sleep(0.2)
+        store.add_event("f-1", "step", {"step": 1})
+        time.sleep(0.2)
+        store.add_event("f-1", "finished", {"status": "succeeded"})
+        store.add_event("f-1", "late", {})
+
+    producer = threading.Thread(target=produce)
+    producer.start()
+    started = time.monotonic()
+    followed = [e.type for e in store.follow("f-1", block_ms=100)]
+    producer.join()
+
+    assert followed == ["queued", "step", "finished"]
+    assert time.monotonic() - started >= 0.35
+
+
+def test_a_blocking_read_returns_empty_after_its_timeout(store: ForkStore, seed: ForkSeed) -> None:
+    launch(store, seed)
+    [queued] = store.events("f-1")
+
+    started = time.monotonic()
+    assert store.events("f-1", after=queued.id, block_ms=150) == []
+    assert time.monotonic() - started >= 0.1

@@ -1,0 +1,346 @@
+"""The sweeper against a real (private) Redis: expired leases revived once, live ones never, bounded attempts.
+
+Expired leases are made deterministically: forks are claimed through `Leases` with a short TTL by an
+owner that never renews, and the test waits until Redis has dropped the lease keys.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import pytest
+import redis
+from conftest import TEST_NAMESPACE
+from kombu.exceptions import OperationalError
+
+from workers.keys import Keys
+from workers.lease import Claim, Leases
+from workers.records import BootstrapRecord
+from workers.redis_server import RedisServer
+from workers.store import ForkStore
+from workers.sweeper import Sweeper
+
+KEYS = Keys(TEST_NAMESPACE)
+SHORT_TTL_MS = 200
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
+    """Poll `predicate` until it holds; fail the test after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.01)
+
+
+@dataclass
+class Enqueued:
+    """A thread-safe stand-in for the broker: every (fork id, digest, attempt) a sweeper enqueued."""
+
+    jobs: list[tuple[str, str, int]] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __call__(self, fork_id: str, digest: str, attempt: int) -> None:
+        with self.lock:
+            self.jobs.append((fork_id, digest, attempt))
+
+
+def make_sweeper(client: redis.Redis, enqueue: Enqueued, *, max_attempts: int = 3, ttl_ms: int = 10_000) -> Sweeper:
+    return Sweeper(
+        leases=Leases(client, KEYS, ttl_ms=ttl_ms, retention_s=3600),
+        store=ForkStore(client, KEYS, ttl_s=3600),
+        enqueue=enqueue,
+        max_attempts=max_attempts,
+        interval_s=0.05,
+    )
+
+
+def claim_and_abandon(client: redis.Redis, fork_ids: list[str], ttl_ms: int = SHORT_TTL_MS) -> list[Claim]:
+    """Claim each fork as a worker that then dies (never renews); wait until every lease has expired."""
+    leases = Leases(client, KEYS, ttl_ms=ttl_ms, retention_s=3600)
+    claims = []
+    for fid in fork_ids:
+        claim = leases.claim(fid, "dead-worker")
+        assert isinstance(claim, Claim), claim
+        claims.append(claim)
+    wait_until(lambda: not any(client.exists(KEYS.lease(fid)) for fid in fork_ids), what="the leases to expire")
+    return claims
+
+
+def event_count(store: ForkStore, fid: str, kind: str) -> int:
+    return sum(1 for e in store.events(fid) if e.type == kind)
+
+
+def test_an_expired_lease_is_revived_and_the_fork_enqueued_for_its_next_attempt(
+    redis_client: redis.Redis, fork_store: ForkStore, make_queued_fork: Callable[..., tuple[str, str]]
+) -> None:
+    fid, digest = make_queued_fork()
+    claim_and_abandon(redis_client, [fid])
+    enqueued = Enqueued()
+
+    outcomes = make_sweeper(redis_client, enqueued).sweep_once()
+
+    assert outcomes == Counter({"revive": 1})
+    assert enqueued.jobs == [(fid, digest, 2)]
+    assert fork_store.state(fid).status.value == "queued"
+    assert event_count(fork_store, fid, "revived") == 1
+    assert make_sweeper(redis_client, enqueued).sweep_once() == Counter()  # nothing left to do
+    assert len(enqueued.jobs) == 1
+
+
+def test_a_live_lease_is_never_revived_even_when_its_index_entry_looks_expired(
+    redis_client: redis.Redis, fork_store: ForkStore, make_queued_fork: Callable[..., tuple[str, str]]
+) -> None:
+    # Given a worker that stalled past its heartbeat but not past its lease (index score stale)
+    fid, _ = make_queued_fork()
+    leases = Leases(redis_client, KEYS, ttl_ms=10_000, retention_s=3600)
+    assert isinstance(leases.claim(fid, "slow-worker"), Claim)
+    redis_client.zadd(KEYS.running, {fid: 0})
+    enqueued = Enqueued()
+
+    outcomes = make_sweeper(redis_client, enqueued).sweep_once()
+
+    assert outcomes == Counter({"alive": 1})
+    assert enqueued.jobs == []
+    assert fork_store.state(fid).status.value == "running"
+    assert redis_client.get(KEYS.lease(fid)) == b"slow-worker"
+    assert event_count(fork_store, fid, "revived") == 0
+
+
+def test_a_fork_whose_worker_keeps_dying_fails_with_worker_lost_at_the_attempt_limit(
+    redis_client: redis.Redis, fork_store: ForkStore, make_queued_fork: Callable[..., tuple[str, str]]
+) -> None:
+    fid, _ = make_queued_fork()
+    enqueued = Enqueued()
+    sweeper = make_sweeper(redis_client, enqueued, max_attempts=2)
+
+    claim_and_abandon(redis_client, [fid])
+    assert sweeper.sweep_once() == Counter({"revive": 1})
+    claim_and_abandon(redis_client, [fid])
+    assert sweeper.sweep_once() == Counter({"failed": 1})
+
+    state = fork_store.state(fid)
+    assert (state.status.value, state.attempt) == ("failed", 2)
+    assert state.error is not None and state.error.startswith("worker_lost")
+    assert [attempt for _, _, attempt in enqueued.jobs] == [2]
+    result = fork_store.result(fid)
+    assert result is not None and (result.error or "").startswith("worker_lost")
+
+
+def test_a_fork_cancelled_after_its_lease_expired_is_not_revived(
+    redis_client: redis.Redis, fork_store: ForkStore, make_queued_fork: Callable[..., tuple[str, str]]
+) -> None:
+    fid, _ = make_queued_fork()
+    claim_and_abandon(redis_client, [fid])
+    fork_store.cancel(fid)
+    enqueued = Enqueued()
+
+    outcomes = make_sweeper(redis_client, enqueued).sweep_once()
+
+    assert outcomes == Counter({"cancelled": 1})
+    assert enqueued.jobs == []
+    assert fork_store.state(fid).status.value == "cancelled"
+    assert redis_client.zscore(KEYS.running, fid) is None
+
+
+def test_a_fork_cancelled_after_its_revival_is_never_claimed_again(
+    redis_client: redis.Redis, fork_store: ForkStore, make_queued_fork: Callable[..., tuple[str, str]]
+) -> None:
+    # Given a fork revived by the sweeper, its job enqueued
+    fid, _ = make_queued_fork()
+    claim_and_abandon(redis_client, [fid])
+    enqueued = Enqueued()
+    assert make_sweeper(redis_client, enqueued).sweep_once() == Counter({"revive": 1})
+
+    # When the parent cancels before a worker takes the job
+    fork_store.cancel(fid)
+
+    # Then the job's claim is refused and the fork stays cancelled
+    leases = Leases(redis_client, KEYS, ttl_ms=10_000, retention_s=3600)
+    assert leases.claim(fid, "worker-b") == "cancelled"
+    assert fork_store.state(fid).status.value == "cancelled"
+    assert event_count(fork_store, fid, "started") == 1
+
+
+def test_three_concurrent_sweepers_revive_each_of_fifty_expired_forks_exactly_once(
+    redis_url: str, redis_client: redis.Redis, fork_store: ForkStore, make_queued_fork: Callable[..., tuple[str, str]]
+) -> None:
+    # Given fifty forks whose workers died (leases expired)
+    forks = dict(make_queued_fork() for _ in range(50))
+    claim_and_abandon(redis_client, list(forks))
+    enqueued = Enqueued()
+    barrier = threading.Barrier(3)
+    outcomes: list[Counter[str]] = []
+    lock = threading.Lock()
+
+    # When three sweepers, each with its own Redis connection, sweep at the same moment, several passes each
+    def sweep() -> None:
+        with redis.Redis.from_url(redis_url) as own:
+            sweeper = make_sweeper(own, enqueued)
+            barrier.wait()
+            for _ in range(5):
+                counts = sweeper.sweep_once()
+                with lock:
+                    outcomes.append(counts)
+
+    threads = [threading.Thread(target=sweep) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+
+    # Then each fork was revived once and enqueued once, for attempt 2
+    assert sum(outcomes, Counter())["revive"] == 50
+    assert Counter(fid for fid, _, _ in enqueued.jobs) == Counter(dict.fromkeys(forks, 1))
+    assert all((digest, attempt) == (forks[fid], 2) for fid, digest, attempt in enqueued.jobs)
+    assert all(event_count(fork_store, fid, "revived") == 1 for fid in forks)
+    assert redis_client.zcard(KEYS.running) == 0
+
+
+def test_cancels_racing_sweepers_never_resurrect_a_fork(
+    redis_url: str, redis_client: redis.Redis, fork_store: ForkStore, make_queued_fork: Callable[..., tuple[str, str]]
+) -> None:
+    # Given forty expired forks, two sweepers and a parent cancelling every fork, all at once
+    forks = dict(make_queued_fork() for _ in range(40))
+    claim_and_abandon(redis_client, list(forks))
+    enqueued = Enqueued()
+    barrier = threading.Barrier(3)
+
+    def sweep() -> None:
+        with redis.Redis.from_url(redis_url) as own:
+            sweeper = make_sweeper(own, enqueued)
+            barrier.wait()
+            for _ in range(3):
+                sweeper.sweep_once()
+
+    def cancel_all() -> None:
+        with redis.Redis.from_url(redis_url) as own:
+            store = ForkStore(own, KEYS, ttl_s=3600)
+            barrier.wait()
+            for fid in forks:
+                store.cancel(fid)
+
+    threads = [threading.Thread(target=sweep), threading.Thread(target=sweep), threading.Thread(target=cancel_all)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+
+    # Then every fork is cancelled, revived at most once, and no delivery of its job can claim it
+    leases = Leases(redis_client, KEYS, ttl_ms=10_000, retention_s=3600)
+    for fid in forks:
+        assert fork_store.state(fid).status.value == "cancelled", fid
+        assert event_count(fork_store, fid, "revived") <= 1
+        assert leases.claim(fid, "worker-b") == "cancelled"
+    assert max(Counter(fid for fid, _, _ in enqueued.jobs).values(), default=0) <= 1
+
+
+def test_the_sweep_loop_survives_a_redis_outage_and_stops_when_asked(fresh_redis: RedisServer) -> None:
+    # Given a sweeper looping over a Redis that goes away and comes back with an expired fork
+    client = redis.Redis.from_url(fresh_redis.url, socket_timeout=2)
+    store = ForkStore(client, KEYS, ttl_s=3600)
+    enqueued = Enqueued()
+    sweeper = make_sweeper(client, enqueued)
+    stop = threading.Event()
+    thread = threading.Thread(target=sweeper.run, args=(stop,))
+    thread.start()
+    try:
+        fresh_redis.kill()
+        time.sleep(0.3)  # a few sweep intervals against a dead server
+        assert thread.is_alive()
+        fresh_redis.restart()
+        record = BootstrapRecord(
+            fork_id="f-outage",
+            parent_session="s-unit",
+            kind="fork",
+            seed_chunks=[],
+            message_count=0,
+            task_prompt="Begin.",
+            directive="Do it.",
+            description="unit fork",
+        )
+        data, digest = record.encode()
+        store.put_launch(record, data, digest)
+        claim_and_abandon(client, ["f-outage"])
+
+        # Then it revives the fork once Redis is back
+        wait_until(lambda: enqueued.jobs == [("f-outage", digest, 2)], what="the sweep loop to revive the fork")
+    finally:
+        stop.set()
+        thread.join(10)
+        client.close()
+    assert not thread.is_alive()
+
+
+@dataclass
+class FlakyBroker(Enqueued):
+    """A broker that is down for the first `failures` enqueues (kombu raises OperationalError then)."""
+
+    failures: int = 1
+
+    def __call__(self, fork_id: str, digest: str, attempt: int) -> None:
+        with self.lock:
+            if self.failures > 0:
+                self.failures -= 1
+                raise OperationalError("Error 111 connecting to broker: Connection refused.")
+        super().__call__(fork_id, digest, attempt)
+
+
+def test_a_revival_whose_enqueue_failed_is_enqueued_by_a_later_sweep(
+    redis_client: redis.Redis, fork_store: ForkStore, make_queued_fork: Callable[..., tuple[str, str]]
+) -> None:
+    # Given an expired fork, and a broker that is down during the first sweep
+    fid, digest = make_queued_fork()
+    claim_and_abandon(redis_client, [fid])
+    broker = FlakyBroker(failures=1)
+    sweeper = make_sweeper(redis_client, broker, ttl_ms=SHORT_TTL_MS)
+    with contextlib.suppress(OperationalError):
+        sweeper.sweep_once()
+    assert broker.jobs == []
+
+    # When the broker is back and the sweeper keeps sweeping
+    deadline = time.monotonic() + 5
+    while not broker.jobs and time.monotonic() < deadline:
+        with contextlib.suppress(OperationalError):
+            sweeper.sweep_once()
+        time.sleep(0.05)
+
+    # Then the fork's job is enqueued after all: a revived fork is never left queued without a job
+    assert broker.jobs == [(fid, digest, 2)], (
+        f"fork is {fork_store.state(fid).status.value}, in the running index: "
+        f"{redis_client.zscore(KEYS.running, fid) is not None}; no job was ever enqueued for it"
+    )
+
+
+def test_the_sweep_loop_survives_a_broker_outage(
+    redis_client: redis.Redis, make_queued_fork: Callable[..., tuple[str, str]]
+) -> None:
+    # Given a sweep loop whose first enqueue fails (broker down), and two expired forks
+    forks = dict(make_queued_fork() for _ in range(2))
+    claim_and_abandon(redis_client, list(forks))
+    broker = FlakyBroker(failures=1)
+    sweeper = make_sweeper(redis_client, broker, ttl_ms=SHORT_TTL_MS)
+    stop = threading.Event()
+    crashed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            sweeper.run(stop)
+        except BaseException as exc:  # the loop must not die; recorded to fail the test with the reason
+            crashed.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    try:
+        # Then the loop keeps going and both forks end up enqueued
+        wait_until(lambda: len(broker.jobs) == 2 or bool(crashed), what="both forks to be enqueued")
+    finally:
+        stop.set()
+        thread.join(10)
+    assert crashed == []
+    assert sorted(fid for fid, _, _ in broker.jobs) == sorted(forks)
