@@ -23,7 +23,7 @@ class Settings(BaseSettings):
     namespace: str = Field("forkq", pattern=r"^[A-Za-z0-9_.-]+$", description="Prefix of every forkq key.")
     queue: str = Field("forks", pattern=r"^[A-Za-z0-9_.-]+$", description="Celery queue of fork jobs.")
     inline_seed_max_bytes: int = Field(
-        256 * 1024, ge=0, description="Seeds up to this size travel inside the job; larger ones are read from Redis."
+        16 * 1024, ge=0, description="Seeds up to this size travel inside the job; larger ones are read from Redis."
     )
     record_ttl_s: int = Field(7 * 24 * 3600, gt=0, description="Retention of a fork's records after launch.")
     provider: Literal["scripted", "openai", "gemini"] = Field("scripted", description="Default model provider.")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import json
 from typing import Any
 
 import pytest
@@ -11,6 +12,7 @@ import redis
 from celery.worker import WorkController
 from live import MILESTONES, wait_until
 
+from workers import codec
 from workers.client import ForkClient
 from workers.errors import ForkNotFound, ForkTimeout, InvalidAgentParams, InvalidParentSnapshot, RecordExistsError
 from workers.history import build_fork_seed
@@ -92,7 +94,11 @@ def test_a_regular_subagent_or_named_teammate_runs_from_an_empty_seed(
     assert record["task_prompt"] == params["prompt"]
     assert record["model"] == params.get("model", parent["model"])
     assert record["digest"] == stored_digest(redis_client, client, handle.fork_id)
-    assert redis_client.keys("*:chunk:*") == []
+    # no history chunk: the one chunk is the parent's context (system instruction and tools), by digest
+    (context_key,) = redis_client.keys("*:chunk:*")
+    assert codec.decode(redis_client.get(context_key))["tools_json"] == json.dumps(
+        parent["tools"], separators=(",", ":")
+    )
 
 
 # ── nothing reaches Redis for an invalid launch ──────────────────────────────────────────────
@@ -201,13 +207,13 @@ def test_fifty_forks_of_one_parent_store_the_shared_messages_once(
 
     # Then the shared messages are stored once: only each fork's repaired end (its last chunk) differs
     tail_allowance = 2 * len(one_seed[-1])
-    assert len(chunk_keys) <= len(one_seed) + forks - 1
-    assert chunk_bytes < 1.3 * one_seed_bytes + forks * tail_allowance
+    context = len(parent["system_instruction"]) + len(json.dumps(parent["tools"]))
+    assert len(chunk_keys) <= len(one_seed) + forks - 1 + 1  # + the parent's context chunk, stored once
+    assert chunk_bytes < 1.3 * one_seed_bytes + forks * tail_allowance + context
     assert chunk_bytes < 3.5 * one_seed_bytes  # 50 copies would be 50×
-    # and no bootstrap record holds message bodies, only its own settings and the chunk digests
-    own = len(parent["system_instruction"]) + len(str(parent["tools"]))
+    # and no bootstrap record holds message bodies, the system instruction or the tools: only digests
     for handle in handles:
-        assert redis_client.strlen(client.store.keys.bootstrap(handle.fork_id)) < own + 2048
+        assert redis_client.strlen(client.store.keys.bootstrap(handle.fork_id)) < 2048
 
 
 # ── waiting, cancelling, events ──────────────────────────────────────────────────────────────

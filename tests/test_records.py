@@ -67,16 +67,35 @@ def test_a_record_encodes_to_canonical_bytes_named_by_their_blake2b_256_digest()
 
     assert digest == hashlib.blake2b(data, digest_size=32).hexdigest()
     assert record.model_copy().encode() == (data, digest)
-    assert BootstrapRecord.model_validate(codec.decode(data)).encode() == (data, digest)
+    assert BootstrapRecord.decode(data, fork_id="f-1", context=record.context_blob()).encode() == (data, digest)
     assert list(codec.decode(data)) == sorted(codec.decode(data))  # map keys sorted
+
+
+def test_the_stored_record_names_its_context_by_digest_instead_of_copying_it() -> None:
+    # the system instruction and tools are shared by every fork of a parent: stored once, as a chunk
+    record, _ = record_for(conversation(2), system_instruction="be brief " * 200)
+    data, _ = record.encode()
+
+    assert b"be brief" not in data
+    assert codec.decode(data)["context_chunk"] == hashlib.blake2b(record.context_blob(), digest_size=32).digest()
+
+
+def test_a_record_whose_context_chunk_was_altered_is_refused() -> None:
+    record, _ = record_for(conversation(2), system_instruction="be brief")
+    data, digest = record.encode()
+    forged = record.model_copy(update={"system_instruction": "be evil"}).context_blob()
+
+    with pytest.raises(RecordIntegrityError, match="context chunk"):
+        BootstrapRecord.decode(data, fork_id="f-1", context=forged, expected_digest=digest)
 
 
 def test_a_record_decodes_back_when_its_digest_matches() -> None:
     record, _ = record_for(conversation(10), system_instruction={"parts": [{"text": "be brief"}]}, depth=2)
     data, digest = record.encode()
 
-    assert BootstrapRecord.decode(data, fork_id="f-1", expected_digest=digest) == record
-    assert BootstrapRecord.decode(data, fork_id="f-1") == record
+    context = record.context_blob()
+    assert BootstrapRecord.decode(data, fork_id="f-1", context=context, expected_digest=digest) == record
+    assert BootstrapRecord.decode(data, fork_id="f-1", context=context) == record
 
 
 def test_a_record_whose_bytes_changed_is_refused_naming_both_digests() -> None:
@@ -85,7 +104,7 @@ def test_a_record_whose_bytes_changed_is_refused_naming_both_digests() -> None:
     tampered = data.replace(b"Do the task.", b"Do the tasK.")
 
     with pytest.raises(RecordIntegrityError) as caught:
-        BootstrapRecord.decode(tampered, fork_id="f-1", expected_digest=digest)
+        BootstrapRecord.decode(tampered, fork_id="f-1", context=record.context_blob(), expected_digest=digest)
 
     message = str(caught.value)
     assert digest[:12] in message
@@ -101,18 +120,18 @@ def test_a_record_whose_bytes_changed_is_refused_naming_both_digests() -> None:
 )
 def test_bytes_that_are_not_a_record_raise_record_decode_error(data: bytes) -> None:
     with pytest.raises(RecordDecodeError) as caught:
-        BootstrapRecord.decode(data, fork_id="f-1")
+        BootstrapRecord.decode(data, fork_id="f-1", context=b"")
 
     assert "f-1" in str(caught.value)
 
 
 def test_a_record_with_a_field_of_the_wrong_type_is_refused_not_coerced() -> None:
     record, _ = record_for(conversation(4))
-    raw = record.model_dump()
+    raw = codec.decode(record.encode()[0])
     raw["depth"] = "1"
 
     with pytest.raises(RecordDecodeError):
-        BootstrapRecord.decode(codec.encode(raw), fork_id="f-1")
+        BootstrapRecord.decode(codec.encode(raw), fork_id="f-1", context=record.context_blob())
 
 
 def test_tool_declarations_keep_the_parents_key_order() -> None:
@@ -120,7 +139,8 @@ def test_tool_declarations_keep_the_parents_key_order() -> None:
     record, _ = record_for([], tools_json=tools_json)
 
     assert list(record.tools[0]) == ["name", "parameters", "description"]
-    assert BootstrapRecord.decode(record.encode()[0], fork_id="f-1").tools_json == tools_json
+    decoded = BootstrapRecord.decode(record.encode()[0], fork_id="f-1", context=record.context_blob())
+    assert decoded.tools_json == tools_json
 
 
 # ── seed chunks ──────────────────────────────────────────────────────────────────────────────

@@ -49,7 +49,7 @@ def make_record(seed: ForkSeed, fork_id: str = "f-1", **fields: Any) -> tuple[Bo
 def launch(store: ForkStore, seed: ForkSeed, fork_id: str = "f-1", **fields: Any) -> tuple[BootstrapRecord, str]:
     record, chunks = make_record(seed, fork_id, **fields)
     data, digest = record.encode()
-    store.put_chunks(record.parent_session, {chunk_digest(c): c for c in chunks})
+    store.put_chunks(record.parent_session, chunks)
     store.put_launch(record, data, digest)
     return record, digest
 
@@ -162,7 +162,7 @@ def test_chunks_are_stored_once_and_their_retention_renewed_on_reuse(store: Fork
 
     launch(store, seed, "f-2")
 
-    assert len(store.client.keys("t:{parent:s-1}:chunk:*")) == len(keys)
+    assert len(store.client.keys("t:{parent:s-1}:chunk:*")) == len(keys) + 1  # + the shared context chunk
     assert store.client.ttl(keys[0]) > TTL_S - 60
 
 

@@ -19,6 +19,7 @@ from live import body, envelopes, event_types, job_body, push_raw, queue_drained
 
 from broker_config.celery import RUN_FORK_TASK
 from broker_config.settings import Settings
+from workers import codec
 from workers.app import make_app
 from workers.client import ForkClient, ForkHandle
 from workers.errors import ForkTimeout
@@ -70,7 +71,9 @@ def test_the_job_message_is_msgpack_carrying_fork_id_digest_and_seed_chunks(
     fork_id, digest, chunks = args
     assert (fork_id, digest, kwargs) == (handle.fork_id, handle.digest, {})
     seed = build_fork_seed(parse_parent_snapshot(parent).history, fork_turns="3", directive=FORK["prompt"])
-    assert chunks == split_seed(seed.initial_messages)
+    context, *seed_chunks = chunks  # inline: the parent's context chunk, then the seed's chunks
+    assert seed_chunks == split_seed(seed.initial_messages)
+    assert codec.decode(context)["system_instruction"] == parent["system_instruction"]
     assert all(type(chunk) is bytes for chunk in chunks)
 
 
@@ -184,7 +187,8 @@ def test_a_tampered_seed_chunk_in_redis_fails_the_fork_naming_the_chunk(
     app = make_app(settings)
     with ForkClient(settings, app=app) as client:
         handle = client.launch(parent, {**FORK, "fork_turns": "3"})
-        [chunk_key, *_] = client.redis.keys("*:chunk:*")
+        record = client.store.get_record(handle.fork_id, handle.digest)
+        chunk_key = client.store.keys.chunk(record.parent_session, record.seed_chunks[0].hex())
         client.redis.setrange(chunk_key, 8, b"~")
 
         # When a worker runs it

@@ -100,9 +100,10 @@ class ForkClient:
             seed = ForkSeed(initial_messages=[], task_prompt=agent.prompt)
         record, chunks = self._record(fid, snapshot, agent, seed)
         record_bytes, digest = record.encode()
-        self.store.put_chunks(snapshot.session_id, {chunk_digest(c): c for c in chunks})
-        self.store.put_launch(record, record_bytes, digest)
-        inline = chunks if sum(map(len, chunks)) <= self.settings.inline_seed_max_bytes else None
+        self.store.put_launch(record, record_bytes, digest, chunks)
+        inline: list[bytes] | None = [record.context_blob(), *chunks]
+        if sum(map(len, inline or [])) > self.settings.inline_seed_max_bytes:
+            inline = None
         enqueue_fork(self.app, self.settings.queue, fid, digest, attempt=1, seed_chunks=inline)
         return ForkHandle(fork_id=fid, digest=digest, kind=record.kind, client=self)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import gc
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 from pydantic.alias_generators import to_camel
@@ -97,8 +97,11 @@ FunctionResponse.model_rebuild()
 _HISTORY = TypeAdapter(list[Content])
 
 
+PAUSE_GC_FROM: Final = 2000  # below this many Contents the collector's cost is noise
+
+
 @contextmanager
-def _collector_paused() -> Iterator[None]:
+def _collector_paused(size: int) -> Iterator[None]:
     """Pause the cyclic GC while pydantic-core builds or dumps thousands of small objects.
 
     Bulk copies allocate several tracked containers per Part; with the collector on, its
@@ -106,6 +109,9 @@ def _collector_paused() -> Iterator[None]:
     (bench/history.py). Nothing built here is cyclic, so pausing loses nothing; the previous
     state is restored, and concurrent callers at worst leave the collector on.
     """
+    if size < PAUSE_GC_FROM:
+        yield
+        return
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -117,13 +123,13 @@ def _collector_paused() -> Iterator[None]:
 
 def dump_contents(contents: Sequence[Content]) -> list[dict[str, Any]]:
     """The wire form of many Contents (one call into pydantic-core; new dicts and lists)."""
-    with _collector_paused():
+    with _collector_paused(len(contents)):
         return _HISTORY.dump_python(list(contents), by_alias=True, exclude_none=True)  # type: ignore[no-any-return]
 
 
 def load_contents(raw: list[dict[str, Any]]) -> list[Content]:
     """Contents from wire dicts (strict validation; raises pydantic's ValidationError)."""
-    with _collector_paused():
+    with _collector_paused(len(raw)):
         return _HISTORY.validate_python(raw)
 
 

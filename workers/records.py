@@ -18,7 +18,8 @@ from workers.messages import Content, dump_contents, load_contents
 SCHEMA_VERSION: Final = 1
 CHUNK_MAX_MESSAGES: Final = 64
 CHUNK_MAX_BYTES: Final = 1 << 20
-CHUNK_BOUNDARY_MODULUS: Final = 8  # content-defined boundaries: about one message in eight ends a chunk
+CHUNK_BOUNDARY_MODULUS: Final = 16  # content-defined boundaries: about one message in 16 ends a chunk
+CONTEXT_FIELDS: Final = ("system_instruction", "tools_json")  # stored once per parent, as a chunk
 TAIL_MESSAGES: Final = 3  # the repaired end (redacted calls, placeholders + directive, ack) gets its own chunk
 
 
@@ -41,8 +42,9 @@ class Status(enum.StrEnum):
 class BootstrapRecord(BaseModel):
     """Everything needed to start a fork again with identical inputs; immutable once written.
 
-    The seed's messages are stored as content-addressed chunks (`seed_chunks`, BLAKE2b-256 digests
-    of each chunk's bytes), so the record is small and forks of one parent share the messages.
+    The seed's messages, and the system instruction with the tool declarations (the context), are
+    stored as content-addressed chunks (BLAKE2b-256 of each chunk's bytes) that the record names by
+    digest: the record stays small and the forks of one parent share what they have in common.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -74,16 +76,34 @@ class BootstrapRecord(BaseModel):
         tools: list[dict[str, Any]] = json.loads(self.tools_json)
         return tools
 
+    def context_blob(self) -> bytes:
+        """The system instruction and tool declarations as one chunk, shared by the forks of a parent."""
+        return codec.encode({"system_instruction": self.system_instruction, "tools_json": self.tools_json})
+
     def encode(self) -> tuple[bytes, str]:
-        """Canonical bytes and their digest."""
-        return codec.encode_with_digest(self.model_dump())
+        """Stored bytes and their digest: the record, with its context replaced by the context chunk's digest."""
+        fields = self.model_dump(exclude=set(CONTEXT_FIELDS))
+        fields["context_chunk"] = chunk_digest(self.context_blob())
+        return codec.encode_with_digest(fields)
+
+    @staticmethod
+    def context_ref(data: bytes, *, fork_id: str) -> tuple[str, bytes]:
+        """(parent session, context chunk digest) named by stored record bytes."""
+        raw = codec.decode(data, what=f"fork {fork_id}: bootstrap record")
+        ref = raw.get("context_chunk") if isinstance(raw, dict) else None
+        if not isinstance(ref, bytes) or not isinstance(raw.get("parent_session"), str):
+            raise RecordDecodeError(f"fork {fork_id}: bootstrap record has no context chunk reference", fork_id=fork_id)
+        return raw["parent_session"], ref
 
     @classmethod
-    def decode(cls, data: bytes, *, fork_id: str, expected_digest: str | None = None) -> BootstrapRecord:
-        """Verify (when a digest is given) and decode stored bytes.
+    def decode(
+        cls, data: bytes, *, fork_id: str, context: bytes, expected_digest: str | None = None
+    ) -> BootstrapRecord:
+        """Verify (when a digest is given) and decode stored bytes, with the context chunk they name.
 
         Raises:
-            RecordIntegrityError: the bytes do not hash to `expected_digest`.
+            RecordIntegrityError: the bytes do not hash to `expected_digest`, or the context chunk
+                does not match the digest the record names.
             RecordDecodeError: the bytes are not a bootstrap record.
         """
         actual = codec.digest(data)
@@ -94,6 +114,19 @@ class BootstrapRecord(BaseModel):
                 fork_id=fork_id,
             )
         raw = codec.decode(data, what=f"fork {fork_id}: bootstrap record")
+        if not isinstance(raw, dict) or not isinstance(raw.get("context_chunk"), bytes):
+            raise RecordDecodeError(
+                f"fork {fork_id}: bytes are not a stored bootstrap record (no context chunk reference)",
+                fork_id=fork_id,
+            )
+        ref = raw.pop("context_chunk")
+        if ref != chunk_digest(context):
+            raise RecordIntegrityError(
+                f"fork {fork_id}: the context chunk (system instruction and tools) does not match the digest the "
+                "bootstrap record names; it is missing or was modified after launch",
+                fork_id=fork_id,
+            )
+        raw.update(codec.decode(context, what=f"fork {fork_id}: context chunk"))
         try:
             return cls.model_validate(raw, strict=True)
         except ValueError as exc:
@@ -180,7 +213,7 @@ class ForkState(BaseModel):
 def split_seed(messages: Sequence[Content]) -> list[bytes]:
     """Canonical chunk bytes of a seed's messages, with content-defined boundaries.
 
-    A chunk ends after a message whose CRC-32 is 0 mod 8, at 64 messages or 1 MiB, and before the
+    A chunk ends after a message whose CRC-32 is 0 mod 16, at 64 messages or 1 MiB, and before the
     last three messages (the repaired end, which differs between sibling forks); so forks of one
     parent produce the same chunks for the messages they share, even at different window offsets.
     """

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from broker_config.settings import Settings
 from workers.child import ChildLoop, Stopped
-from workers.errors import ForkNotFound, ForkqError, LeaseLost, RecordIntegrityError
+from workers.errors import ForkNotFound, ForkqError, LeaseLost, RecordDecodeError, RecordIntegrityError
 from workers.history import ForkSeed
 from workers.journal import JournalEntry
 from workers.keys import Keys
@@ -40,7 +40,7 @@ class RunForkJob(BaseModel):
 
     fork_id: str = Field(min_length=1, max_length=128)
     digest: str = Field(pattern=r"^[0-9a-f]{64}$")
-    seed_chunks: list[bytes] | None = None
+    seed_chunks: list[bytes] | None = None  # inline: the context chunk, then the seed's chunks
 
 
 @dataclass
@@ -173,8 +173,7 @@ def run_fork_job(runtime: WorkerRuntime, job: RunForkJob) -> str:
 def _run_claimed(runtime: WorkerRuntime, job: RunForkJob, claim: Claim, lost: threading.Event) -> str:
     fid = job.fork_id
     try:
-        record = BootstrapRecord.decode(claim.record, fork_id=fid, expected_digest=job.digest)
-        seed = _load_seed(runtime, record, job)
+        record, seed = _load_inputs(runtime, job, claim.record)
         entries = [JournalEntry.decode(raw, fork_id=fid) for raw in claim.journal]
     except (ForkqError, redis.RedisError) as exc:
         runtime.leases.finish(claim, ForkResult(fork_id=fid, status=Status.FAILED, error=str(exc)))
@@ -210,17 +209,17 @@ def _run_claimed(runtime: WorkerRuntime, job: RunForkJob, claim: Claim, lost: th
     return result.status.value
 
 
-def _load_seed(runtime: WorkerRuntime, record: BootstrapRecord, job: RunForkJob) -> ForkSeed:
-    """The seed from the job's inline chunks; if they do not match the record, from Redis instead.
+def _load_inputs(runtime: WorkerRuntime, job: RunForkJob, data: bytes) -> tuple[BootstrapRecord, ForkSeed]:
+    """Record and seed from the job's inline chunks; if they do not match the record, from Redis.
 
-    A corrupted job must not fail an intact fork: the record in Redis is the source of truth.
+    A corrupted job must not fail an intact fork: the chunks in Redis are the source of truth.
     """
-    if job.seed_chunks is not None:
+    if job.seed_chunks:
         try:
-            return runtime.store.load_seed(record, job.seed_chunks)
-        except RecordIntegrityError as exc:
-            log.warning("fork %s: inline seed refused (%s); reading the seed from Redis", job.fork_id, exc)
-    return runtime.store.load_seed(record)
+            return runtime.store.load_inputs(job.fork_id, data, job.digest, job.seed_chunks)
+        except (RecordIntegrityError, RecordDecodeError) as exc:
+            log.warning("fork %s: inline chunks refused (%s); reading them from Redis", job.fork_id, exc)
+    return runtime.store.load_inputs(job.fork_id, data, job.digest)
 
 
 def _check_tool_surface(

@@ -16,10 +16,11 @@ from typing import Any, Final, cast
 
 import redis
 
+from workers import codec
 from workers.errors import ForkNotFound, RecordExistsError
 from workers.history import ForkSeed
 from workers.keys import Keys
-from workers.records import BootstrapRecord, ForkResult, ForkState, Status, join_seed
+from workers.records import BootstrapRecord, ForkResult, ForkState, Status, chunk_digest, join_seed
 
 EVENTS_MAXLEN: Final = 10_000
 WAIT_TIMEOUT_MS: Final = 1000
@@ -104,27 +105,37 @@ class ForkStore:
 
     # ── launch ────────────────────────────────────────────────────────────────────────────────
 
-    def put_chunks(self, parent_session: str, chunks: dict[bytes, bytes]) -> None:
-        """Store seed chunks once by digest (SET NX), renewing the TTL of those already there."""
-        pipe = self.client.pipeline(transaction=False)
-        for digest_raw, chunk in chunks.items():
-            key = self.keys.chunk(parent_session, digest_raw.hex())
+    def _queue_chunks(self, pipe: Any, parent_session: str, chunks: Sequence[bytes]) -> None:
+        for chunk in chunks:
+            key = self.keys.chunk(parent_session, chunk_digest(chunk).hex())
             pipe.set(key, chunk, nx=True, ex=self.ttl_s)
-            pipe.expire(key, self.ttl_s)
+            pipe.expire(key, self.ttl_s)  # a chunk lives at least as long as the newest record naming it
+
+    def put_chunks(self, parent_session: str, chunks: Sequence[bytes]) -> None:
+        """Store chunks once by digest (SET NX), renewing the TTL of those already there."""
+        pipe = self.client.pipeline(transaction=False)
+        self._queue_chunks(pipe, parent_session, chunks)
         pipe.execute()
 
-    def put_launch(self, record: BootstrapRecord, record_bytes: bytes, digest_hex: str) -> None:
-        """Write the bootstrap record (write-once), the queued state and the first event, atomically.
+    def put_launch(
+        self, record: BootstrapRecord, record_bytes: bytes, digest_hex: str, seed_chunks: Sequence[bytes] = ()
+    ) -> None:
+        """Write the chunks (context and seed), then atomically the record (write-once), the queued
+        state and the first event: one round trip.
 
         Raises:
             RecordExistsError: a different record already exists under this fork id.
         """
         fid = record.fork_id
         data = json.dumps({"kind": record.kind, "digest": digest_hex, "messages": record.message_count})
-        outcome = self._launch(
+        pipe = self.client.pipeline(transaction=False)
+        self._queue_chunks(pipe, record.parent_session, [record.context_blob(), *seed_chunks])
+        self._launch(
             keys=[self.keys.bootstrap(fid), self.keys.state(fid), self.keys.events(fid)],
             args=[record_bytes, self.ttl_s, record.kind, record.description, digest_hex, data],
+            client=pipe,
         )
+        outcome = pipe.execute()[-1]
         if outcome == b"conflict":
             raise RecordExistsError(
                 f"fork {fid}: a different bootstrap record already exists; fork ids must be unique per launch",
@@ -160,7 +171,7 @@ class ForkStore:
     # ── worker side ───────────────────────────────────────────────────────────────────────────
 
     def get_record(self, fork_id: str, digest_hex: str | None) -> BootstrapRecord:
-        """The bootstrap record, verified against `digest_hex` when given.
+        """The bootstrap record with its context, verified against `digest_hex` when given.
 
         Raises:
             ForkNotFound: no record (never launched, or past retention).
@@ -171,14 +182,33 @@ class ForkStore:
             raise ForkNotFound(
                 f"fork {fork_id}: no bootstrap record in Redis (never launched, or expired)", fork_id=fork_id
             )
-        return BootstrapRecord.decode(data, fork_id=fork_id, expected_digest=digest_hex)
+        session, ref = BootstrapRecord.context_ref(data, fork_id=fork_id)
+        context = cast(bytes | None, self.client.get(self.keys.chunk(session, ref.hex())))
+        return BootstrapRecord.decode(data, fork_id=fork_id, context=context or b"", expected_digest=digest_hex)
 
     def get_record_bytes(self, fork_id: str) -> bytes | None:
         """The stored bootstrap bytes, unverified (for inspection)."""
         return cast(bytes | None, self.client.get(self.keys.bootstrap(fork_id)))
 
+    def load_inputs(
+        self, fork_id: str, data: bytes, digest_hex: str, inline: Sequence[bytes] | None = None
+    ) -> tuple[BootstrapRecord, ForkSeed]:
+        """Record and seed from stored record bytes, with the job's inline chunks (context first, then
+        the seed's) or, without them, every chunk read from Redis in one round trip; all verified.
+        """
+        if inline:
+            record = BootstrapRecord.decode(data, fork_id=fork_id, context=inline[0], expected_digest=digest_hex)
+            return record, join_seed(record, inline[1:])
+        session, ref = BootstrapRecord.context_ref(data, fork_id=fork_id)
+        raw = codec.decode(data, what=f"fork {fork_id}: bootstrap record")
+        refs = [ref, *(d for d in raw.get("seed_chunks", []) if isinstance(d, bytes))]
+        fetched = self.client.mget([self.keys.chunk(session, d.hex()) for d in refs])
+        chunks = [c if isinstance(c, bytes) else b"" for c in fetched]
+        record = BootstrapRecord.decode(data, fork_id=fork_id, context=chunks[0], expected_digest=digest_hex)
+        return record, join_seed(record, chunks[1:])
+
     def load_seed(self, record: BootstrapRecord, inline_chunks: Sequence[bytes] | None = None) -> ForkSeed:
-        """The record's seed, from the job's inline chunks or from Redis, every chunk verified."""
+        """The record's seed, from given chunks or from Redis, every chunk verified."""
         if inline_chunks is None:
             names = [self.keys.chunk(record.parent_session, d.hex()) for d in record.seed_chunks]
             fetched = self.client.mget(names) if names else []
