@@ -402,7 +402,9 @@ class LeaseKeeper:
             log.warning("lease heartbeat failed: %s", exc)
             return
         for (claim, lost), ok in zip(held, renewed, strict=True):
-            if not ok:
+            with self._lock:
+                still_held = self._held.get(claim.fork_id, (None,))[0] == claim
+            if not ok and still_held:  # a fork that just finished dropped its lease: not a loss
                 log.warning("fork %s: lease lost (epoch %d)", claim.fork_id, claim.epoch)
                 lost.set()
 

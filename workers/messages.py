@@ -150,7 +150,10 @@ def parse_history(raw: object) -> list[Content]:
             'send [{"role": "user", "parts": [{"text": "..."}]}, ...]',
             index=None,
         )
-    return [parse_content(item, index=i) for i, item in enumerate(raw)]
+    try:  # one call into pydantic-core for the whole history; per-message only to explain a failure
+        return load_contents(raw)
+    except ValidationError:
+        return [parse_content(item, index=i) for i, item in enumerate(raw)]
 
 
 def parse_content(item: object, *, index: int) -> Content:
