@@ -47,19 +47,53 @@ def make_history(messages: int, seed: int = 7) -> list[dict[str, Any]]:
                 break
             call += 1
             name = rnd.choice(TOOLS)
-            history.append({"role": "model", "parts": [
-                {"text": _text(rnd, 20, 200)},
-                {"functionCall": {"id": f"call-{call}", "name": name, "args": {"path": f"src/m{call}.py"}}},
-            ]})
-            history.append({"role": "user", "parts": [{"functionResponse": {
-                "id": f"call-{call}", "name": name, "response": {"output": _text(rnd, 1000, 20000)}}}]})
+            history.append(
+                {
+                    "role": "model",
+                    "parts": [
+                        {"text": _text(rnd, 20, 200)},
+                        {"functionCall": {"id": f"call-{call}", "name": name, "args": {"path": f"src/m{call}.py"}}},
+                    ],
+                }
+            )
+            history.append(
+                {
+                    "role": "user",
+                    "parts": [
+                        {
+                            "functionResponse": {
+                                "id": f"call-{call}",
+                                "name": name,
+                                "response": {"output": _text(rnd, 1000, 20000)},
+                            }
+                        }
+                    ],
+                }
+            )
         if len(history) < messages - 1:
             history.append({"role": "model", "parts": [{"text": _text(rnd, 100, 1500)}]})
-    history.append({"role": "model", "parts": [
-        {"text": "Launching forks."},
-        {"functionCall": {"id": "agent-1", "name": "Agent", "args": {"prompt": "sibling A", "subagent_type": "fork"}}},
-        {"functionCall": {"id": "agent-2", "name": "Agent", "args": {"prompt": "sibling B", "subagent_type": "fork"}}},
-    ]})
+    history.append(
+        {
+            "role": "model",
+            "parts": [
+                {"text": "Launching forks."},
+                {
+                    "functionCall": {
+                        "id": "agent-1",
+                        "name": "Agent",
+                        "args": {"prompt": "sibling A", "subagent_type": "fork"},
+                    }
+                },
+                {
+                    "functionCall": {
+                        "id": "agent-2",
+                        "name": "Agent",
+                        "args": {"prompt": "sibling B", "subagent_type": "fork"},
+                    }
+                },
+            ],
+        }
+    )
     return history
 
 
@@ -86,6 +120,7 @@ def run(size: int, repeat: int) -> None:
         def go() -> None:
             seed = build_fork_seed(history, fork_turns=turns, directive="Review the lease code.")
             codec.encode_with_digest(seed.to_wire())
+
         return go
 
     def seed_only(turns: str | None) -> Callable[[], None]:

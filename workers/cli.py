@@ -155,9 +155,16 @@ def cmd_worker(args: argparse.Namespace) -> int:
     health = check_redis(settings)
     if health.problems:
         raise ConfigurationError("worker refuses to start: " + "; ".join(health.problems))
+    # --pool/--concurrency go through the settings: Celery's CLI would let app.conf override a "prefork"
+    settings = settings.model_copy(
+        update={
+            "worker_pool": args.pool or settings.worker_pool,
+            "worker_concurrency": args.concurrency or settings.worker_concurrency,
+        }
+    )
     app = make_app(settings)
-    pool = args.pool or settings.worker_pool
-    concurrency = str(args.concurrency or settings.worker_concurrency)
+    pool = settings.worker_pool
+    concurrency = str(settings.worker_concurrency)
     # forkq keeps its own state in Redis: no revoke lists to sync at start (mingle), no gossip
     argv = [
         "worker",

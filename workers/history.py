@@ -194,9 +194,10 @@ def startup_context_length(history: Sequence[Content], *, include_summary: bool 
 
 
 def _is_valid_part(part: Part) -> bool:
-    if part.text == "":
-        return bool(part.thought) or part.thought_signature is not None or part.function_call is not None
-    return _has_payload(part)
+    text = part.text
+    if text is None:
+        return _has_payload(part)
+    return text != "" or bool(part.thought) or part.thought_signature is not None or part.function_call is not None
 
 
 def _has_payload(part: Part) -> bool:
@@ -207,7 +208,8 @@ def _has_payload(part: Part) -> bool:
 
 
 def _is_valid_model_content(content: Content) -> bool:
-    return bool(content.parts) and all(_is_valid_part(p) for p in content.parts)
+    parts = content.parts
+    return bool(parts) and all(map(_is_valid_part, parts))
 
 
 def _merge_user(first: Content, second: Content) -> Content:
@@ -220,23 +222,24 @@ def curate_history(history: Sequence[Content]) -> list[Content]:
     The result shares unchanged Contents with the input; merged ones are new objects.
     """
     out: list[Content] = []
-    i, n = 0, len(history)
-    while i < n:
-        content = history[i]
+    run_start = -1  # index in `out` where the current model run began; -1 outside a run
+    run_valid = True
+    for content in history:
         if content.role == "user":
+            if run_start >= 0 and not run_valid:
+                del out[run_start:]
+            run_start, run_valid = -1, True
             if out and out[-1].role == "user":
                 out[-1] = _merge_user(out[-1], content)
             else:
                 out.append(content)
-            i += 1
             continue
-        end = i
-        while end < n and history[end].role == "model":
-            end += 1
-        run = history[i:end]
-        if all(_is_valid_model_content(c) for c in run):
-            out.extend(run)
-        i = end
+        if run_start < 0:
+            run_start = len(out)
+        run_valid = run_valid and _is_valid_model_content(content)
+        out.append(content)
+    if run_start >= 0 and not run_valid:
+        del out[run_start:]
     return out
 
 

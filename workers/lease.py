@@ -97,13 +97,16 @@ return 'finished'
 """
 )
 
-# KEYS: state, lease, events, running. ARGV: epoch, owner, fork_id, reason. Back to queued, at once.
+# KEYS: state, lease, events, running. ARGV: epoch, owner, fork_id, reason, grace_ms. Back to queued.
 _RELEASE = (
-    _FENCE
+    _NOW
+    + _FENCE
     + """
 redis.call('HSET', KEYS[1], 'status', 'queued', 'owner', '')
 redis.call('DEL', KEYS[2])
-redis.call('ZREM', KEYS[4], ARGV[3])
+-- stays indexed, due after ARGV[5] ms, until its job is confirmed enqueued (`enqueued`): a failed
+-- publish is then re-enqueued by a sweeper
+redis.call('ZADD', KEYS[4], now + tonumber(ARGV[5]), ARGV[3])
 redis.call('XADD', KEYS[3], 'MAXLEN', '~', @MAXLEN@, '*', 'type', 'released', 'data',
            cjson.encode({reason = ARGV[4]}))
 return 'released'
@@ -298,12 +301,17 @@ class Leases:
         )
         self._fenced(claim, outcome, "result")
 
-    def release(self, claim: Claim, reason: str) -> None:
-        """Give the fork back (queued, lease deleted) so another worker resumes it at once."""
+    def release(self, claim: Claim, reason: str, *, grace_ms: int = 30_000) -> None:
+        """Give the fork back (queued, lease deleted) so another worker resumes it at once.
+
+        The caller enqueues it and then calls `enqueued`; until then it stays in the running index,
+        so a sweeper re-enqueues it after `grace_ms` if that publish never happened.
+        """
         k = self.keys
         fid = claim.fork_id
         outcome = self._release(
-            keys=[k.state(fid), k.lease(fid), k.events(fid), k.running], args=[claim.epoch, claim.owner, fid, reason]
+            keys=[k.state(fid), k.lease(fid), k.events(fid), k.running],
+            args=[claim.epoch, claim.owner, fid, reason, grace_ms],
         )
         self._fenced(claim, outcome, "release")
 

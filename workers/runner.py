@@ -10,10 +10,10 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import Any, Final
 
 import redis
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from broker_config.settings import Settings
 from workers.child import ChildLoop, Stopped
@@ -30,6 +30,10 @@ from workers.tools import ToolRegistry, load_tools
 
 log = logging.getLogger("forkq.worker")
 
+# far above any inline seed a client sends (FORKQ_INLINE_SEED_MAX_BYTES is at most a few hundred KB
+# in practice); larger jobs are hostile or broken and are refused before anything runs
+MAX_INLINE_JOB_BYTES: Final = 4 * 1024 * 1024
+
 Requeue = Callable[[str, str, int], None]  # fork id, digest, attempt
 
 
@@ -41,6 +45,14 @@ class RunForkJob(BaseModel):
     fork_id: str = Field(min_length=1, max_length=128)
     digest: str = Field(pattern=r"^[0-9a-f]{64}$")
     seed_chunks: list[bytes] | None = None  # inline: the context chunk, then the seed's chunks
+
+    @field_validator("seed_chunks")
+    @classmethod
+    def _bounded(cls, chunks: list[bytes] | None) -> list[bytes] | None:
+        size = sum(map(len, chunks or []))
+        if size > MAX_INLINE_JOB_BYTES:
+            raise ValueError(f"inline chunks of {size:,} bytes exceed {MAX_INLINE_JOB_BYTES:,}: an oversized job")
+        return chunks
 
 
 @dataclass
@@ -148,6 +160,10 @@ def run_fork_job(runtime: WorkerRuntime, job: RunForkJob) -> str:
     not queued (running under a live lease, finished, cancelled) is a no-op.
     """
     fid = job.fork_id
+    if runtime.stopping.is_set() and runtime.requeue is not None:
+        # a worker that is shutting down hands new deliveries back instead of claiming them
+        runtime.requeue(fid, job.digest, 0)
+        return "handed_back"
     claim = runtime.leases.claim(fid, new_owner(), job.digest)
     if claim == "forged":
         raise RecordIntegrityError(
@@ -242,5 +258,6 @@ def _stopped(runtime: WorkerRuntime, job: RunForkJob, claim: Claim, reason: str)
         runtime.leases.release(claim, "worker shutdown")
         if runtime.requeue is not None:
             runtime.requeue(job.fork_id, job.digest, claim.attempt + 1)
+            runtime.leases.enqueued(job.fork_id)
         return "released"
     return reason
