@@ -269,6 +269,9 @@ def test_release_hands_the_fork_back_at_once_with_a_released_event(
 
     assert state_field(redis_client, fid, "status") == "queued"
     assert not redis_client.exists(KEYS.lease(fid))
+    # indexed, out of the sweepers' way, until the releasing worker confirms its re-enqueue
+    assert fid not in leases.expired()
+    leases.enqueued(fid)
     assert redis_client.zscore(KEYS.running, fid) is None
     released = [e for e in fork_store.events(fid) if e.type == "released"]
     assert [e.data for e in released] == [{"reason": "worker shutdown"}]

@@ -124,15 +124,27 @@ def test_a_revived_fork_pauses_when_a_tool_it_started_with_is_missing(
 def test_a_worker_shutting_down_releases_its_fork_for_another_worker(
     settings: Settings, client: ForkClient, parent: dict[str, Any]
 ) -> None:
+    # Given a worker that receives SIGTERM while its fork waits on the model
     fork_id, job = launch(client, parent)
     runtime = runtime_with(settings, CallsThenAnswers(), counting_tools([]))
     requeued: list[tuple[str, int]] = []
     runtime.requeue = lambda fid, digest, attempt: requeued.append((fid, attempt))
-    runtime.stopping.set()
+
+    class StopsDuringTheCall(CallsThenAnswers):
+        def generate(self, request: ModelRequest) -> ModelResponse:
+            runtime.stopping.set()
+            return super().generate(request)
+
+    runtime.provider = StopsDuringTheCall()
+    # Then the answer is journaled, the fork released at the next boundary and re-enqueued at once
     assert run_fork_job(runtime, job) == "released"
     assert client.status(fork_id).status is Status.QUEUED
     assert requeued == [(fork_id, 2)]
     assert [e.type for e in client.events(fork_id)][-1] == "released"
+    assert [e.kind for e in WorkerRuntime(settings).leases.journal(fork_id)] == ["surface", "model"]
+    # and a delivery that reaches a stopping worker is handed back without a claim
+    assert run_fork_job(runtime, job) == "handed_back"
+    assert client.status(fork_id).attempt == 1
 
 
 def test_a_job_whose_digest_is_not_the_launch_digest_leaves_the_fork_untouched(

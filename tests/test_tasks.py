@@ -41,6 +41,12 @@ class Pwned:
 
 
 @pytest.fixture
+def settings(make_settings: Callable[..., Settings]) -> Settings:
+    """This module looks at seeds carried inside the job: allow the example parent's seeds inline."""
+    return make_settings(inline_seed_max_bytes=256 * 1024)
+
+
+@pytest.fixture
 def outcomes() -> Iterator[list[tuple[str, Any, str]]]:
     """(task id, return value, state) of every task the in-process workers finish during the test."""
     seen: list[tuple[str, Any, str]] = []
