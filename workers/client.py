@@ -15,10 +15,10 @@ from celery import Celery
 from broker_config.settings import Settings
 from workers.app import make_app
 from workers.errors import ForkTimeout
-from workers.history import ForkSeed, build_fork_seed
+from workers.history import build_fork_seed_wire
 from workers.keys import Keys
 from workers.params import AgentParams, validate_agent_params
-from workers.records import BootstrapRecord, ForkResult, ForkState, Status, chunk_digest, split_seed
+from workers.records import BootstrapRecord, ForkResult, ForkState, Status, chunk_digest, split_wire
 from workers.snapshot import ParentSnapshot, parse_parent_snapshot
 from workers.store import ForkEvent, ForkStore
 from workers.tasks import enqueue_fork
@@ -95,10 +95,13 @@ class ForkClient:
         snapshot = parent if isinstance(parent, ParentSnapshot) else parse_parent_snapshot(dict(parent))
         fid = fork_id or new_fork_id()
         if agent.is_fork:
-            seed = build_fork_seed(snapshot.history, fork_turns=agent.fork_turns, directive=agent.prompt)
+            wire, task_prompt = build_fork_seed_wire(
+                snapshot.history, fork_turns=agent.fork_turns, directive=agent.prompt
+            )
         else:  # regular subagents and named teammates inherit no history
-            seed = ForkSeed(initial_messages=[], task_prompt=agent.prompt)
-        record, chunks = self._record(fid, snapshot, agent, seed)
+            wire, task_prompt = [], agent.prompt
+        chunks = split_wire(wire)
+        record = self._record(fid, snapshot, agent, chunks, count=len(wire), task_prompt=task_prompt)
         record_bytes, digest = record.encode()
         self.store.put_launch(record, record_bytes, digest, chunks)
         inline: list[bytes] | None = [record.context_blob(), *chunks]
@@ -107,17 +110,17 @@ class ForkClient:
         enqueue_fork(self.app, self.settings.queue, fid, digest, attempt=1, seed_chunks=inline)
         return ForkHandle(fork_id=fid, digest=digest, kind=record.kind, client=self)
 
+    @staticmethod
     def _record(
-        self, fid: str, parent: ParentSnapshot, agent: AgentParams, seed: ForkSeed
-    ) -> tuple[BootstrapRecord, list[bytes]]:
-        chunks = split_seed(seed.initial_messages)
-        record = BootstrapRecord(
+        fid: str, parent: ParentSnapshot, agent: AgentParams, chunks: list[bytes], *, count: int, task_prompt: str
+    ) -> BootstrapRecord:
+        return BootstrapRecord(
             fork_id=fid,
             parent_session=parent.session_id,
             kind="fork" if agent.is_fork else "spawn",
             seed_chunks=[chunk_digest(c) for c in chunks],
-            message_count=len(seed.initial_messages),
-            task_prompt=seed.task_prompt,
+            message_count=count,
+            task_prompt=task_prompt,
             directive=agent.prompt,
             description=agent.description,
             subagent_type=agent.subagent_type,
@@ -130,7 +133,6 @@ class ForkClient:
             depth=parent.depth + 1,
             fork_turns=agent.fork_turns,
         )
-        return record, chunks
 
     # ── following a fork ──────────────────────────────────────────────────────────────────────
 

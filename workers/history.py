@@ -26,6 +26,7 @@ __all__ = [
     "FORK_PLACEHOLDER_OUTPUT",
     "ForkSeed",
     "build_fork_seed",
+    "build_fork_seed_wire",
     "curate_history",
     "fork_directive_text",
     "is_real_user_turn",
@@ -353,10 +354,21 @@ def build_fork_seed(
         InvalidAgentParams: `fork_turns` is invalid.
         InvalidHistory: a wire dict in `parent_history` is not a valid Content.
     """
+    wire, task_prompt = build_fork_seed_wire(parent_history, fork_turns=fork_turns, directive=directive)
+    return ForkSeed.model_construct(schema_version=1, initial_messages=load_contents(wire), task_prompt=task_prompt)
+
+
+def build_fork_seed_wire(
+    parent_history: Sequence[Content | Mapping[str, Any]], *, fork_turns: object = None, directive: str
+) -> tuple[list[dict[str, Any]], str]:
+    """`build_fork_seed` in wire form: (the seed's messages as fresh wire dicts, task prompt).
+
+    For callers that only store or send the seed (the launching client): it skips building
+    Content objects for a copy that would only be dumped again.
+    """
     prefix, body = _select(_as_contents(parent_history), fork_turns)
     repaired, task_prompt = _repair_end(body, directive)
-    messages = copy_contents([*prefix, *repaired])
-    return ForkSeed.model_construct(schema_version=1, initial_messages=messages, task_prompt=task_prompt)
+    return dump_contents([*prefix, *repaired]), task_prompt
 
 
 def _as_contents(history: Iterable[Content | Mapping[str, Any]]) -> list[Content]:

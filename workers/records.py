@@ -211,13 +211,18 @@ class ForkState(BaseModel):
 
 
 def split_seed(messages: Sequence[Content]) -> list[bytes]:
+    """`split_wire` of Contents."""
+    return split_wire(dump_contents(messages))
+
+
+def split_wire(messages: Sequence[dict[str, Any]]) -> list[bytes]:
     """Canonical chunk bytes of a seed's messages, with content-defined boundaries.
 
     A chunk ends after a message whose CRC-32 is 0 mod 16, at 64 messages or 1 MiB, and before the
     last three messages (the repaired end, which differs between sibling forks); so forks of one
     parent produce the same chunks for the messages they share, even at different window offsets.
     """
-    encoded = [codec.encode(m) for m in dump_contents(messages)]
+    encoded = [codec.encode(m) for m in messages]
     tail_start = max(0, len(encoded) - TAIL_MESSAGES)
     chunks: list[bytes] = []
     current: list[bytes] = []
