@@ -14,6 +14,7 @@ from workers.history import ForkSeed, build_fork_seed
 from workers.keys import Keys
 from workers.lease import Leases
 from workers.records import BootstrapRecord, ForkResult, Status, chunk_digest, split_seed
+from workers.redis_server import RedisServer
 from workers.snapshot import parse_parent_snapshot
 from workers.store import ForkStore
 
@@ -295,3 +296,28 @@ def test_a_blocking_read_returns_empty_after_its_timeout(store: ForkStore, seed:
     started = time.monotonic()
     assert store.events("f-1", after=queued.id, block_ms=150) == []
     assert time.monotonic() - started >= 0.1
+
+
+def test_with_a_replica_a_launch_is_acknowledged_only_after_the_replica_has_the_record(
+    fresh_redis: RedisServer, redis_executable: str, seed: ForkSeed
+) -> None:
+    # Given a primary with one connected replica
+    assert fresh_redis.port is not None
+    replica = RedisServer(extra_args=["--replicaof", "127.0.0.1", str(fresh_redis.port)], executable=redis_executable)
+    replica.start()
+    primary = redis.Redis.from_url(fresh_redis.url)
+    follower = redis.Redis.from_url(replica.url)
+    try:
+        deadline = time.monotonic() + 10
+        while primary.info("replication")["connected_slaves"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        store = ForkStore(primary, Keys("t"), ttl_s=TTL_S)
+        # When a fork is launched
+        record, _ = launch(store, seed)
+        # Then the launch waited for the replica (WAIT), and the replica holds the record already
+        assert primary.info("commandstats")["cmdstat_wait"]["calls"] >= 1
+        assert follower.get(store.keys.bootstrap(record.fork_id)) == primary.get(store.keys.bootstrap(record.fork_id))
+    finally:
+        primary.close()
+        follower.close()
+        replica.stop()
