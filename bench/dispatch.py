@@ -38,7 +38,8 @@ import redis  # noqa: E402
 
 from bench.bare_app import BARE_QUEUE, NOOP_TASK, make_bare_app  # noqa: E402
 from bench.history import make_history  # noqa: E402
-from bench.worker_procs import Worker, wait_ready, worker_env, workers  # noqa: E402
+from bench.procs import Proc as Worker  # noqa: E402
+from bench.procs import wait_ready, worker_env, workers  # noqa: E402
 from broker_config.settings import Settings  # noqa: E402
 from workers.client import ForkClient, new_fork_id  # noqa: E402
 from workers.history import build_fork_seed  # noqa: E402

@@ -1,9 +1,11 @@
-"""Subprocesses of the revival benchmark: start them with a log file, SIGKILL one, stop them all; Redis TIME."""
+"""Subprocesses of the benchmarks: start them with a log file, measure their CPU, SIGKILL one, stop them all."""
 
 from __future__ import annotations
 
+import os
 import platform
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -36,6 +38,16 @@ class Proc:
         """SIGKILL and reap."""
         self.process.kill()
         self.process.wait()
+
+    def cpu_ns(self) -> int:
+        """CPU time of all the process's threads so far (ns, from /proc/PID/task/*/schedstat)."""
+        total = 0
+        for task in Path(f"/proc/{self.pid}/task").iterdir():
+            try:
+                total += int((task / "schedstat").read_text().split()[0])
+            except (FileNotFoundError, ProcessLookupError):  # a thread that just ended
+                continue
+        return total
 
     def tail(self, chars: int = 2000) -> str:
         """The end of the log."""
@@ -89,6 +101,28 @@ def fleet(logdir: Path) -> Iterator[Fleet]:
         yield group
     finally:
         group.stop_all()
+
+
+def worker_env(redis_url: str, script: Path) -> dict[str, str]:
+    """This environment without its FORKQ_* variables, plus the repo on PYTHONPATH, the Redis URL and the script."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FORKQ_")}
+    path = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    return {**env, "PYTHONPATH": path, "FORKQ_REDIS_URL": redis_url, "FORKQ_SCRIPT": str(script)}
+
+
+@contextmanager
+def workers(
+    app_module: str, queue: str, names: Sequence[str], env: dict[str, str], logdir: Path, *, concurrency: int
+) -> Iterator[list[Proc]]:
+    """Start one `celery -A app_module worker` per name (threads pool); stop them all on exit."""
+    with fleet(logdir) as group:
+        started = []
+        for name in names:
+            argv = [sys.executable, "-m", "celery", "-A", app_module, "worker", "-Q", queue, "-P", "threads"]
+            argv += ["-c", str(concurrency), "-n", f"{name}@%h", "-l", "WARNING"]
+            argv += ["--without-gossip", "--without-mingle", "--without-heartbeat"]
+            started.append(group.start(name, argv, env))
+        yield started
 
 
 def wait_ready(app: Celery, procs: Sequence[Proc]) -> None:
