@@ -309,7 +309,9 @@ def test_with_a_replica_a_launch_is_acknowledged_only_after_the_replica_has_the_
     follower = redis.Redis.from_url(replica.url)
     try:
         deadline = time.monotonic() + 10
-        while primary.info("replication")["connected_slaves"] < 1 and time.monotonic() < deadline:
+        # online: past its initial sync, so it acknowledges the stream (WAIT counts only such replicas)
+        while primary.info("replication").get("slave0", {}).get("state") != "online":
+            assert time.monotonic() < deadline, "the replica did not finish its initial sync"
             time.sleep(0.05)
         store = ForkStore(primary, Keys("t"), ttl_s=TTL_S)
         # When a fork is launched
