@@ -126,7 +126,7 @@ class BootstrapRecord(BaseModel):
                 "bootstrap record names; it is missing or was modified after launch",
                 fork_id=fork_id,
             )
-        raw.update(codec.decode(context, what=f"fork {fork_id}: context chunk"))
+        raw.update(codec.decode_verified(context, what=f"fork {fork_id}: context chunk"))
         try:
             return cls.model_validate(raw, strict=True)
         except ValueError as exc:
@@ -267,7 +267,7 @@ def join_seed(record: BootstrapRecord, chunks: Sequence[bytes]) -> ForkSeed:
                 "it was modified or truncated after launch",
                 fork_id=record.fork_id,
             )
-        messages.extend(codec.decode(chunk, what=f"fork {record.fork_id}: seed chunk {i}"))
+        messages.extend(codec.decode_verified(chunk, what=f"fork {record.fork_id}: seed chunk {i}"))
     if len(messages) != record.message_count:
         raise RecordIntegrityError(
             f"fork {record.fork_id}: seed has {len(messages)} messages, the record says {record.message_count}",
