@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from broker_config.celery import RUN_FORK_TASK, SWEEP_TASK
 from broker_config.settings import Settings
 from workers.app import make_app, runtime_of
 from workers.client import ForkClient
+from workers.health import check_redis
 from workers.records import Status
 
 REPO_ROOT = Path(app_module.__file__).resolve().parents[1]
@@ -114,3 +116,39 @@ def test_a_worker_refuses_to_start_against_a_redis_that_may_evict_records(
     assert code != 0
     assert "maxmemory-policy" in worker.log()
     assert "noeviction" in worker.log()
+
+
+def test_the_beat_sweep_task_revives_a_fork_whose_worker_died(
+    make_settings: Callable[..., Settings], parent: dict[str, Any], start_live_worker: Callable[[Celery], Any]
+) -> None:
+    # Given a fork claimed by a worker that died at once (its 300 ms lease is never renewed)
+    settings = make_settings(lease_ttl_s=0.3, heartbeat_s=0.1)
+    app = make_app(settings)
+    assert app.conf.beat_schedule["forkq-sweep"] == {"task": SWEEP_TASK, "schedule": settings.sweep_s}
+    with ForkClient(settings, app=app) as client:
+        handle = client.launch(parent, FORK)
+        leases = runtime_of(app).leases
+        assert not isinstance(leases.claim(handle.fork_id, "a-worker-that-dies"), str)
+        deadline = time.monotonic() + 5
+        while handle.fork_id not in leases.expired():
+            assert time.monotonic() < deadline, "the lease did not expire"
+            time.sleep(0.05)
+        # When Celery beat's sweep task runs on a worker
+        start_live_worker(app)
+        app.send_task(SWEEP_TASK, queue=settings.queue)
+        result = handle.wait(timeout=15)
+
+    # Then the fork was revived and ran to its end on that worker, on its second attempt
+    assert result.status is Status.SUCCEEDED
+    assert client.status(handle.fork_id).attempt == 2
+    assert "revived" in [e.type for e in client.events(handle.fork_id)]
+    app.close()
+
+
+def test_a_redis_that_keeps_nothing_on_disk_gets_a_warning_but_is_accepted(settings: Settings) -> None:
+    # the test servers run with `--save '' --appendonly no`
+    health = check_redis(settings)
+
+    assert health.problems == []
+    assert len(health.warnings) == 1 and "persistence off" in health.warnings[0]
+    assert "appendonly yes" in health.warnings[0]
