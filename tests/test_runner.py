@@ -157,3 +157,58 @@ def test_a_job_whose_digest_is_not_the_launch_digest_leaves_the_fork_untouched(
     with pytest.raises(RecordIntegrityError, match="launch digest"):
         run_fork_job(runtime_with(settings, CallsThenAnswers(), counting_tools([])), forged)
     assert client.status(fork_id).status is Status.QUEUED
+
+
+class GarblesItsCall(CallsThenAnswers):
+    """Step 0 returns a call whose arguments the provider could not parse (`invalid_calls`)."""
+
+    def generate(self, request: ModelRequest) -> ModelResponse:
+        response = super().generate(request)
+        if request.step == 0:
+            return response.model_copy(update={"invalid_calls": {"c1": "arguments are not a JSON object"}})
+        return response
+
+
+def test_a_call_the_provider_garbled_is_answered_with_its_error_and_never_run(
+    settings: Settings, client: ForkClient, parent: dict[str, Any]
+) -> None:
+    effects: list[str] = []
+    _, job = launch(client, parent)
+    provider = GarblesItsCall()
+
+    assert run_fork_job(runtime_with(settings, provider, counting_tools(effects)), job) == "succeeded"
+
+    assert effects == []
+    answer = provider.requests[1].messages[-1].parts[0].function_response
+    assert answer is not None and answer.response == {"error": "arguments are not a JSON object"}
+
+
+def test_a_garbled_call_is_still_not_run_after_a_revival(
+    settings: Settings, client: ForkClient, parent: dict[str, Any]
+) -> None:
+    # Given a run that answered a garbled call with its error and died in the next model call
+    effects: list[str] = []
+    fork_id, job = launch(client, parent)
+    with pytest.raises(Died):
+        run_fork_job(runtime_with(settings, GarblesItsCall(die_at=1), counting_tools(effects)), job)
+    # When another worker revives it
+    expire(settings, fork_id)
+    second = CallsThenAnswers()
+    assert run_fork_job(runtime_with(settings, second, counting_tools(effects)), job) == "succeeded"
+    # Then the replayed request carries the recorded error answer, and the tool never ran
+    assert effects == []
+    answer = second.requests[0].messages[-1].parts[0].function_response
+    assert answer is not None and answer.response == {"error": "arguments are not a JSON object"}
+
+
+def test_replay_keeps_a_garbled_call_unrunnable_when_it_was_not_answered_yet() -> None:
+    from workers.history import ForkSeed
+    from workers.journal import JournalEntry, replay
+
+    # Given a journal whose last model response holds a call the provider garbled, not yet answered
+    call = {"role": "model", "parts": [{"functionCall": {"id": "c1", "name": "count", "args": {}}}]}
+    entries = [JournalEntry(seq=0, step=0, kind="model", content=call, invalid_calls={"c1": "bad arguments"})]
+    # When it is replayed
+    state = replay(ForkSeed(initial_messages=[], task_prompt="go"), entries)
+    # Then the pending call carries the provider's error, so the loop answers it without running it
+    assert [(p.call.id, p.invalid) for p in state.pending] == [("c1", "bad arguments")]

@@ -113,13 +113,15 @@ class ChildLoop:
             request_digest=digest,
             input_tokens=response.usage.input_tokens,
             output_tokens=response.usage.output_tokens,
+            invalid_calls=response.invalid_calls or None,
         )
         state.messages.append(content)
         state.input_tokens += response.usage.input_tokens
         state.output_tokens += response.usage.output_tokens
         state.step += 1
         state.answers = {}
-        state.pending = [PendingCall(i, c, started=False) for i, c in calls]
+        invalid = response.invalid_calls
+        state.pending = [PendingCall(i, c, started=False, invalid=invalid.get(c.id or "")) for i, c in calls]
         state.final = None if calls else content
 
     def _run_tools(self, state: Replay) -> None:
@@ -127,8 +129,10 @@ class ChildLoop:
         for pending in list(state.pending):
             call = pending.call
             tool = self.tools.get(call.name)
-            if pending.started and not (tool is not None and tool.idempotent):
-                outcome: dict[str, Any] = {"error": INTERRUPTED_ERROR}
+            if pending.invalid is not None:  # garbled by the provider: the model reads why, nothing runs
+                outcome: dict[str, Any] = {"error": pending.invalid}
+            elif pending.started and not (tool is not None and tool.idempotent):
+                outcome = {"error": INTERRUPTED_ERROR}
             else:
                 self._write(
                     state,

@@ -35,6 +35,7 @@ class JournalEntry(BaseModel):
     kind: Literal["surface", "model", "tool_started", "tool_result"]
     content: dict[str, Any] | None = None  # model: the response Content (wire form)
     request_digest: str | None = None  # model: digest of the request that produced it
+    invalid_calls: dict[str, str] | None = None  # model: call id → error, for calls the provider garbled
     input_tokens: int = 0
     output_tokens: int = 0
     call_index: int | None = None  # tools: position of the call in the step's model Content
@@ -64,6 +65,7 @@ class PendingCall:
     index: int
     call: FunctionCall
     started: bool  # a `tool_started` entry exists: the call may have taken effect
+    invalid: str | None = None  # the provider returned this call unusable: answer with this error, run nothing
 
 
 @dataclass
@@ -101,6 +103,7 @@ def replay(seed: ForkSeed, entries: list[JournalEntry]) -> Replay:
     state = Replay(messages=[*seed.initial_messages, Content(role="user", parts=[Part(text=seed.task_prompt)])])
     calls: list[tuple[int, FunctionCall]] = []
     started: set[int] = set()
+    invalid: dict[str, str] = {}
     for entry in entries:
         state.next_seq = entry.seq + 1
         if entry.kind == "model":
@@ -112,6 +115,7 @@ def replay(seed: ForkSeed, entries: list[JournalEntry]) -> Replay:
             state.input_tokens += entry.input_tokens
             state.output_tokens += entry.output_tokens
             calls, started, state.answers = calls_of(content), set(), {}
+            invalid = entry.invalid_calls or {}
             state.final = None if calls else content
         elif entry.kind == "tool_started" and entry.call_index is not None:
             started.add(entry.call_index)
@@ -119,7 +123,9 @@ def replay(seed: ForkSeed, entries: list[JournalEntry]) -> Replay:
             call = dict(calls)[entry.call_index]
             state.answers[entry.call_index] = response_part(call, entry.response)
             state.tool_uses += 1
-    state.pending = [PendingCall(i, c, i in started) for i, c in calls if i not in state.answers]
+    state.pending = [
+        PendingCall(i, c, i in started, invalid.get(c.id or "")) for i, c in calls if i not in state.answers
+    ]
     if calls and not state.pending:
         state.messages.append(state.answer_content(calls))
     return state
