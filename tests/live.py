@@ -37,16 +37,15 @@ def body(envelope: dict[str, Any]) -> Any:
     return msgpack.unpackb(base64.b64decode(envelope["body"]), raw=False)
 
 
-def push_raw(
-    redis_client: redis.Redis,
-    queue: str,
+def kombu_envelope(
     payload: bytes,
     *,
+    queue: str,
+    task_id: str,
     content_type: str = "application/x-msgpack",
     task: str = RUN_FORK_TASK,
-) -> str:
-    """Push a hand-made message into a kombu Redis queue, as a hostile or buggy producer would."""
-    task_id = f"hostile-{uuid.uuid4().hex[:8]}"
+) -> bytes:
+    """A kombu Redis envelope around `payload`, as a hostile or buggy producer would build it."""
     envelope = {
         "body": base64.b64encode(payload).decode(),
         "content-encoding": "binary",
@@ -61,7 +60,22 @@ def push_raw(
             "delivery_tag": str(uuid.uuid4()),
         },
     }
-    redis_client.lpush(queue, json.dumps(envelope))
+    return json.dumps(envelope).encode()
+
+
+def push_raw(
+    redis_client: redis.Redis,
+    queue: str,
+    payload: bytes,
+    *,
+    content_type: str = "application/x-msgpack",
+    task: str = RUN_FORK_TASK,
+) -> str:
+    """Push a hand-made message into a kombu Redis queue, as a hostile or buggy producer would."""
+    task_id = f"hostile-{uuid.uuid4().hex[:8]}"
+    redis_client.lpush(
+        queue, kombu_envelope(payload, queue=queue, task_id=task_id, content_type=content_type, task=task)
+    )
     return task_id
 
 

@@ -12,7 +12,6 @@ every tool call's side effect happened at most once (an idempotent call may be r
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import json
 import os
@@ -22,7 +21,6 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -34,8 +32,8 @@ import pytest
 import redis
 from celery.exceptions import Reject
 from conftest import PARENT_PATH, REPO_ROOT, TEST_NAMESPACE, TEST_QUEUE
+from live import kombu_envelope
 
-from broker_config.celery import RUN_FORK_TASK
 from broker_config.settings import Settings
 from workers.app import make_app
 from workers.client import ForkClient
@@ -697,22 +695,8 @@ def test_a_poison_fork_fails_with_worker_lost_after_the_attempt_limit(
 
 
 def raw_envelope(payload: bytes, content_type: str, task_id: str) -> bytes:
-    """A kombu Redis envelope, as a hostile or buggy producer would push it."""
-    envelope = {
-        "body": base64.b64encode(payload).decode(),
-        "content-encoding": "binary",
-        "content-type": content_type,
-        "headers": {"lang": "py", "task": RUN_FORK_TASK, "id": task_id, "root_id": task_id, "retries": 0},
-        "properties": {
-            "correlation_id": task_id,
-            "delivery_mode": 2,
-            "delivery_info": {"exchange": "", "routing_key": TEST_QUEUE},
-            "priority": 0,
-            "body_encoding": "base64",
-            "delivery_tag": str(uuid.uuid4()),
-        },
-    }
-    return json.dumps(envelope).encode()
+    """A kombu Redis envelope for the test queue, as a hostile or buggy producer would push it."""
+    return kombu_envelope(payload, queue=TEST_QUEUE, task_id=task_id, content_type=content_type)
 
 
 class Pwned:
