@@ -1,0 +1,1 @@
+"""forkq: background fork subagents of LLM coding agents, on Celery and Redis."""
