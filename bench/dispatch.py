@@ -58,8 +58,8 @@ SEED_TARGETS = (4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 3 << 20)  # und
 HUGE = 1 << 40
 TIMEOUT_S = 60.0
 T = TypeVar("T")
-# the worker's first event at the first model call: 'model_call' (emitted as the call starts) where the
-# runner emits it, else 'step' (emitted when the call has answered; the scripted step takes no time)
+# the worker's first event at the first model call: 'model_call' (published as the call starts); 'step'
+# (published once it answered) only as a fallback
 FIRST_CALL_EVENTS = ("model_call", "step")
 
 

@@ -341,8 +341,7 @@ class Cluster:
         Returns the rebuilt requests by step (0-based).
         """
         state = self.store.state(fid)
-        record = self.store.get_record(fid, state.digest)
-        seed = self.store.load_seed(record)
+        record, seed = self.store.read_inputs(fid, state.digest)
         entries = self.leases.journal(fid)
         rebuilt: dict[int, ModelRequest] = {}
         for i, entry in enumerate(entries):

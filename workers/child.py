@@ -61,6 +61,10 @@ class ChildLoop:
     io: ForkIO
     entries: list[JournalEntry] = field(default_factory=list)
     max_turns: int = 200
+    declarations: list[dict[str, Any]] = field(init=False)  # parsed once, sent with every request
+
+    def __post_init__(self) -> None:
+        self.declarations = self.record.tools
 
     def run(self) -> ForkResult:
         """Run to the final answer or the turn limit.
@@ -173,7 +177,7 @@ class ChildLoop:
             step=step,
             model=record.model,
             system_instruction=record.system_instruction,
-            tools=record.tools,
+            tools=self.declarations,
             messages=list(messages),
             generation=record.generation,
             directive=record.directive,

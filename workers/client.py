@@ -189,8 +189,7 @@ class ForkClient:
     def inspect(self, fork_id: str) -> dict[str, Any]:
         """The bootstrap record in wire form, with its seed resolved and verified."""
         state = self.store.state(fork_id)
-        record = self.store.get_record(fork_id, state.digest or None)
-        seed = self.store.load_seed(record)
+        record, seed = self.store.read_inputs(fork_id, state.digest or None)
         return {
             "fork_id": record.fork_id,
             "digest": state.digest,

@@ -1,8 +1,9 @@
 """Every Redis key forkq uses, and the only place key names are built.
 
-All per-fork keys carry the fork id in a hash tag (`{f-…}`), so one fork's keys share a cluster
-slot and Lua scripts over them stay legal. Message chunks are content-addressed and shared by the
-forks of one parent session, under that session's hash tag.
+All per-fork keys carry the fork id in a hash tag (`{f-…}`), so one fork's keys share a slot. The
+running index is the one key shared by every fork (claim, sweep and release scripts touch it with a
+fork's keys), so forkq runs on a single primary (with replicas or Sentinel), not on Redis Cluster.
+Chunks are content-addressed and shared by the forks of one parent session, under its hash tag.
 
 Each key: type; content; TTL; writer → readers.
 
@@ -22,8 +23,9 @@ Each key: type; content; TTL; writer → readers.
   none; worker (claim, heartbeat, finish) → sweeper. The one key shared by all forks.
 - `{ns}:dead`: list; JSON `{task_id, reason}` of rejected job messages, newest first, capped at
   1,000; none; worker → operators.
-- `{ns}:{parent:<session>}:chunk:<digest>`: string; canonical msgpack list of wire Contents (a seed
-  chunk, named by the BLAKE2b-256 of its bytes); retention, renewed on reuse; launch → worker, inspect.
+- `{ns}:{parent:<session>}:chunk:<digest>`: string; a chunk named by the BLAKE2b-256 of its bytes:
+  canonical msgpack list of wire Contents (a seed chunk), or the parent's context (system instruction
+  and tool declarations); retention, renewed on reuse; launch → worker, inspect.
 
 `retention` is `FORKQ_RECORD_TTL_S`, set at launch and renewed when a fork finishes.
 """

@@ -87,13 +87,14 @@ class BootstrapRecord(BaseModel):
         return codec.encode_with_digest(fields)
 
     @staticmethod
-    def context_ref(data: bytes, *, fork_id: str) -> tuple[str, bytes]:
-        """(parent session, context chunk digest) named by stored record bytes."""
+    def chunk_refs(data: bytes, *, fork_id: str) -> tuple[str, list[bytes]]:
+        """(parent session, [context chunk digest, *seed chunk digests]) named by stored record bytes."""
         raw = codec.decode(data, what=f"fork {fork_id}: bootstrap record")
         ref = raw.get("context_chunk") if isinstance(raw, dict) else None
-        if not isinstance(ref, bytes) or not isinstance(raw.get("parent_session"), str):
-            raise RecordDecodeError(f"fork {fork_id}: bootstrap record has no context chunk reference", fork_id=fork_id)
-        return raw["parent_session"], ref
+        seeds = raw.get("seed_chunks") if isinstance(raw, dict) else None
+        if not isinstance(ref, bytes) or not isinstance(raw.get("parent_session"), str) or not isinstance(seeds, list):
+            raise RecordDecodeError(f"fork {fork_id}: bootstrap record has no chunk references", fork_id=fork_id)
+        return raw["parent_session"], [ref, *(d for d in seeds if isinstance(d, bytes))]
 
     @classmethod
     def decode(

@@ -16,7 +16,6 @@ from typing import Any, Final, cast
 
 import redis
 
-from workers import codec
 from workers.errors import ForkNotFound, RecordExistsError
 from workers.history import ForkSeed
 from workers.keys import Keys
@@ -111,12 +110,6 @@ class ForkStore:
             pipe.set(key, chunk, nx=True, ex=self.ttl_s)
             pipe.expire(key, self.ttl_s)  # a chunk lives at least as long as the newest record naming it
 
-    def put_chunks(self, parent_session: str, chunks: Sequence[bytes]) -> None:
-        """Store chunks once by digest (SET NX), renewing the TTL of those already there."""
-        pipe = self.client.pipeline(transaction=False)
-        self._queue_chunks(pipe, parent_session, chunks)
-        pipe.execute()
-
     def put_launch(
         self, record: BootstrapRecord, record_bytes: bytes, digest_hex: str, seed_chunks: Sequence[bytes] = ()
     ) -> None:
@@ -170,6 +163,19 @@ class ForkStore:
 
     # ── worker side ───────────────────────────────────────────────────────────────────────────
 
+    def _record_bytes(self, fork_id: str) -> bytes:
+        data = cast(bytes | None, self.client.get(self.keys.bootstrap(fork_id)))
+        if data is None:
+            raise ForkNotFound(
+                f"fork {fork_id}: no bootstrap record in Redis (never launched, or expired)", fork_id=fork_id
+            )
+        return data
+
+    def _chunks(self, parent_session: str, digests: Sequence[bytes]) -> list[bytes]:
+        """Chunks by digest in one MGET; a missing one comes back empty (and fails its digest check)."""
+        fetched = self.client.mget([self.keys.chunk(parent_session, d.hex()) for d in digests]) if digests else []
+        return [c if isinstance(c, bytes) else b"" for c in fetched]
+
     def get_record(self, fork_id: str, digest_hex: str | None) -> BootstrapRecord:
         """The bootstrap record with its context, verified against `digest_hex` when given.
 
@@ -177,50 +183,32 @@ class ForkStore:
             ForkNotFound: no record (never launched, or past retention).
             RecordIntegrityError: the stored bytes do not match the digest.
         """
-        data = cast(bytes | None, self.client.get(self.keys.bootstrap(fork_id)))
-        if data is None:
-            raise ForkNotFound(
-                f"fork {fork_id}: no bootstrap record in Redis (never launched, or expired)", fork_id=fork_id
-            )
-        session, ref = BootstrapRecord.context_ref(data, fork_id=fork_id)
-        context = cast(bytes | None, self.client.get(self.keys.chunk(session, ref.hex())))
-        return BootstrapRecord.decode(data, fork_id=fork_id, context=context or b"", expected_digest=digest_hex)
+        data = self._record_bytes(fork_id)
+        session, refs = BootstrapRecord.chunk_refs(data, fork_id=fork_id)
+        (context,) = self._chunks(session, refs[:1])
+        return BootstrapRecord.decode(data, fork_id=fork_id, context=context, expected_digest=digest_hex)
 
-    def get_record_bytes(self, fork_id: str) -> bytes | None:
-        """The stored bootstrap bytes, unverified (for inspection)."""
-        return cast(bytes | None, self.client.get(self.keys.bootstrap(fork_id)))
+    def read_inputs(self, fork_id: str, digest_hex: str | None) -> tuple[BootstrapRecord, ForkSeed]:
+        """Record and seed of a fork, read from Redis and verified (two round trips)."""
+        return self.load_inputs(fork_id, self._record_bytes(fork_id), digest_hex)
 
     def load_inputs(
-        self, fork_id: str, data: bytes, digest_hex: str, inline: Sequence[bytes] | None = None
+        self, fork_id: str, data: bytes, digest_hex: str | None, inline: Sequence[bytes] | None = None
     ) -> tuple[BootstrapRecord, ForkSeed]:
         """Record and seed from stored record bytes, with the job's inline chunks (context first, then
         the seed's) or, without them, every chunk read from Redis in one round trip; all verified.
         """
-        if inline:
-            record = BootstrapRecord.decode(data, fork_id=fork_id, context=inline[0], expected_digest=digest_hex)
-            return record, join_seed(record, inline[1:])
-        session, ref = BootstrapRecord.context_ref(data, fork_id=fork_id)
-        raw = codec.decode(data, what=f"fork {fork_id}: bootstrap record")
-        refs = [ref, *(d for d in raw.get("seed_chunks", []) if isinstance(d, bytes))]
-        fetched = self.client.mget([self.keys.chunk(session, d.hex()) for d in refs])
-        chunks = [c if isinstance(c, bytes) else b"" for c in fetched]
-        record = BootstrapRecord.decode(data, fork_id=fork_id, context=chunks[0], expected_digest=digest_hex)
-        return record, join_seed(record, chunks[1:])
+        if not inline:
+            session, refs = BootstrapRecord.chunk_refs(data, fork_id=fork_id)
+            inline = self._chunks(session, refs)
+        record = BootstrapRecord.decode(data, fork_id=fork_id, context=inline[0], expected_digest=digest_hex)
+        return record, join_seed(record, inline[1:])
 
-    def load_seed(self, record: BootstrapRecord, inline_chunks: Sequence[bytes] | None = None) -> ForkSeed:
+    def load_seed(self, record: BootstrapRecord, chunks: Sequence[bytes] | None = None) -> ForkSeed:
         """The record's seed, from given chunks or from Redis, every chunk verified."""
-        if inline_chunks is None:
-            names = [self.keys.chunk(record.parent_session, d.hex()) for d in record.seed_chunks]
-            fetched = self.client.mget(names) if names else []
-            inline_chunks = [c if isinstance(c, bytes) else b"" for c in fetched]
-        return join_seed(record, inline_chunks)
-
-    def add_event(self, fork_id: str, kind: str, data: dict[str, Any]) -> str:
-        """Append a progress event; returns its stream id."""
-        event_id = self.client.xadd(
-            self.keys.events(fork_id), {"type": kind, "data": json.dumps(data)}, maxlen=EVENTS_MAXLEN, approximate=True
-        )
-        return event_id.decode() if isinstance(event_id, bytes) else str(event_id)
+        if chunks is None:
+            chunks = self._chunks(record.parent_session, record.seed_chunks)
+        return join_seed(record, chunks)
 
     # ── parent side ───────────────────────────────────────────────────────────────────────────
 
@@ -265,10 +253,6 @@ class ForkStore:
     def resume(self, fork_id: str) -> bool:
         """Put a paused fork back in the queue state; True when it was paused."""
         return bool(self._resume(keys=[self.keys.state(fork_id), self.keys.events(fork_id)]) == b"queued")
-
-    def is_cancelled(self, fork_id: str) -> bool:
-        """True once the fork was cancelled (checked by the worker at every step boundary)."""
-        return self.client.hget(self.keys.state(fork_id), "status") == b"cancelled"
 
     def events(
         self, fork_id: str, *, after: str = "0-0", block_ms: int | None = None, count: int = 1000
