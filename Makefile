@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test check lint typecheck unit bench clean
+.PHONY: setup demo test check lint lint-deploy typecheck unit bench clean
 
 $(BIN)/forkq: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,7 +23,15 @@ lint: setup
 typecheck: setup
 	$(BIN)/mypy
 
-check: lint typecheck
+# deploy/: the checker script itself (ruff, mypy --strict), then hadolint, yamllint, the compose
+# schema, kubernetes-validate and KEDA's schema (deploy/lint.sh)
+lint-deploy: setup
+	$(BIN)/ruff check deploy
+	$(BIN)/ruff format --check deploy
+	$(BIN)/mypy --strict deploy/check_deploy.py
+	bash deploy/lint.sh
+
+check: lint typecheck lint-deploy
 
 unit: setup
 	$(BIN)/pytest

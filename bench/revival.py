@@ -440,7 +440,8 @@ def run(plan: Plan) -> None:
         env = base_env(server.url, plan, tmp / "plugin", effects)
         r = stack.enter_context(redis.Redis.from_url(server.url))
         settings = Settings(redis_url=server.url, queue=TRIAL_QUEUE)
-        parent = parse_parent_snapshot(json.loads(EXAMPLE_PARENT.read_text()))
+        # yolo: the parent's mode carries over, so the counted side effects run without approval
+        parent = parse_parent_snapshot({**json.loads(EXAMPLE_PARENT.read_text()), "approval_mode": "yolo"})
         trials_client = ForkClient(settings, redis_client=r)
         control_client = ForkClient(Settings(redis_url=server.url, queue=CONTROL_QUEUE), redis_client=r)
         fq = Forkq(plan, r, trials_client.store, trials_client, control_client, parent, group, {}, [])

@@ -41,8 +41,8 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         # `celery beat` (or `forkq sweep`) revives forks whose lease expired; concurrent sweeps are safe
         "beat_schedule": {"forkq-sweep": {"task": SWEEP_TASK, "schedule": settings.sweep_s}},
         # redelivery of unacked jobs: forkq revives forks through its own leases, so this only
-        # bounds how long a job of a vanished worker waits in the broker
-        "broker_transport_options": {"visibility_timeout": settings.visibility_timeout_s},
+        # bounds how long a job of a vanished worker waits in the broker; Sentinel: the master to ask for
+        "broker_transport_options": transport_options(settings),
         # threads: a fork waits on model HTTP calls almost all the time (DESIGN.md, Concurrency)
         "worker_pool": settings.worker_pool,
         "worker_concurrency": settings.worker_concurrency,
@@ -51,3 +51,14 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         # forkq logs through the host application's logging setup, never replaces it
         "worker_hijack_root_logger": False,
     }
+
+
+def transport_options(settings: Settings) -> dict[str, Any]:
+    """kombu's Redis transport options: the visibility timeout, and for sentinel:// brokers the master's name."""
+    options: dict[str, Any] = {"visibility_timeout": settings.visibility_timeout_s}
+    if settings.broker_uses_sentinel:
+        options["master_name"] = settings.sentinel_master
+        if settings.sentinel_password is not None:
+            # the URL's password is the Redis primary's; Sentinel nodes may require their own
+            options["sentinel_kwargs"] = {"password": settings.sentinel_password.get_secret_value()}
+    return options

@@ -9,8 +9,10 @@ from urllib.parse import urlsplit
 from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-REDIS_SCHEMES = ("redis", "rediss", "unix")
-BROKER_SCHEMES = ("redis", "rediss", "redis+socket", "sentinel", "sentinel+ssl")
+REDIS_SCHEMES = ("redis", "rediss", "unix", "sentinel")
+# no `sentinel+ssl`: kombu would read it as transport `sentinel` with the host `ssl://…`
+BROKER_SCHEMES = ("redis", "rediss", "redis+socket", "sentinel")
+SENTINEL_SCHEME = "sentinel"
 
 
 class Settings(BaseSettings):
@@ -24,6 +26,9 @@ class Settings(BaseSettings):
     queue: str = Field("forks", pattern=r"^[A-Za-z0-9_.-]+$", description="Celery queue of fork jobs.")
     inline_seed_max_bytes: int = Field(
         16 * 1024, ge=0, description="Seeds up to this size travel inside the job; larger ones are read from Redis."
+    )
+    chunk_cache_mb: int = Field(
+        16, ge=0, description="Seed and context chunks a worker process keeps decoded, in MB of chunk bytes (0: none)."
     )
     record_ttl_s: int = Field(7 * 24 * 3600, gt=0, description="Retention of a fork's records after launch.")
     provider: Literal["scripted", "openai", "gemini"] = Field("scripted", description="Default model provider.")
@@ -56,11 +61,33 @@ class Settings(BaseSettings):
     worker_pool: Literal["threads", "prefork", "solo"] = Field("threads", description="Celery pool of `forkq worker`.")
     worker_concurrency: int = Field(32, gt=0, description="Forks one worker process runs at once.")
     max_turns: int = Field(200, gt=0, description="Model calls a fork may make before it is stopped.")
+    max_wall_s: float = Field(
+        3600.0, gt=0, description="Wall-clock limit of a fork from its first start (a launch may set a lower one)."
+    )
+    max_subagent_depth: int = Field(
+        3, ge=1, description="Deepest nesting of regular subagents (a top-level session's subagent is depth 1)."
+    )
+    schema_retries: int = Field(
+        2, ge=0, description="Times a final answer that fails the launch's output schema goes back to the model."
+    )
     visibility_timeout_s: int = Field(3600, gt=0, description="Broker redelivery timeout of unacked jobs.")
     lease_ttl_s: float = Field(15.0, gt=0, description="A fork whose worker is silent this long is revived.")
     heartbeat_s: float = Field(5.0, gt=0, description="How often a worker renews the leases of its forks.")
+    heartbeat_file: Path = Field(
+        Path("/tmp/forkq-worker.heartbeat"),
+        description="File a worker rewrites every FORKQ_HEARTBEAT_S from its consumer loop (`forkq check --worker`).",
+    )
+    metrics_port: int | None = Field(
+        None, ge=1, le=65535, description="Port of the Prometheus `/metrics` of `forkq worker` and `forkq sweep`."
+    )
     sweep_s: float = Field(2.0, gt=0, description="How often the sweeper looks for expired leases.")
     max_attempts: int = Field(3, ge=1, description="Runs a fork gets before a lost worker fails it (worker_lost).")
+    sentinel_master: str = Field(
+        "mymaster", pattern=r"^[A-Za-z0-9_.-]+$", description="Master name that sentinel:// URLs ask Sentinel for."
+    )
+    sentinel_password: SecretStr | None = Field(
+        None, description="Password of the Sentinel nodes themselves (the Redis password stays in the URL)."
+    )
 
     @field_validator("redis_url")
     @classmethod
@@ -68,18 +95,23 @@ class Settings(BaseSettings):
         scheme = urlsplit(value).scheme
         if scheme not in REDIS_SCHEMES:
             raise ValueError(
-                f"FORKQ_REDIS_URL {_redact(value)!r} has scheme {scheme!r}; use redis://, rediss:// or unix://"
+                f"FORKQ_REDIS_URL {_redact(value)!r} has scheme {scheme!r}; "
+                "use redis://, rediss://, unix:// or sentinel://"
             )
+        _check_sentinel_list("FORKQ_REDIS_URL", value)
         return value
 
     @field_validator("broker_url")
     @classmethod
     def _broker_scheme(cls, value: str | None) -> str | None:
-        if value is not None and urlsplit(value.split(";")[0]).scheme not in BROKER_SCHEMES:
+        if value is None:
+            return value
+        if urlsplit(value.split(";")[0]).scheme not in BROKER_SCHEMES:
             raise ValueError(
                 f"FORKQ_BROKER_URL {_redact(value)!r} is not a Redis broker URL; use one of "
                 + ", ".join(f"{s}://" for s in BROKER_SCHEMES)
             )
+        _check_sentinel_list("FORKQ_BROKER_URL", value)
         return value
 
     @model_validator(mode="after")
@@ -98,6 +130,11 @@ class Settings(BaseSettings):
         return self
 
     @property
+    def broker_uses_sentinel(self) -> bool:
+        """Whether the broker is found through Redis Sentinel (a sentinel:// URL list)."""
+        return is_sentinel_url(self.effective_broker_url)
+
+    @property
     def effective_broker_url(self) -> str:
         """The broker URL: FORKQ_BROKER_URL, else the Redis URL in kombu's form."""
         if self.broker_url is not None:
@@ -109,8 +146,34 @@ class Settings(BaseSettings):
         return self.redis_url
 
 
+def is_sentinel_url(url: str) -> bool:
+    """Whether `url` names Redis Sentinel nodes (`sentinel://h1:26379;sentinel://h2:26379`)."""
+    return urlsplit(url.split(";", maxsplit=1)[0]).scheme == SENTINEL_SCHEME
+
+
+def sentinel_nodes(url: str) -> list[tuple[str, int]]:
+    """The (host, port) of every Sentinel node in a `;`-separated sentinel:// URL list (port 26379 by default)."""
+    return [(parts.hostname or "", parts.port or 26379) for parts in map(urlsplit, url.split(";"))]
+
+
+def _check_sentinel_list(name: str, value: str) -> None:
+    """A `;`-separated URL list is Sentinel's only, and each of its URLs names a host."""
+    urls = value.split(";")
+    if len(urls) == 1 and not is_sentinel_url(value):
+        return
+    for url in urls:
+        parts = urlsplit(url)
+        if parts.scheme != SENTINEL_SCHEME or not parts.hostname:
+            raise ValueError(
+                f"{name} {_redact(value)!r}: {_redact(url)!r} is not a sentinel://[:password@]host:port URL; "
+                "list Sentinel nodes as sentinel://:pw@host1:26379;sentinel://:pw@host2:26379"
+            )
+
+
 def _redact(url: str) -> str:
-    """The URL with any password replaced by `***`, for messages and logs."""
+    """The URL (or `;`-separated URL list) with any password replaced by `***`, for messages and logs."""
+    if ";" in url:
+        return ";".join(_redact(part) for part in url.split(";"))
     parts = urlsplit(url)
     if parts.password is None:
         return url

@@ -1,4 +1,10 @@
-"""A local HTTP server that answers model-API POSTs from a queue of canned replies and records each request."""
+"""A local HTTP server that answers model-API POSTs from a queue of canned replies and records each request.
+
+A reply's body may be a callable: it gets the `Received` request and returns the body to send, so a
+fake model can answer from what it was sent (echo a tool result, pick a branch by the prompt).
+`FakeAPI(responder=...)` answers every request with a callable returning a `Reply`, for tests whose
+concurrent requests arrive in no fixed order.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +12,7 @@ import json
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -29,12 +36,15 @@ class Received:
     path: str
     headers: dict[str, str]
     json: Any
+    raw: bytes = b""  # the body exactly as sent
+    at: float = field(default_factory=time.monotonic)  # when it arrived (time.monotonic)
 
 
 class FakeAPI:
     """`with FakeAPI() as api:` a server on 127.0.0.1 (free port); `api.replies` is consumed in order."""
 
-    def __init__(self) -> None:
+    def __init__(self, responder: Callable[[Received], Reply] | None = None) -> None:
+        self.responder = responder
         self.replies: deque[Reply] = deque()
         self.received: list[Received] = []
         self._lock = threading.Lock()
@@ -67,8 +77,13 @@ class FakeAPI:
     def _next(self, received: Received) -> Reply:
         with self._lock:
             self.received.append(received)
-            if self.replies:
-                return self.replies.popleft()
+            reply = self.replies.popleft() if self.replies else None
+        if reply is None and self.responder is not None:
+            return self.responder(received)
+        if reply is not None and callable(reply.body):
+            return Reply(reply.status, reply.body(received), reply.headers, reply.delay_s)
+        if reply is not None:
+            return reply
         return Reply(599, {"error": {"message": "fake server: no reply queued"}})
 
     def _handler(self) -> type[BaseHTTPRequestHandler]:
@@ -80,7 +95,7 @@ class FakeAPI:
                 raw = self.rfile.read(length) if length else b""
                 body = json.loads(raw) if raw else None
                 headers = {k.lower(): v for k, v in self.headers.items()}
-                reply = api._next(Received("POST", self.path, headers, body))
+                reply = api._next(Received("POST", self.path, headers, body, raw))
                 time.sleep(reply.delay_s)
                 data = json.dumps(reply.body).encode()
                 try:

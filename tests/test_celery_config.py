@@ -59,6 +59,30 @@ def test_results_stay_out_of_celery_and_jobs_go_to_the_configured_queue(make_set
     assert (config["worker_pool"], config["worker_concurrency"]) == ("threads", 9)
 
 
+def test_a_sentinel_broker_names_its_master_and_a_plain_one_does_not(make_settings: Callable[..., Any]) -> None:
+    plain = celery_config(make_settings())["broker_transport_options"]
+    sentinel = celery_config(
+        make_settings(broker_url="sentinel://:pw@s1:26379/0;sentinel://:pw@s2:26379/0", sentinel_master="forkq-primary")
+    )["broker_transport_options"]
+
+    assert "master_name" not in plain
+    assert sentinel == {"visibility_timeout": 3600, "master_name": "forkq-primary"}
+
+
+def test_sentinel_nodes_with_their_own_password_get_it_in_sentinel_kwargs(make_settings: Callable[..., Any]) -> None:
+    settings = make_settings(redis_url="sentinel://:redis-pw@s1:26379/0", sentinel_password="sentinel-pw")
+    app = Celery("sentinel-config", set_as_current=False, config_source=celery_config(settings))
+
+    connection = app.connection_for_write()
+
+    # kombu picks its Sentinel transport, with the master's name and the nodes' password
+    assert connection.transport_cls == "sentinel"
+    assert connection.transport_options["master_name"] == "mymaster"
+    assert connection.transport_options["sentinel_kwargs"] == {"password": "sentinel-pw"}
+    assert connection.password == "redis-pw"
+    app.close()
+
+
 def test_every_knob_has_a_reason_beside_it() -> None:
     # a comment line opens each group of knobs: no knob without a reason above it
     source = inspect.getsource(celery_module.celery_config)

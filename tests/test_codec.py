@@ -9,7 +9,7 @@ import msgpack
 import pytest
 from factories import agent_call, call, media, model, reminder, response, thought, user
 
-from workers.codec import decode, digest, encode
+from workers.codec import decode, digest, encode, encode_array, encode_map
 from workers.errors import ForkqError, RecordDecodeError
 from workers.history import ForkSeed, build_fork_seed
 
@@ -150,3 +150,13 @@ def test_a_seed_encodes_to_the_same_bytes_and_digest_every_time() -> None:
     assert first == second
     assert digest(first) == digest(second)
     assert encode(decode(first)) == first
+
+
+@pytest.mark.parametrize("size", [1, 15, 16, 300])
+def test_a_map_built_from_encoded_values_has_the_bytes_of_encoding_it_whole(size: int) -> None:
+    fields: dict[str, Any] = {f"k{i:03}": {"z": i, "a": [None, b"x"]} for i in range(size)}
+    items = [RECORD, "text", 7]
+
+    built = encode_map(fields, {"k050-items": encode_array([encode(v) for v in items])})
+
+    assert built == encode({**fields, "k050-items": items})

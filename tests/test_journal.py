@@ -20,7 +20,7 @@ from workers.child import ChildLoop, Stopped
 from workers.codec import encode
 from workers.errors import LeaseLost, RecordDecodeError
 from workers.history import ForkSeed
-from workers.journal import INTERRUPTED_ERROR, JournalEntry, replay, request_digest
+from workers.journal import INTERRUPTED_ERROR, JournalEntry, RequestDigests, replay, request_digest
 from workers.messages import Content
 from workers.providers import ModelRequest, ModelResponse
 from workers.providers.scripted import Script, ScriptedProvider
@@ -135,6 +135,7 @@ def make_run(tmp_path: Path, entries: list[JournalEntry] | None = None, stop_aft
         description="fix parser",
         tools_json='[{"name":"effect"},{"name":"idem"}]',
         model="test-model",
+        approval_mode="yolo",  # the side effects under test run without approval
         cwd=str(tmp_path),
     )
     provider = RecordingProvider()
@@ -366,3 +367,32 @@ def test_a_stop_at_a_step_boundary_leaves_a_journal_the_next_worker_resumes(tmp_
     total = stopped.tools.effects + resumed.tools.effects
     assert total == Counter({key(0, "c1"): 1, key(0, "c2"): 1, key(1, "c3"): 1})
     assert set(resumed.provider.digests()) == {1, 2}
+
+
+def test_request_digests_equal_the_digest_of_the_whole_request_and_forget_dead_messages() -> None:
+    # Given requests sharing messages, one of them with unknown keys and nulls inside
+    odd = Content.model_validate(
+        {"role": "user", "parts": [{"text": "héllo", "xExtra": {"b": None, "a": [1]}}, {"functionCall": {"name": "t"}}]}
+    )
+    messages = [*SEED.initial_messages, odd]
+    digests = RequestDigests()
+
+    def request(step: int, extra: list[Content]) -> ModelRequest:
+        return ModelRequest(
+            fork_id=FORK_ID,
+            step=step,
+            model=None,
+            system_instruction={"parts": [{"text": "be brief"}]},
+            tools=[{"name": "grep", "parameters": {"type": "object"}}],
+            messages=[*messages, *extra],
+            generation={"temperature": 0.5},
+            directive="not part of the digest",
+        )
+
+    # Then each digest is the one of the whole request's dump, whichever messages were encoded before
+    for step, extra in enumerate([[], [model("more")], [model("more"), user("and more")]]):
+        req = request(step, extra)
+        assert digests.digest(req) == request_digest(req.model_dump(mode="json", exclude={"directive"}))
+    del req, extra, odd
+    messages.pop()
+    assert len(digests._encoded) == len(messages)  # the dead messages' encodings went with them

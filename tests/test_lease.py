@@ -258,6 +258,24 @@ def test_finish_writes_the_result_once_and_ends_the_lease(
     assert [e.type for e in fork_store.events(fid)].count("finished") == 1
 
 
+def test_finish_appends_the_last_entries_and_events_with_the_result_at_their_position_only(
+    redis_client: redis.Redis, fork_store: ForkStore, make_queued_fork: Callable[..., tuple[str, str]]
+) -> None:
+    fid, _ = make_queued_fork()
+    leases = make_leases(redis_client)
+    claim = claimed(leases, fid)
+    leases.append(claim, model_entry(0))
+
+    with pytest.raises(LeaseLost, match=r"refused \(seq\)"):  # not where the journal stands: nothing written
+        leases.finish(claim, result_of(fid), model_entry(5, text="late"), events=[("step", {"step": 2})])
+    assert state_field(redis_client, fid, "status") == "running"
+    leases.finish(claim, result_of(fid), model_entry(1, text="done"), events=[("step", {"step": 2})])
+
+    assert [e.seq for e in leases.journal(fid)] == [0, 1]
+    assert event_types(fork_store, fid)[-2:] == ["step", "finished"]
+    assert state_field(redis_client, fid, "status") == "succeeded"
+
+
 def test_release_hands_the_fork_back_at_once_with_a_released_event(
     redis_client: redis.Redis, fork_store: ForkStore, make_queued_fork: Callable[..., tuple[str, str]]
 ) -> None:

@@ -18,6 +18,7 @@ from workers.records import (
     CHUNK_MAX_MESSAGES,
     TAIL_MESSAGES,
     BootstrapRecord,
+    ChunkCache,
     ForkResult,
     ForkState,
     Status,
@@ -261,6 +262,41 @@ def test_the_repaired_end_gets_its_own_chunk_so_siblings_share_everything_before
     assert chunks_a[:-1] == chunks_b[:-1]
     assert chunks_a[-1] != chunks_b[-1]
     assert len(codec.decode(chunks_a[-1])) == TAIL_MESSAGES
+
+
+def test_a_chunk_cache_serves_verified_chunks_without_their_bytes() -> None:
+    # Given a cache that decoded a record's context and seed chunks once
+    record, chunks = record_for(conversation(40))
+    cache = ChunkCache(1 << 20)
+    data, digest = record.encode()
+    first = join_seed(record, chunks, cache)
+    assert BootstrapRecord.decode(data, fork_id="f-1", context=record.context_blob(), cache=cache) == record
+
+    # When the same chunks are read again without their bytes
+    again = join_seed(record, [b""] * len(chunks), cache)
+    decoded = BootstrapRecord.decode(data, fork_id="f-1", context=b"", expected_digest=digest, cache=cache)
+
+    # Then they come from the cache, equal to a fresh decode; a chunk it does not hold is still verified
+    assert again == first == join_seed(record, chunks)
+    assert decoded == record
+    other, other_chunks = record_for(conversation(40, tag="other-"))
+    with pytest.raises(RecordIntegrityError, match="seed chunk 0"):
+        join_seed(other, [b"", *other_chunks[1:]], cache)
+
+
+def test_a_chunk_cache_evicts_the_least_recently_used_beyond_its_bytes() -> None:
+    cache = ChunkCache(100)
+    cache.put(b"a", "A", 40)
+    cache.put(b"b", "B", 40)
+    assert cache.get(b"a") == "A"  # now the most recent
+
+    cache.put(b"c", "C", 40)
+    cache.put(b"huge", "H", 101)  # larger than the whole cache: never kept
+
+    assert [d for d in (b"a", b"b", b"c", b"huge") if d in cache] == [b"a", b"c"]
+    held = cache.hold([b"a", b"c"])
+    cache.put(b"d", "D", 90)  # evicts both, but what was held stays readable for that read
+    assert (held.get(b"a"), held.get(b"c"), b"a" in cache) == ("A", "C", False)
 
 
 # ── result and state ─────────────────────────────────────────────────────────────────────────

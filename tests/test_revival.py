@@ -206,7 +206,8 @@ class Cluster:
         self.keys = Keys(TEST_NAMESPACE)
         self.store = ForkStore(self.redis, self.keys, ttl_s=3600)
         self.leases = Leases(self.redis, self.keys, ttl_ms=10_000, retention_s=3600)
-        self.parent = json.loads(PARENT_PATH.read_text(encoding="utf-8"))
+        # yolo: the parent's mode carries over, so the counted side effects run without approval
+        self.parent = {**json.loads(PARENT_PATH.read_text(encoding="utf-8")), "approval_mode": "yolo"}
 
     @property
     def env(self) -> dict[str, str]:
@@ -899,7 +900,7 @@ def test_a_worker_that_is_shutting_down_hands_a_new_delivery_back_without_claimi
 ) -> None:
     # Given a worker runtime whose worker is shutting down (worker_shutting_down set `stopping`), in process
     with ForkClient(settings) as client:
-        handle = client.launch(json.loads(PARENT_PATH.read_text(encoding="utf-8")), FORK)
+        handle = client.launch({**json.loads(PARENT_PATH.read_text(encoding="utf-8")), "approval_mode": "yolo"}, FORK)
         client.app.close()
     requeued: list[tuple[str, str, int]] = []
     runtime = WorkerRuntime(settings, requeue=lambda fid, digest, attempt: requeued.append((fid, digest, attempt)))

@@ -57,7 +57,8 @@ def runtime_with(settings: Settings, provider: Any, tools: ToolRegistry) -> Work
 
 
 def launch(client: ForkClient, parent: dict[str, Any]) -> tuple[str, RunForkJob]:
-    parent = {**parent, "tools": [{"name": "count", "parameters": {"type": "object"}}]}
+    # yolo: the parent's mode carries over, so the counted side effect runs without approval
+    parent = {**parent, "approval_mode": "yolo", "tools": [{"name": "count", "parameters": {"type": "object"}}]}
     handle = client.launch(parent, {"description": "t", "prompt": "count once", "subagent_type": "fork"})
     return handle.fork_id, RunForkJob(fork_id=handle.fork_id, digest=handle.digest)
 
@@ -81,6 +82,28 @@ def test_a_fork_runs_to_its_result_and_a_second_delivery_is_a_no_op(
     assert effects == [f"{fork_id}:0:c1"]
     result = client.result(fork_id)
     assert result is not None and result.output == "done" and result.usage.tool_uses == 1
+
+
+def test_the_final_answer_is_journaled_with_the_result_in_the_same_write(
+    settings: Settings, client: ForkClient, parent: dict[str, Any]
+) -> None:
+    fork_id, job = launch(client, parent)
+    runtime = runtime_with(settings, CallsThenAnswers(), counting_tools([]))
+    appends: list[list[str]] = []
+    append = runtime.leases.append
+
+    def counted(claim: Any, *entries: Any, **kwargs: Any) -> None:
+        appends.append([e.kind for e in entries])
+        append(claim, *entries, **kwargs)
+
+    runtime.leases.append = counted  # type: ignore[method-assign]
+
+    assert run_fork_job(runtime, job) == "succeeded"
+
+    # the answer is in the journal, but it was not appended on its own: it went with the result
+    assert [e.kind for e in runtime.leases.journal(fork_id)][-1] == "model"
+    assert appends == [["surface"], ["model"], ["tool_started"], ["tool_result"]]
+    assert [e.type for e in client.events(fork_id)][-3:] == ["model_call", "step", "finished"]
 
 
 def test_a_revived_fork_replays_its_journal_and_makes_the_same_request(

@@ -12,7 +12,7 @@ from celery import Celery
 from celery.worker import WorkController
 from pydantic import ValidationError
 
-from broker_config.settings import Settings, redact_url
+from broker_config.settings import Settings, is_sentinel_url, redact_url, sentinel_nodes
 from workers.app import make_app
 from workers.client import ForkClient
 from workers.records import Status
@@ -89,7 +89,7 @@ def test_an_invalid_redis_url_is_refused_naming_the_variable(url: str) -> None:
     message = error_of(FORKQ_REDIS_URL=url)
 
     assert "FORKQ_REDIS_URL" in message
-    assert "use redis://, rediss:// or unix://" in message
+    assert "use redis://, rediss://, unix:// or sentinel://" in message
 
 
 @pytest.mark.parametrize("url", ["amqp://guest@localhost//", "http://broker/"])
@@ -98,6 +98,56 @@ def test_an_invalid_broker_url_is_refused_naming_the_variable(url: str) -> None:
 
     assert "FORKQ_BROKER_URL" in message
     assert "is not a Redis broker URL" in message
+
+
+def test_a_sentinel_url_list_names_the_nodes_and_serves_as_the_broker_too() -> None:
+    url = "sentinel://:pw@sentinel-0:26379/0;sentinel://:pw@sentinel-1;sentinel://:pw@10.0.0.7:26380"
+
+    settings = Settings(redis_url=url)
+
+    assert settings.effective_broker_url == url
+    assert settings.broker_uses_sentinel
+    assert sentinel_nodes(url) == [("sentinel-0", 26379), ("sentinel-1", 26379), ("10.0.0.7", 26380)]
+    assert (settings.sentinel_master, settings.sentinel_password) == ("mymaster", None)
+
+
+def test_the_sentinel_master_and_password_are_read_from_their_forkq_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FORKQ_BROKER_URL", "sentinel://:pw@s1:26379;sentinel://:pw@s2:26379")
+    monkeypatch.setenv("FORKQ_SENTINEL_MASTER", "forkq-primary")
+    monkeypatch.setenv("FORKQ_SENTINEL_PASSWORD", "sentinel-pw")
+
+    settings = Settings()
+
+    assert settings.broker_uses_sentinel
+    assert not is_sentinel_url(settings.redis_url)
+    assert settings.sentinel_master == "forkq-primary"
+    assert settings.sentinel_password is not None
+    assert settings.sentinel_password.get_secret_value() == "sentinel-pw"
+    assert "sentinel-pw" not in repr(settings)
+
+
+@pytest.mark.parametrize("name", ["FORKQ_REDIS_URL", "FORKQ_BROKER_URL"])
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis://:s3cret-pw@a:6379;redis://:s3cret-pw@b:6379",
+        "sentinel://:s3cret-pw@a:26379;redis://:s3cret-pw@b:6379",
+        "sentinel://:s3cret-pw@a:26379;sentinel://",
+    ],
+)
+def test_a_url_list_that_is_not_all_sentinel_nodes_is_refused(name: str, url: str) -> None:
+    message = error_of(**{name: url})
+
+    assert name in message
+    assert "s3cret-pw" not in message
+
+
+def test_sentinel_over_tls_is_not_a_url_scheme_kombu_reads() -> None:
+    assert "is not a Redis broker URL" in error_of(FORKQ_BROKER_URL="sentinel+ssl://s1:26379")
+
+
+def test_a_sentinel_master_name_is_a_plain_name() -> None:
+    assert "should match pattern" in error_of(FORKQ_SENTINEL_MASTER="my master")
 
 
 @pytest.mark.parametrize(
@@ -117,6 +167,7 @@ def test_a_refused_url_never_shows_its_password(name: str, url: str) -> None:
 def test_redaction_hides_only_the_password() -> None:
     assert redact_url("rediss://user:pw@host:6380/1") == "rediss://user:***@host:6380/1"
     assert redact_url("redis://host:6379/0") == "redis://host:6379/0"
+    assert redact_url("sentinel://:pw@s1:26379/0;sentinel://:pw@s2") == "sentinel://:***@s1:26379/0;sentinel://:***@s2"
 
 
 @pytest.mark.parametrize("name", ["FORKQ_NAMESPACE", "FORKQ_QUEUE"])

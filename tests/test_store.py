@@ -13,7 +13,7 @@ from workers.errors import ForkNotFound, RecordDecodeError, RecordExistsError, R
 from workers.history import ForkSeed, build_fork_seed
 from workers.keys import Keys
 from workers.lease import Leases
-from workers.records import BootstrapRecord, ForkResult, Status, chunk_digest, split_seed
+from workers.records import BootstrapRecord, ChunkCache, ForkResult, Status, chunk_digest, split_seed
 from workers.redis_server import RedisServer
 from workers.snapshot import parse_parent_snapshot
 from workers.store import ForkStore
@@ -164,6 +164,48 @@ def test_chunks_are_stored_once_and_their_retention_renewed_on_reuse(store: Fork
 
     assert len(store.client.keys("t:{parent:s-1}:chunk:*")) == len(keys) + 1  # + the shared context chunk
     assert store.client.ttl(keys[0]) > TTL_S - 60
+
+
+def test_a_chunk_this_store_wrote_is_not_sent_again_but_written_again_when_it_is_gone(
+    store: ForkStore, seed: ForkSeed
+) -> None:
+    record, _ = launch(store, seed, "f-1")
+    keys = [store.keys.chunk("s-1", d.hex()) for d in record.seed_chunks]
+    store.client.expire(keys[0], 10)
+    store.client.delete(keys[1])
+    store.client.config_resetstat()
+
+    launch(store, seed, "f-2")
+
+    # the chunks went as TTL refreshes: the only SETs are the new record's and the deleted chunk's
+    sets = store.client.info("commandstats").get("cmdstat_set", {}).get("calls", 0)
+    assert sets == 2
+    assert all(store.client.ttl(key) > TTL_S - 60 for key in keys)
+    assert store.load_seed(store.get_record("f-2", None)) == seed
+
+
+def test_a_launch_loads_its_scripts_again_after_redis_lost_them(store: ForkStore, seed: ForkSeed) -> None:
+    launch(store, seed, "f-1")
+    store.client.script_flush()
+
+    record, digest = launch(store, seed, "f-2")
+
+    assert store.get_record("f-2", digest) == record
+
+
+def test_with_a_chunk_cache_a_seed_read_before_is_not_read_from_redis_again(
+    redis_client: redis.Redis, seed: ForkSeed
+) -> None:
+    store = ForkStore(redis_client, Keys("t"), ttl_s=TTL_S, chunk_cache=ChunkCache(1 << 20))
+    record, digest = launch(store, seed, "f-1")
+    data = store.client.get(store.keys.bootstrap("f-1")) or b""
+    first = store.load_inputs("f-1", data, digest)
+    for key in store.client.keys("t:{parent:s-1}:chunk:*"):
+        store.client.delete(key)
+
+    assert store.load_inputs("f-1", data, digest) == first == (record, seed)
+    with pytest.raises(RecordIntegrityError):  # the record itself is still verified
+        store.load_inputs("f-1", data.replace(b"Write the tests.", b"Write the testz."), digest)
 
 
 # ── retention ─────────────────────────────────────────────────────────────────────────────────

@@ -12,6 +12,8 @@ from broker_config.celery import celery_config
 from broker_config.settings import Settings
 from workers.errors import ConfigurationError
 from workers.health import check_redis
+from workers.heartbeat import Heartbeat
+from workers.metrics import MetricsServer, serve_metrics
 from workers.runner import WorkerRuntime
 from workers.tasks import enqueue_fork, register_tasks
 
@@ -34,7 +36,8 @@ class ForkqWorkerStep(bootsteps.StartStopStep):
     """The app's own worker step: refuse an unfit Redis at start; stop forks at a boundary on shutdown.
 
     A bootstep belongs to one app (unlike Celery's global signals), and it starts after the pool
-    and stops before it, so forks are told to stop while the pool still waits for them.
+    and stops before it, so forks are told to stop while the pool still waits for them. It also
+    runs the worker's heartbeat file (on the worker's timer) and its `/metrics` server.
     """
 
     requires = ("celery.worker.components:Pool",)
@@ -42,6 +45,9 @@ class ForkqWorkerStep(bootsteps.StartStopStep):
     def __init__(self, parent: Any, **kwargs: Any) -> None:
         super().__init__(parent, **kwargs)
         self.runtime = runtime_of(parent.app)
+        settings = self.runtime.settings
+        self.heartbeat = Heartbeat(settings.heartbeat_file, settings.heartbeat_s, str(parent.hostname))
+        self.metrics_server: MetricsServer | None = None
 
     def start(self, parent: Any) -> None:
         health = check_redis(self.runtime.settings)
@@ -49,12 +55,54 @@ class ForkqWorkerStep(bootsteps.StartStopStep):
             log.warning("%s", warning)
         if health.problems:
             raise ConfigurationError("worker refuses to start: " + "; ".join(health.problems))
+        self.metrics_server = _serve_worker_metrics(self.runtime, parent.pool_cls)
+        self.heartbeat.start(parent.timer)
 
     def stop(self, parent: Any) -> None:
         # forks stop at their next step boundary, are released and re-enqueued for another worker
         self.runtime.stopping.set()
+        self.terminate(parent)
 
     shutdown = stop
+
+    def terminate(self, parent: Any) -> None:
+        """Cold shutdown (and an in-process test worker's end): stop the heartbeat, free the metrics port."""
+        self.heartbeat.stop()
+        if self.metrics_server is not None:
+            self.metrics_server.close()
+            self.metrics_server = None
+
+
+def _serve_worker_metrics(runtime: WorkerRuntime, pool_cls: Any) -> MetricsServer | None:
+    """Serve the runtime's metrics on FORKQ_METRICS_PORT, unless unset or the pool is prefork."""
+    port = runtime.settings.metrics_port
+    if port is None:
+        return None
+    if "prefork" in getattr(pool_cls, "__module__", ""):
+        # forks run in pool children, whose counters this process cannot read: serving zeros would lie
+        log.warning(
+            "FORKQ_METRICS_PORT=%d ignored: a prefork pool runs forks in child processes; "
+            "use the threads or solo pool for fork metrics",
+            port,
+        )
+        return None
+    return serve_runtime_metrics(runtime, port)
+
+
+def serve_runtime_metrics(runtime: WorkerRuntime, port: int) -> MetricsServer:
+    """Serve the runtime's metrics on `port`, or explain why the port cannot be used.
+
+    Raises:
+        ConfigurationError: the port is taken or not allowed.
+    """
+    try:
+        return serve_metrics(runtime.metrics.registry, port)
+    except OSError as exc:
+        raise ConfigurationError(
+            f"FORKQ_METRICS_PORT={port}: cannot serve /metrics there ({exc}); pick a free port or unset it",
+            field="FORKQ_METRICS_PORT",
+            cause=exc,
+        ) from exc
 
 
 def runtime_of(app: Celery) -> WorkerRuntime:

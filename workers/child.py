@@ -8,19 +8,31 @@ re-calls nothing. Everything the loop touches is passed in, so it runs without a
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 from workers.history import ForkSeed
-from workers.journal import INTERRUPTED_ERROR, JournalEntry, PendingCall, Replay, calls_of, replay, response_part
-from workers.journal import request_digest as digest_of
-from workers.messages import Content
+from workers.journal import (
+    INTERRUPTED_ERROR,
+    MALFORMED_CALL,
+    JournalEntry,
+    PendingCall,
+    Replay,
+    RequestDigests,
+    calls_of,
+    malformed_call_message,
+    replay,
+    response_part,
+)
+from workers.messages import Content, Part
+from workers.notification import NO_OUTPUT
+from workers.policy import Gate, denied_by_policy, denied_by_user, effective_mode, is_agent_call, needs_approval
 from workers.providers import ModelProvider, ModelRequest
 from workers.records import BootstrapRecord, ForkResult, Status, Usage
-from workers.tools import ToolContext, ToolRegistry
-
-NO_OUTPUT = "(subagent produced no model-visible output)"
+from workers.structured import check_answer, feedback_text
+from workers.tools import Tool, ToolContext, ToolRegistry
 
 
 class ForkIO(Protocol):
@@ -50,6 +62,32 @@ class Stopped(Exception):
         self.reason = reason
 
 
+class Parked(Stopped):
+    """The fork waits for a person's decision on `calls` (launch policy `park`)."""
+
+    def __init__(self, calls: list[dict[str, Any]]) -> None:
+        super().__init__("awaiting_approval")
+        self.calls = calls
+
+
+class Spawner(Protocol):
+    """Launches a nested regular subagent for an Agent call and waits for its result."""
+
+    def spawn(
+        self, record: BootstrapRecord, args: Mapping[str, Any], child_id: str, *, cancelled: Callable[[], bool]
+    ) -> dict[str, Any]:
+        """`{"output": ...}` or `{"error": ...}`; raises `Stopped` when the worker shuts down meanwhile."""
+        ...
+
+
+NO_SPAWNER: Final = "Error: this worker cannot launch sub-agents. Complete this task directly with your own tools."
+
+
+def never() -> bool:
+    """A cancellation check that never fires."""
+    return False
+
+
 @dataclass
 class ChildLoop:
     """One fork's agent loop over its seed and journal."""
@@ -61,10 +99,34 @@ class ChildLoop:
     io: ForkIO
     entries: list[JournalEntry] = field(default_factory=list)
     max_turns: int = 200
+    max_wall_s: float = 3600.0
+    running_s: float = 0.0  # time since the fork's first start, before this run
+    max_depth: int = 3
+    schema_retries: int = 2
+    spawner: Spawner | None = None
+    cancelled: Callable[[], bool] = never  # a tool polls it (cancel, lost lease) while it runs
+    digests: RequestDigests = field(default_factory=RequestDigests)  # a worker passes its own, shared by its forks
     declarations: list[dict[str, Any]] = field(init=False)  # parsed once, sent with every request
+    gate: Gate = field(init=False)
 
     def __post_init__(self) -> None:
-        self.declarations = self.record.tools
+        record = self.record
+        self.declarations = record.tools
+        self._by_name = {str(d.get("name")): d for d in self.declarations}
+        options = record.options
+        allowlist = options.get("fork_tools")
+        self.gate = Gate(
+            kind=record.kind,
+            teammate=record.name is not None,
+            depth=record.depth,
+            max_depth=self.max_depth,
+            mode=effective_mode(record.approval_mode),
+            policy="park" if options.get("approval_policy") == "park" else "deny",
+            allowlist=tuple(allowlist) if isinstance(allowlist, list) else None,
+        )
+        self.max_turns = min(self.max_turns, int(options.get("max_turns") or self.max_turns))
+        self.max_wall_s = min(self.max_wall_s, float(options.get("max_wall_s") or self.max_wall_s))
+        self.schema: dict[str, Any] | None = options.get("output_schema")
 
     def run(self) -> ForkResult:
         """Run to the final answer or the turn limit.
@@ -73,18 +135,56 @@ class ChildLoop:
             Stopped: at a boundary, when the fork must stop (cancel, shutdown, lost lease).
             LeaseLost: a fenced journal write was refused.
         """
-        started = time.monotonic()
-        state = replay(self.seed, self.entries)
-        while state.final is None:
+        started = self._began = time.monotonic()
+        deadline = started + self.max_wall_s - self.running_s
+        state = self._state = replay(self.seed, self.entries)
+        while True:
+            if state.final is not None:
+                output, error = self._final(state)
+                if output is not None or error is not None:
+                    status = Status.SUCCEEDED if error is None else Status.FAILED
+                    return self._result(state, started, status, output, error)
+                continue
+            if time.monotonic() >= deadline:
+                error = f"wall_clock: stopped after {self.max_wall_s:g} s (the fork's wall-clock limit)"
+                return self._result(state, started, Status.FAILED, None, error)
             if state.pending:
-                self._run_tools(state)
+                self._run_tools(state, deadline)
                 continue
             if state.step >= self.max_turns:
                 return self._result(
                     state, started, Status.FAILED, None, f"max_turns: stopped after {self.max_turns} model calls"
                 )
             self._model_step(state)
-        return self._result(state, started, Status.SUCCEEDED, final_text(state.final), None)
+
+    def usage(self) -> Usage:
+        """What the fork consumed so far (for a run that failed with an exception)."""
+        state = getattr(self, "_state", None)
+        if state is None:
+            return Usage()
+        return self._result(state, self._began, Status.FAILED, None, None).usage
+
+    def _final(self, state: Replay) -> tuple[str | None, str | None]:
+        """(output, None) or (None, error) for the final answer; (None, None) after sending it back."""
+        assert state.final is not None
+        text = final_text(state.final)
+        if text == NO_OUTPUT and state.finish_reason == "content_filter":
+            return None, "content_filter: the provider blocked the model's answer (finish reason content_filter)"
+        if self.schema is None:
+            return text, None
+        value, problem = check_answer(text, self.schema)
+        if problem is None:
+            return value, None
+        if state.feedbacks >= self.schema_retries:
+            tries = state.feedbacks + 1
+            return None, f"output_schema: the final answer did not match the schema after {tries} tries: {problem}"
+        content = Content(role="user", parts=[Part(text=feedback_text(problem))])
+        self._write(state, step=state.step, kind="feedback", content=content.to_wire())
+        self.io.emit("feedback", {"step": state.step, "error": problem[:500]})
+        state.messages.append(content)
+        state.feedbacks += 1
+        state.final = None
+        return None, None
 
     def _write(self, state: Replay, *, boundary: bool = False, **fields: Any) -> JournalEntry:
         entry = JournalEntry(seq=state.next_seq, **fields)
@@ -94,7 +194,7 @@ class ChildLoop:
 
     def _model_step(self, state: Replay) -> None:
         request = self._request(state.step, state.messages)
-        digest = digest_of(request.model_dump(mode="json", exclude={"directive"}))  # what the model sees
+        digest = self.digests.digest(request)  # what the model sees (the request without the directive)
         self.io.emit("model_call", {"step": state.step + 1, "request_digest": digest})
         self.io.checkpoint()
         response = self.provider.generate(request)
@@ -118,6 +218,7 @@ class ChildLoop:
             input_tokens=response.usage.input_tokens,
             output_tokens=response.usage.output_tokens,
             invalid_calls=response.invalid_calls or None,
+            finish_reason=None if response.finish_reason in ("stop", "tool_calls") else response.finish_reason,
         )
         state.messages.append(content)
         state.input_tokens += response.usage.input_tokens
@@ -127,33 +228,18 @@ class ChildLoop:
         invalid = response.invalid_calls
         state.pending = [PendingCall(i, c, started=False, invalid=invalid.get(c.id or "")) for i, c in calls]
         state.final = None if calls else content
+        state.finish_reason = response.finish_reason
+        if not calls and response.finish_reason == MALFORMED_CALL:  # tell the model, do not end the fork
+            state.messages.append(malformed_call_message())
+            state.final = None
 
-    def _run_tools(self, state: Replay) -> None:
+    def _run_tools(self, state: Replay, deadline: float) -> None:
         step = state.step - 1
         for pending in list(state.pending):
+            if time.monotonic() >= deadline:
+                return  # run() ends the fork at its wall-clock limit
             call = pending.call
-            tool = self.tools.get(call.name)
-            if pending.invalid is not None:  # garbled by the provider: the model reads why, nothing runs
-                outcome: dict[str, Any] = {"error": pending.invalid}
-            elif pending.started and not (tool is not None and tool.idempotent):
-                outcome = {"error": INTERRUPTED_ERROR}
-            else:
-                self._write(
-                    state,
-                    boundary=True,
-                    step=step,
-                    kind="tool_started",
-                    call_index=pending.index,
-                    call_id=call.id,
-                    name=call.name,
-                )
-                ctx = ToolContext(
-                    fork_id=self.record.fork_id,
-                    cwd=Path(self.record.cwd),
-                    call_id=call.id,
-                    idempotency_key=f"{self.record.fork_id}:{step}:{call.id or pending.index}",
-                )
-                outcome = self.tools.run(call, ctx)
+            outcome = self._outcome(state, step, pending)
             self.io.emit("tool", {"step": step + 1, "tool": call.name, "ok": "error" not in outcome})
             self._write(
                 state,
@@ -169,6 +255,96 @@ class ChildLoop:
             state.tool_uses += 1
         last = state.messages[-1]
         state.messages.append(state.answer_content(calls_of(last)))
+
+    def _outcome(self, state: Replay, step: int, pending: PendingCall) -> dict[str, Any]:
+        """Pass the call through the gate (nesting, allowlist, approval), then run it."""
+        call = pending.call
+        name = call.name or ""
+        if pending.invalid is not None:  # garbled by the provider: the model reads why, nothing runs
+            return {"error": pending.invalid}
+        if is_agent_call(name, self._by_name):
+            problem = self.gate.nesting_error(call.args or {})
+            return {"error": problem} if problem else self._spawn(state, step, pending)
+        problem = self.gate.allowlist_error(name)
+        tool = self.tools.get(name)
+        if problem is None and tool is not None:
+            refusal = self._approval(state, step, pending, tool)
+            if refusal is not None:
+                return refusal
+            if pending.started and not tool.idempotent:
+                return {"error": INTERRUPTED_ERROR}
+            self._started(state, step, pending)
+        if problem is not None:
+            return {"error": problem}
+        # a tool this worker lacks gets the registry's error naming it; nothing was started
+        return self.tools.run(call, self._context(step, pending))
+
+    def _approval(self, state: Replay, step: int, pending: PendingCall, tool: Tool) -> dict[str, Any] | None:
+        """None when the call may run; a denial otherwise. Raises `Parked` to wait for a person."""
+        if not needs_approval(tool, self.gate.mode):
+            return None
+        decision = state.decisions.get(pending.index)
+        if decision is None and self.gate.policy == "deny":
+            return {"error": denied_by_policy(tool.name, self.record.approval_mode)}
+        if decision is None:
+            raise Parked(self._awaiting(state, step))
+        if decision.decision == "deny":
+            return {"error": denied_by_user(tool.name, decision.reason)}
+        return None
+
+    def _started(self, state: Replay, step: int, pending: PendingCall) -> None:
+        call = pending.call
+        self._write(
+            state,
+            boundary=True,
+            step=step,
+            kind="tool_started",
+            call_index=pending.index,
+            call_id=call.id,
+            name=call.name,
+        )
+
+    def _context(self, step: int, pending: PendingCall) -> ToolContext:
+        return ToolContext(
+            fork_id=self.record.fork_id,
+            cwd=Path(self.record.cwd),
+            call_id=pending.call.id,
+            idempotency_key=f"{self.record.fork_id}:{step}:{pending.call.id or pending.index}",
+            cancelled=self.cancelled,
+        )
+
+    def _spawn(self, state: Replay, step: int, pending: PendingCall) -> dict[str, Any]:
+        """Launch (or, after a revival, rejoin) the nested subagent; its id is fixed by this call's position."""
+        if self.spawner is None:
+            return {"error": NO_SPAWNER}
+        self._started(state, step, pending)
+        child_id = f"{self.record.fork_id}.{step}.{pending.index}"
+        return self.spawner.spawn(self.record, pending.call.args or {}, child_id, cancelled=self.cancelled)
+
+    def _awaiting(self, state: Replay, step: int) -> list[dict[str, Any]]:
+        """The calls of this step that wait for a person: approval needed, undecided, past the other gates."""
+        calls = []
+        for pending in state.pending:
+            call = pending.call
+            tool = self.tools.get(call.name)
+            if (
+                pending.invalid is None
+                and tool is not None
+                and not is_agent_call(call.name, self._by_name)
+                and self.gate.allowlist_error(tool.name) is None
+                and needs_approval(tool, self.gate.mode)
+                and pending.index not in state.decisions
+            ):
+                calls.append(
+                    {
+                        "call_id": approval_id(step, pending),
+                        "index": pending.index,
+                        "step": step,
+                        "name": tool.name,
+                        "args": dict(call.args or {}),
+                    }
+                )
+        return calls
 
     def _request(self, step: int, messages: list[Content]) -> ModelRequest:
         record = self.record
@@ -192,9 +368,14 @@ class ChildLoop:
             total_tokens=state.input_tokens + state.output_tokens,
             tool_uses=state.tool_uses,
             model_calls=state.step,
-            duration_ms=int((time.monotonic() - started) * 1000),
+            duration_ms=int((time.monotonic() - started + self.running_s) * 1000),  # since the first start
         )
         return ForkResult(fork_id=self.record.fork_id, status=status, output=output, usage=usage, error=error)
+
+
+def approval_id(step: int, pending: PendingCall) -> str:
+    """The id a person uses to approve or deny a call: the model's call id, else `<step>.<index>`."""
+    return pending.call.id or f"{step}.{pending.index}"
 
 
 def final_text(content: Content) -> str:

@@ -1,4 +1,5 @@
-"""The `forkq` command: launch, status, result, events, cancel, inspect, worker, check, demo."""
+"""The `forkq` command: launch, status, result, events, cancel, resume, approve, deny, inspect, worker,
+check, sweep, demo."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from pydantic import ValidationError
 from broker_config.settings import Settings, redact_url
 from workers.errors import ConfigurationError, ForkqError, ForkTimeout, InvalidAgentParams, InvalidParentSnapshot
 from workers.health import check_redis
+from workers.heartbeat import heartbeat_problem
 from workers.snapshot import load_parent_snapshot
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
@@ -54,14 +56,52 @@ def cmd_launch(args: argparse.Namespace) -> int:
     for field in ("subagent_type", "fork_turns", "name", "model"):
         if getattr(args, field) is not None:
             params[field] = getattr(args, field)
+    if args.fork_tools is not None:
+        params["fork_tools"] = _tool_list(args.fork_tools)
     parent = load_parent_snapshot(Path(args.parent))
+    schema = _json_file(args.output_schema, "--output-schema") if args.output_schema else None
     with _client() as client:
-        handle = client.launch(parent, params)
+        handle = client.launch(
+            parent,
+            params,
+            approval_policy=args.approval_policy,
+            output_schema=schema,
+            max_wall_s=args.max_wall_s,
+            max_turns=args.max_turns,
+        )
         status = client.status(handle.fork_id).status.value
     if args.json:
         _print_json({"fork_id": handle.fork_id, "status": status})
     else:
         print(handle.fork_id)
+    return EXIT_OK
+
+
+def _tool_list(text: str) -> Any:
+    """`--fork-tools`: a JSON array, or names separated by commas (`""` is the empty list)."""
+    if text.lstrip().startswith("["):
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise InvalidAgentParams(f"--fork-tools is not a JSON array: {exc}", field="fork_tools") from exc
+    return [name for name in text.split(",")] if text else []
+
+
+def _json_file(path: str, option: str) -> Any:
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise InvalidAgentParams(f"{option} {path}: cannot read a JSON document: {exc}", field="output_schema") from exc
+
+
+def cmd_approve(args: argparse.Namespace) -> int:
+    """Approve (or deny) a call a parked fork waits on."""
+    with _client() as client:
+        if args.command == "approve":
+            outcome = client.approve(args.fork_id, args.call_id)
+        else:
+            outcome = client.deny(args.fork_id, args.call_id, args.reason)
+    print("resumed: the fork is queued again" if outcome == "queued" else "recorded: other calls still wait")
     return EXIT_OK
 
 
@@ -76,6 +116,9 @@ def cmd_status(args: argparse.Namespace) -> int:
             f"{state.fork_id} {state.status.value} attempt={state.attempt}"
             + (f" error={state.error}" if state.error else "")
         )
+        for call in state.pending_approval:
+            args_text = json.dumps(call.get("args", {}), ensure_ascii=False)
+            print(f"  awaiting approval: {call.get('call_id')} {call.get('name')} {args_text}")
     return EXIT_OK
 
 
@@ -90,7 +133,10 @@ def cmd_result(args: argparse.Namespace) -> int:
             else:
                 print(f"fork {args.fork_id} is {status}: no result yet (use --wait)", file=sys.stderr)
             return EXIT_FAIL
-    if args.json:
+    if args.notification:
+        with _client() as client:
+            print(client.notification(args.fork_id))
+    elif args.json:
         _print_json(
             {
                 "fork_id": result.fork_id,
@@ -189,23 +235,28 @@ def cmd_check(args: argparse.Namespace) -> int:
     """Exit 0 when Redis is reachable and fit for forkq (and, with --worker, a worker is alive)."""
     settings = _settings()
     health = check_redis(settings)
+    if args.worker:  # the worker's liveness: its heartbeat file, rewritten by its event loop
+        stale = heartbeat_problem(settings.heartbeat_file, settings.heartbeat_s)
+        health.problems += [stale] if stale else []
     for warning in health.warnings:
         print(f"forkq check: warning: {warning}", file=sys.stderr)
     for problem in health.problems:
         print(f"forkq check: {problem}", file=sys.stderr)
     if not health.problems:
-        print(f"forkq check: ok (redis {redact_url(settings.redis_url)}, queue {settings.queue!r})")
+        worker = f", worker heartbeat {settings.heartbeat_file}" if args.worker else ""
+        print(f"forkq check: ok (redis {redact_url(settings.redis_url)}, queue {settings.queue!r}{worker})")
     return EXIT_FAIL if health.problems else EXIT_OK
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
     """Revive forks whose lease expired: one pass with --once, else every FORKQ_SWEEP_S until stopped."""
-    from workers.app import make_app, runtime_of
+    from workers.app import make_app, runtime_of, serve_runtime_metrics
     from workers.tasks import make_sweeper
 
     settings = _settings()
     app = make_app(settings)
-    sweeper = make_sweeper(app, runtime_of(app))
+    runtime = runtime_of(app)
+    sweeper = make_sweeper(app, runtime)
     if args.once:
         outcomes = sweeper.sweep_once()
         print("forkq sweep: " + (", ".join(f"{k}={v}" for k, v in sorted(outcomes.items())) or "nothing expired"))
@@ -213,8 +264,13 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    server = None if settings.metrics_port is None else serve_runtime_metrics(runtime, settings.metrics_port)
     print(f"forkq sweep: every {settings.sweep_s} s on {redact_url(settings.redis_url)}; Ctrl-C stops", flush=True)
-    sweeper.run(stop)
+    try:
+        sweeper.run(stop)
+    finally:
+        if server is not None:
+            server.close()
     return EXIT_OK
 
 
@@ -224,6 +280,30 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     code: int = run_demo(private_redis=args.private_redis)
     return code
+
+
+def _launch_arguments(launch: argparse.ArgumentParser) -> None:
+    launch.add_argument("--parent", required=True, help="parent snapshot JSON file (see docs/runtime.md)")
+    launch.add_argument("--prompt", required=True, help="the directive")
+    launch.add_argument("--description", help="short description (default: the prompt's first words)")
+    launch.add_argument("--subagent-type", dest="subagent_type", help='"fork" to inherit history')
+    launch.add_argument("--fork-turns", dest="fork_turns", help='"all" or a positive integer string')
+    launch.add_argument("--name", help="spawn a named teammate")
+    launch.add_argument("--model", help="model of a regular subagent")
+    launch.add_argument(
+        "--fork-tools", dest="fork_tools", help='tools a fork may run: JSON array or comma list ("" or [] for none)'
+    )
+    launch.add_argument(
+        "--approval-policy",
+        dest="approval_policy",
+        choices=["deny", "park"],
+        default="deny",
+        help="a call that needs approval: deny it (default) or park the fork until approve/deny",
+    )
+    launch.add_argument("--output-schema", dest="output_schema", help="JSON schema file the final answer must match")
+    launch.add_argument("--max-wall-s", dest="max_wall_s", type=float, help="wall-clock limit in seconds")
+    launch.add_argument("--max-turns", dest="max_turns", type=int, help="model calls at most")
+    launch.add_argument("--json", action="store_true")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -237,14 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
         return command
 
     launch = add("launch", cmd_launch, "Launch a fork or subagent from a parent snapshot.")
-    launch.add_argument("--parent", required=True, help="parent snapshot JSON file (see docs/runtime.md)")
-    launch.add_argument("--prompt", required=True, help="the directive")
-    launch.add_argument("--description", help="short description (default: the prompt's first words)")
-    launch.add_argument("--subagent-type", dest="subagent_type", help='"fork" to inherit history')
-    launch.add_argument("--fork-turns", dest="fork_turns", help='"all" or a positive integer string')
-    launch.add_argument("--name", help="spawn a named teammate")
-    launch.add_argument("--model", help="model of a regular subagent")
-    launch.add_argument("--json", action="store_true")
+    _launch_arguments(launch)
     for name, handler, text in (
         ("status", cmd_status, "Show a fork's state."),
         ("cancel", cmd_cancel, "Cancel a fork."),
@@ -258,6 +331,16 @@ def build_parser() -> argparse.ArgumentParser:
     result.add_argument("--wait", action="store_true", help="block until the fork ends")
     result.add_argument("--timeout", type=float, default=None, help="seconds to wait at most")
     result.add_argument("--json", action="store_true")
+    result.add_argument(
+        "--notification", action="store_true", help="print the <task-notification> the parent's model reads"
+    )
+    approve = add("approve", cmd_approve, "Approve a call a parked fork waits on; it resumes on any worker.")
+    approve.add_argument("fork_id")
+    approve.add_argument("call_id")
+    deny = add("deny", cmd_approve, "Deny a call a parked fork waits on; the model reads the denial.")
+    deny.add_argument("fork_id")
+    deny.add_argument("call_id")
+    deny.add_argument("--reason", help="why (the model reads it)")
     events = add("events", cmd_events, "Print a fork's progress events.")
     events.add_argument("fork_id")
     events.add_argument("--follow", action="store_true", help="keep printing until the fork ends")
@@ -269,7 +352,12 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--pool", choices=["threads", "prefork", "solo"], help="default FORKQ_WORKER_POOL")
     worker.add_argument("--loglevel", default="INFO")
     worker.add_argument("--hostname", help="Celery node name, e.g. worker1@%%h")
-    add("check", cmd_check, "Check that Redis is reachable and fit for forkq.")
+    check = add("check", cmd_check, "Check that Redis is reachable and fit for forkq.")
+    check.add_argument(
+        "--worker",
+        action="store_true",
+        help="also check this host's worker heartbeat (FORKQ_HEARTBEAT_FILE): the worker probe",
+    )
     sweep = add("sweep", cmd_sweep, "Revive forks whose worker died (lease expired).")
     sweep.add_argument("--once", action="store_true", help="one pass, then exit")
     demo = add("demo", cmd_demo, "Launch forks from an example conversation on private workers.")

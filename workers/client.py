@@ -12,16 +12,71 @@ from typing import Any
 import redis
 from celery import Celery
 
+from broker_config.redis_client import redis_client as connect_redis
 from broker_config.settings import Settings
 from workers.app import make_app
-from workers.errors import ForkTimeout
+from workers.errors import ForkNotEnded, ForkTimeout, InvalidAgentParams
 from workers.history import build_fork_seed_wire
 from workers.keys import Keys
+from workers.lease import Leases
+from workers.notification import render_task_notification
 from workers.params import AgentParams, validate_agent_params
+from workers.policy import APPROVAL_POLICIES, ApprovalPolicy, depth_error
 from workers.records import BootstrapRecord, ForkResult, ForkState, Status, chunk_digest, split_wire
 from workers.snapshot import ParentSnapshot, parse_parent_snapshot
 from workers.store import ForkEvent, ForkStore
+from workers.structured import check_schema
 from workers.tasks import enqueue_fork
+
+
+def check_nesting(agent: AgentParams, parent_depth: int, max_depth: int) -> None:
+    """Only a top-level session (depth 0) may fork; regular subagents nest up to `max_depth`.
+
+    Raises:
+        InvalidAgentParams: the launch breaks a nesting rule.
+    """
+    if agent.is_fork and parent_depth > 0:
+        raise InvalidAgentParams(
+            f"Cannot spawn sub-agents from within a fork: only a top-level session (depth 0) may fork, and this "
+            f"parent is at depth {parent_depth}. Execute the task directly, or launch a regular subagent.",
+            field="subagent_type",
+        )
+    if not agent.is_fork and parent_depth + 1 > max_depth:
+        raise InvalidAgentParams(depth_error(max_depth), field="subagent_type")
+
+
+def launch_options(
+    agent: AgentParams,
+    *,
+    approval_policy: str = "deny",
+    output_schema: dict[str, Any] | None = None,
+    max_wall_s: float | None = None,
+    max_turns: int | None = None,
+) -> dict[str, Any]:
+    """The fork-only and launch options a bootstrap record keeps (only those that differ from the defaults).
+
+    Raises:
+        InvalidAgentParams: an option is invalid (`.field` names it).
+    """
+    options: dict[str, Any] = {}
+    if agent.fork_tools is not None:
+        options["fork_tools"] = list(agent.fork_tools)
+    if approval_policy not in APPROVAL_POLICIES:
+        raise InvalidAgentParams(
+            f"approval_policy must be one of {', '.join(APPROVAL_POLICIES)}, got {approval_policy!r}",
+            field="approval_policy",
+        )
+    if approval_policy != "deny":
+        options["approval_policy"] = approval_policy
+    if output_schema is not None:
+        options["output_schema"] = check_schema(output_schema)
+    for name, value in (("max_wall_s", max_wall_s), ("max_turns", max_turns)):
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+            raise InvalidAgentParams(f"{name} must be a positive number, got {value!r}", field=name)
+        options[name] = value
+    return options
 
 
 def new_fork_id() -> str:
@@ -62,9 +117,15 @@ class ForkClient:
         self, settings: Settings | None = None, *, redis_client: redis.Redis | None = None, app: Celery | None = None
     ) -> None:
         self.settings = settings or Settings()
-        self.redis = redis_client or redis.Redis.from_url(self.settings.redis_url)
+        self.redis = redis_client or connect_redis(self.settings)
         self.store = ForkStore(self.redis, Keys(self.settings.namespace), ttl_s=self.settings.record_ttl_s)
         self.app = app or make_app(self.settings)
+        self._leases = Leases(
+            self.redis,
+            Keys(self.settings.namespace),
+            ttl_ms=int(self.settings.lease_ttl_s * 1000),
+            retention_s=self.settings.record_ttl_s,
+        )
 
     def close(self) -> None:
         """Release the Redis connections."""
@@ -82,17 +143,37 @@ class ForkClient:
         params: AgentParams | Mapping[str, Any],
         *,
         fork_id: str | None = None,
+        approval_policy: ApprovalPolicy = "deny",
+        output_schema: dict[str, Any] | None = None,
+        max_wall_s: float | None = None,
+        max_turns: int | None = None,
     ) -> ForkHandle:
         """Validate, build the seed, write the bootstrap record, then enqueue the fork.
 
         Nothing reaches Redis or the broker when the parameters or the snapshot are invalid.
 
+        Args:
+            approval_policy: what a call that needs approval does: `deny` answers it with a denial
+                the model reads; `park` parks the fork (`awaiting_approval`) until approve/deny.
+            output_schema: a JSON schema the final answer must match (sent back to the model
+                with the error a bounded number of times).
+            max_wall_s, max_turns: limits below the workers' own.
+
         Raises:
-            InvalidAgentParams: the Agent call's parameters break the contract.
+            InvalidAgentParams: the Agent call's parameters break the contract, or the launch
+                options are invalid (`.field` names which).
             InvalidParentSnapshot: the parent snapshot is malformed.
         """
         agent = params if isinstance(params, AgentParams) else validate_agent_params(params)
         snapshot = parent if isinstance(parent, ParentSnapshot) else parse_parent_snapshot(dict(parent))
+        check_nesting(agent, snapshot.depth, self.settings.max_subagent_depth)
+        options = launch_options(
+            agent,
+            approval_policy=approval_policy,
+            output_schema=output_schema,
+            max_wall_s=max_wall_s,
+            max_turns=max_turns,
+        )
         fid = fork_id or new_fork_id()
         if agent.is_fork:
             wire, task_prompt = build_fork_seed_wire(
@@ -101,7 +182,7 @@ class ForkClient:
         else:  # regular subagents and named teammates inherit no history
             wire, task_prompt = [], agent.prompt
         chunks = split_wire(wire)
-        record = self._record(fid, snapshot, agent, chunks, count=len(wire), task_prompt=task_prompt)
+        record = self._record(fid, snapshot, agent, chunks, count=len(wire), task_prompt=task_prompt, options=options)
         record_bytes, digest = record.encode()
         self.store.put_launch(record, record_bytes, digest, chunks)
         inline: list[bytes] | None = [record.context_blob(), *chunks]
@@ -112,7 +193,14 @@ class ForkClient:
 
     @staticmethod
     def _record(
-        fid: str, parent: ParentSnapshot, agent: AgentParams, chunks: list[bytes], *, count: int, task_prompt: str
+        fid: str,
+        parent: ParentSnapshot,
+        agent: AgentParams,
+        chunks: list[bytes],
+        *,
+        count: int,
+        task_prompt: str,
+        options: dict[str, Any],
     ) -> BootstrapRecord:
         return BootstrapRecord(
             fork_id=fid,
@@ -132,6 +220,7 @@ class ForkClient:
             cwd=parent.cwd,
             depth=parent.depth + 1,
             fork_turns=agent.fork_turns,
+            options=options,
         )
 
     # ── following a fork ──────────────────────────────────────────────────────────────────────
@@ -185,6 +274,44 @@ class ForkClient:
         state = self.store.state(fork_id)
         enqueue_fork(self.app, self.settings.queue, fork_id, state.digest, attempt=state.attempt + 1)
         return True
+
+    def approve(self, fork_id: str, call_id: str) -> str:
+        """Approve a parked call; when no other call waits, the fork is enqueued to go on (on any worker).
+
+        Returns `queued` (the fork goes on) or `recorded` (other calls still wait).
+
+        Raises:
+            InvalidApproval: the fork is not awaiting approval, or has no such pending call.
+        """
+        return self._decide(fork_id, call_id, "approve", None)
+
+    def deny(self, fork_id: str, call_id: str, reason: str | None = None) -> str:
+        """Deny a parked call: the model reads the denial (with `reason`) and goes on without it."""
+        return self._decide(fork_id, call_id, "deny", reason)
+
+    def _decide(self, fork_id: str, call_id: str, decision: str, reason: str | None) -> str:
+        outcome = self.store.decide(fork_id, call_id, decision, reason)
+        if outcome == "queued":
+            state = self.store.state(fork_id)
+            enqueue_fork(self.app, self.settings.queue, fork_id, state.digest, attempt=state.attempt + 1)
+            self._leases.enqueued(fork_id)
+        return outcome
+
+    def notification(self, fork_id: str) -> str:
+        """The `<task-notification>` the parent's model reads once the fork has ended.
+
+        Raises:
+            ForkNotEnded: the fork has no result yet (wait for it first).
+            ForkNotFound: the fork does not exist.
+        """
+        result = self.store.result(fork_id)
+        state = self.store.state(fork_id)
+        if result is None:
+            raise ForkNotEnded(
+                f"fork {fork_id} is {state.status.value}: it has no result to notify yet; wait for it first",
+                fork_id=fork_id,
+            )
+        return render_task_notification(result, description=state.description)
 
     def inspect(self, fork_id: str) -> dict[str, Any]:
         """The bootstrap record in wire form, with its seed resolved and verified."""

@@ -90,6 +90,20 @@ def encode_with_digest(value: Any) -> tuple[bytes, str]:
     return data, digest(data)
 
 
+def encode_map(fields: dict[str, Any], encoded: dict[str, bytes]) -> bytes:
+    """`encode` of the map of `fields` and `encoded`, whose values are already-encoded: the same bytes,
+    without re-encoding those values (keys sorted as `encode` sorts them; str keys only)."""
+    items = sorted([*((k, encode(v)) for k, v in fields.items()), *encoded.items()])
+    n = len(items)
+    if n < 16:
+        header = bytes([0x80 | n])
+    elif n < 1 << 16:
+        header = b"\xde" + n.to_bytes(2, "big")
+    else:
+        header = b"\xdf" + n.to_bytes(4, "big")
+    return header + b"".join(encode(k) + v for k, v in items)
+
+
 def encode_array(items: list[bytes]) -> bytes:
     """The msgpack array whose elements are the given already-encoded values, without re-encoding them."""
     n = len(items)

@@ -9,7 +9,12 @@ ForkqError                      base; never raised bare
 ├── RecordIntegrityError        a stored record does not match its digest (.fork_id, .key)
 ├── RecordExistsError           a write-once record already exists with other bytes (.fork_id, .key)
 ├── ForkNotFound                no fork with that id in Redis (.fork_id)
+├── ForkTimeout                 a fork did not end within the caller's wait (.fork_id)
+├── ForkNotEnded                a fork has no result yet (.fork_id)
+├── LeaseLost                   this worker no longer holds the fork's lease (.fork_id)
+├── InvalidApproval             approve/deny of a fork or call that is not awaiting a decision (.fork_id)
 ├── ConfigurationError          settings or the Redis server are unfit for forkq (.field)
+├── ToolError                   a tool call failed in a way the model should read (workers.tools)
 └── ProviderError               a model provider call failed for good (.provider, .model, .status, .attempts)
 ```
 
@@ -80,8 +85,16 @@ class ForkTimeout(ForkqError):
     """A fork did not end within the time the caller waited."""
 
 
+class ForkNotEnded(ForkqError):
+    """The fork has not ended, so it has no result (or notification) yet."""
+
+
 class LeaseLost(ForkqError):
     """This worker no longer holds the fork's lease (expired, revived elsewhere, or cancelled)."""
+
+
+class InvalidApproval(ForkqError):
+    """An approve/deny that does not apply: the fork is not awaiting approval, or has no such pending call."""
 
 
 class ConfigurationError(ForkqError):

@@ -7,6 +7,7 @@ from typing import cast
 
 import redis
 
+from broker_config.redis_client import redis_client
 from broker_config.settings import Settings, redact_url
 
 
@@ -21,7 +22,7 @@ class RedisHealth:
 def check_redis(settings: Settings, client: redis.Redis | None = None) -> RedisHealth:
     """Reachability, eviction policy (must be `noeviction`) and persistence (warn when off)."""
     own = client is None
-    client = client or redis.Redis.from_url(settings.redis_url, socket_connect_timeout=3, socket_timeout=3)
+    client = client or redis_client(settings, socket_connect_timeout=3, socket_timeout=3)
     health = RedisHealth()
     where = f"Redis at {redact_url(settings.redis_url)}"
     try:

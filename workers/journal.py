@@ -2,12 +2,17 @@
 
 The first entry (`surface`) records which declared tools the first worker could execute; then one
 entry per model response, and for each tool call one `tool_started` before it runs and one
-`tool_result` after. Replaying the entries over the seed rebuilds the exact messages the original
-run had, so a revived fork's next model request is identical to the one the dead worker made.
+`tool_result` after. A person's decision on a parked call is an `approval` entry (written by the
+client while the fork is parked); a final answer that failed the output schema is followed by a
+`feedback` entry, the user message that sent it back. Replaying the entries over the seed rebuilds
+the exact messages the original run had, so a revived fork's next model request is identical to
+the one the dead worker made.
 """
 
 from __future__ import annotations
 
+import functools
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
@@ -17,6 +22,7 @@ from workers import codec
 from workers.errors import RecordDecodeError
 from workers.history import ForkSeed
 from workers.messages import Content, FunctionCall, FunctionResponse, Part
+from workers.providers import ModelRequest
 
 INTERRUPTED_ERROR: Final = (
     "This tool call was interrupted: the worker running it stopped before it finished. It may or may not "
@@ -32,10 +38,11 @@ class JournalEntry(BaseModel):
     schema_version: int = 1
     seq: int
     step: int
-    kind: Literal["surface", "model", "tool_started", "tool_result"]
-    content: dict[str, Any] | None = None  # model: the response Content (wire form)
+    kind: Literal["surface", "model", "tool_started", "tool_result", "approval", "feedback"]
+    content: dict[str, Any] | None = None  # model: the response Content; feedback: the user Content (wire form)
     request_digest: str | None = None  # model: digest of the request that produced it
     invalid_calls: dict[str, str] | None = None  # model: call id → error, for calls the provider garbled
+    finish_reason: str | None = None  # model: why it stopped, when not `stop`/`tool_calls`
     input_tokens: int = 0
     output_tokens: int = 0
     call_index: int | None = None  # tools: position of the call in the step's model Content
@@ -43,6 +50,8 @@ class JournalEntry(BaseModel):
     name: str | None = None
     response: dict[str, Any] | None = None  # tool_result: {"output": ...} or {"error": ...}
     tools: list[str] | None = None  # surface: declared tools the first worker could execute
+    decision: Literal["approve", "deny"] | None = None  # approval: a person's answer for call `call_index`
+    reason: str | None = None  # approval: why (optional, shown to the model on a denial)
 
     def encode(self) -> bytes:
         """Canonical bytes."""
@@ -58,6 +67,22 @@ class JournalEntry(BaseModel):
             raise RecordDecodeError(f"fork {fork_id}: journal entry is malformed: {exc}", fork_id=fork_id) from exc
 
 
+MALFORMED_CALL: Final = "malformed_function_call"  # Gemini's finish reason for a call it could not emit
+
+
+def malformed_call_message() -> Content:
+    """What the model reads after a response the provider ended as a malformed function call."""
+    return Content(
+        role="user",
+        parts=[
+            Part(
+                text="Your last function call was malformed and could not be parsed, so nothing was run. "
+                "Call the tool again with valid arguments, or answer in text."
+            )
+        ],
+    )
+
+
 @dataclass
 class PendingCall:
     """A call of the last model Content that has no recorded result yet."""
@@ -66,6 +91,14 @@ class PendingCall:
     call: FunctionCall
     started: bool  # a `tool_started` entry exists: the call may have taken effect
     invalid: str | None = None  # the provider returned this call unusable: answer with this error, run nothing
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """A person's answer to a parked call."""
+
+    decision: Literal["approve", "deny"]
+    reason: str | None = None
 
 
 @dataclass
@@ -81,6 +114,9 @@ class Replay:
     input_tokens: int = 0
     output_tokens: int = 0
     tool_uses: int = 0
+    decisions: dict[int, Decision] = field(default_factory=dict)  # approvals for the last model Content's calls
+    feedbacks: int = 0  # final answers sent back for failing the output schema
+    finish_reason: str = "stop"  # of the last model response
 
     def answer_content(self, calls: list[tuple[int, FunctionCall]]) -> Content:
         """The user Content answering the last model Content's calls, in call order."""
@@ -114,15 +150,25 @@ def replay(seed: ForkSeed, entries: list[JournalEntry]) -> Replay:
             state.step = entry.step + 1
             state.input_tokens += entry.input_tokens
             state.output_tokens += entry.output_tokens
-            calls, started, state.answers = calls_of(content), set(), {}
+            calls, started, state.answers, state.decisions = calls_of(content), set(), {}, {}
             invalid = entry.invalid_calls or {}
             state.final = None if calls else content
+            state.finish_reason = entry.finish_reason or "stop"
+            if not calls and entry.finish_reason == MALFORMED_CALL:
+                state.messages.append(malformed_call_message())
+                state.final = None
         elif entry.kind == "tool_started" and entry.call_index is not None:
             started.add(entry.call_index)
         elif entry.kind == "tool_result" and entry.call_index is not None and entry.response is not None:
             call = dict(calls)[entry.call_index]
             state.answers[entry.call_index] = response_part(call, entry.response)
             state.tool_uses += 1
+        elif entry.kind == "approval" and entry.call_index is not None and entry.decision is not None:
+            state.decisions[entry.call_index] = Decision(entry.decision, entry.reason)
+        elif entry.kind == "feedback" and entry.content is not None:
+            state.messages.append(Content.model_validate(entry.content))
+            state.final = None
+            state.feedbacks += 1
     state.pending = [
         PendingCall(i, c, i in started, invalid.get(c.id or "")) for i, c in calls if i not in state.answers
     ]
@@ -134,3 +180,38 @@ def replay(seed: ForkSeed, entries: list[JournalEntry]) -> Replay:
 def request_digest(wire: dict[str, Any]) -> str:
     """Digest of a model request in wire form (compared across revivals)."""
     return codec.digest(codec.encode(wire))
+
+
+class RequestDigests:
+    """`request_digest` of model requests, each message encoded once while it lives.
+
+    The digest is that of `request.model_dump(mode="json", exclude={"directive"})`, built from the
+    encoding of each message kept by identity (weakly: an entry goes with its Content), so a step
+    encodes only its new messages, and forks sharing seed Contents (`workers.records.ChunkCache`)
+    share their encodings. Relies on what the chunk cache relies on: a Content is never changed in
+    place. Thread-safe without a lock: an entry is used only if its reference still points at the
+    Content asked for, so a race between threads costs at most a cache miss.
+    """
+
+    def __init__(self) -> None:
+        self._encoded: dict[int, tuple[weakref.ref[Content], bytes]] = {}
+
+    def digest(self, request: ModelRequest) -> str:
+        """The request's digest, equal to `request_digest(request.model_dump(mode="json", exclude={"directive"}))`."""
+        fields = request.model_dump(mode="json", exclude={"directive", "messages"})
+        messages = codec.encode_array([self._encoding(m) for m in request.messages])
+        return codec.digest(codec.encode_map(fields, {"messages": messages}))
+
+    def _encoding(self, content: Content) -> bytes:
+        key = id(content)
+        entry = self._encoded.get(key)
+        if entry is not None and entry[0]() is content:
+            return entry[1]
+        data = codec.encode(content.model_dump(mode="json"))
+        self._encoded[key] = (weakref.ref(content, functools.partial(self._forget, key)), data)
+        return data
+
+    def _forget(self, key: int, _: object) -> None:
+        entry = self._encoded.get(key)
+        if entry is not None and entry[0]() is None:  # not an entry made since for a new object at this id
+            self._encoded.pop(key, None)

@@ -9,8 +9,9 @@ Each key: type; content; TTL; writer → readers.
 
 - `{ns}:{<fork_id>}:bootstrap`: string; canonical msgpack `BootstrapRecord`, write-once (SET NX);
   retention; client.launch → worker, inspect.
-- `{ns}:{<fork_id>}:state`: hash; `ForkState` (status, attempt, owner, times, error); retention;
-  launch, worker, cancel → status, wait, worker.
+- `{ns}:{<fork_id>}:state`: hash; `ForkState` (status, attempt, epoch, owner, times incl.
+  `first_started_ms`, error, `pending`: JSON of the calls an `awaiting_approval` fork is parked on);
+  retention; launch, worker, cancel, approve/deny → status, wait, worker.
 - `{ns}:{<fork_id>}:result`: string; canonical msgpack `ForkResult` (final output, usage); retention;
   worker (once) → result, wait.
 - `{ns}:{<fork_id>}:events`: stream; progress events (`type`, `at` ms, `data` JSON); retention;
@@ -18,7 +19,8 @@ Each key: type; content; TTL; writer → readers.
 - `{ns}:{<fork_id>}:lease`: string; the owner token of the worker running the fork; PX lease TTL,
   renewed by the worker's heartbeat, deleted by Lua compare-and-set only; worker → worker, sweeper.
 - `{ns}:{<fork_id>}:journal`: list; canonical msgpack `JournalEntry` per model response and tool
-  call/result, appended only under the current epoch; retention; worker → worker (replay), inspect.
+  call/result, appended only under the current epoch (and, while the fork is parked and has no
+  owner, a person's `approval` entries); retention; worker, approve/deny → worker (replay), inspect.
 - `{ns}:running`: sorted set; fork ids of running forks scored by their lease deadline (Redis ms);
   none; worker (claim, heartbeat, finish) → sweeper. The one key shared by all forks.
 - `{ns}:dead`: list; JSON `{task_id, reason}` of rejected job messages, newest first, capped at

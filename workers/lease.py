@@ -51,10 +51,12 @@ redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
 local epoch = redis.call('HINCRBY', KEYS[1], 'epoch', 1)
 local attempt = redis.call('HINCRBY', KEYS[1], 'attempt', 1)
 redis.call('HSET', KEYS[1], 'status', 'running', 'owner', ARGV[1], 'started_ms', now)
+redis.call('HSETNX', KEYS[1], 'first_started_ms', now)
 redis.call('ZADD', KEYS[4], now + tonumber(ARGV[2]), ARGV[3])
 redis.call('XADD', KEYS[3], 'MAXLEN', '~', @MAXLEN@, '*', 'type', 'started', 'data',
            cjson.encode({owner = ARGV[1], attempt = attempt, epoch = epoch}))
-return {'claimed', attempt, epoch, redis.call('GET', KEYS[5]) or '', redis.call('LRANGE', KEYS[6], 0, -1)}
+return {'claimed', attempt, epoch, redis.call('GET', KEYS[5]) or '', redis.call('LRANGE', KEYS[6], 0, -1),
+        redis.call('HGET', KEYS[1], 'first_started_ms'), now}
 """
 )
 
@@ -82,11 +84,18 @@ return redis.call('HGET', KEYS[1], 'status') or 'missing'
 """
 
 # KEYS: state, lease, events, running, result, journal, bootstrap. ARGV: epoch, owner, status,
-# result bytes, error, event data, ttl_s, fork_id.
+# result bytes, error, event data, ttl_s, fork_id, seq, n entries, entries…, then event (type, data)
+# pairs. The last journal entries and events go with the result (at the expected position only).
 _FINISH = (
     _NOW
     + _FENCE
     + """
+local n = tonumber(ARGV[10])
+if n > 0 and redis.call('LLEN', KEYS[6]) ~= tonumber(ARGV[9]) then return 'seq' end
+for i = 11, 10 + n do redis.call('RPUSH', KEYS[6], ARGV[i]) end
+for i = 11 + n, #ARGV, 2 do
+  redis.call('XADD', KEYS[3], 'MAXLEN', '~', @MAXLEN@, '*', 'type', ARGV[i], 'data', ARGV[i + 1])
+end
 redis.call('SET', KEYS[5], ARGV[4], 'EX', ARGV[7])
 redis.call('HSET', KEYS[1], 'status', ARGV[3], 'finished_ms', now, 'error', ARGV[5])
 redis.call('DEL', KEYS[2])
@@ -113,23 +122,27 @@ return 'released'
 """
 )
 
-# KEYS: state, lease, events, running. ARGV: epoch, owner, fork_id, reason. Parked until resumed.
+# KEYS: state, lease, events, running. ARGV: epoch, owner, fork_id, reason, status (paused or
+# awaiting_approval), pending calls (JSON), event data. Parked, holding no worker and out of the
+# running index (never revived), until an operator resumes it or a person decides its calls.
 _PAUSE = (
     _FENCE
     + """
-redis.call('HSET', KEYS[1], 'status', 'paused', 'owner', '', 'error', ARGV[4])
+redis.call('HSET', KEYS[1], 'status', ARGV[5], 'owner', '', 'error', ARGV[4], 'pending', ARGV[6])
 redis.call('DEL', KEYS[2])
 redis.call('ZREM', KEYS[4], ARGV[3])
-redis.call('XADD', KEYS[3], 'MAXLEN', '~', @MAXLEN@, '*', 'type', 'paused', 'data', cjson.encode({reason = ARGV[4]}))
+redis.call('XADD', KEYS[3], 'MAXLEN', '~', @MAXLEN@, '*', 'type', ARGV[5], 'data', ARGV[7])
 return 'released'
 """
 )
 
-# KEYS: lease, running. ARGV: owner, ttl_ms, fork_id.
+# KEYS: lease, running, state. ARGV: owner, ttl_ms, fork_id. A fork that stopped running (cancelled)
+# is not renewed: its worker learns at the next beat and stops its tool (cooperative cancellation).
 _RENEW = (
     _NOW
     + """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+if redis.call('HGET', KEYS[3], 'status') ~= 'running' then return 0 end
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 redis.call('ZADD', KEYS[2], now + tonumber(ARGV[2]), ARGV[3])
 return 1
@@ -190,6 +203,7 @@ class Claim:
     attempt: int
     record: bytes = field(default=b"", repr=False, compare=False)  # bootstrap bytes read by the claim
     journal: tuple[bytes, ...] = field(default=(), repr=False, compare=False)  # journal entries at claim time
+    running_ms: int = 0  # Redis time since the fork's first claim (its wall-clock limit counts from there)
 
 
 class Leases:
@@ -233,9 +247,15 @@ class Leases:
         )
         if reply[0] != b"claimed":
             return cast(bytes, reply[0]).decode()
-        _, attempt, epoch, record, journal = reply
+        _, attempt, epoch, record, journal, first_ms, now_ms = reply
         return Claim(
-            fork_id=fork_id, owner=owner, epoch=int(epoch), attempt=int(attempt), record=record, journal=tuple(journal)
+            fork_id=fork_id,
+            owner=owner,
+            epoch=int(epoch),
+            attempt=int(attempt),
+            record=record,
+            journal=tuple(journal),
+            running_ms=int(now_ms) - int(first_ms),
         )
 
     def _fenced(self, claim: Claim, outcome: Any, what: str) -> None:
@@ -273,8 +293,15 @@ class Leases:
         raw = cast(list[bytes], self.client.lrange(self.keys.journal(fork_id), 0, -1))
         return [JournalEntry.decode(item, fork_id=fork_id) for item in raw]
 
-    def finish(self, claim: Claim, result: ForkResult) -> None:
-        """Write the final result and end the lease (LeaseLost when refused)."""
+    def finish(
+        self,
+        claim: Claim,
+        result: ForkResult,
+        *entries: JournalEntry,
+        events: Sequence[tuple[str, dict[str, Any]]] = (),
+    ) -> None:
+        """Write the final result and end the lease (LeaseLost when refused), appending the last
+        journal entries and publishing the last events in the same round trip."""
         k = self.keys
         fid = claim.fork_id
         data = json.dumps({"status": result.status.value, "error": result.error, "usage": result.usage.model_dump()})
@@ -297,6 +324,10 @@ class Leases:
                 data,
                 self.retention_s,
                 fid,
+                entries[0].seq if entries else 0,
+                len(entries),
+                *(e.encode() for e in entries),
+                *(item for kind, data in events for item in (kind, json.dumps(data))),
             ],
         )
         self._fenced(claim, outcome, "result")
@@ -320,9 +351,24 @@ class Leases:
         k = self.keys
         fid = claim.fork_id
         outcome = self._pause(
-            keys=[k.state(fid), k.lease(fid), k.events(fid), k.running], args=[claim.epoch, claim.owner, fid, reason]
+            keys=[k.state(fid), k.lease(fid), k.events(fid), k.running],
+            args=[claim.epoch, claim.owner, fid, reason, "paused", "", json.dumps({"reason": reason})],
         )
         self._fenced(claim, outcome, "pause")
+
+    def park(self, claim: Claim, pending: list[dict[str, Any]]) -> None:
+        """Park the fork as `awaiting_approval` on `pending` calls: no lease, no worker, not revived."""
+        k = self.keys
+        fid = claim.fork_id
+        names = ", ".join(f"{p['name']} ({p['call_id']})" for p in pending)
+        reason = f"awaiting approval of {names}: forkq approve {fid} CALL_ID, or forkq deny {fid} CALL_ID"
+        calls = json.dumps(pending, ensure_ascii=False, separators=(",", ":"))
+        event = json.dumps({"reason": reason, "calls": pending}, ensure_ascii=False, separators=(",", ":"))
+        outcome = self._pause(
+            keys=[k.state(fid), k.lease(fid), k.events(fid), k.running],
+            args=[claim.epoch, claim.owner, fid, reason, "awaiting_approval", calls, event],
+        )
+        self._fenced(claim, outcome, "park")
 
     def renew(self, claims: list[Claim]) -> list[bool]:
         """Renew many leases in one round trip; False where the lease is no longer ours."""
@@ -331,7 +377,7 @@ class Leases:
         pipe = self.client.pipeline(transaction=False)
         for claim in claims:
             self._renew(
-                keys=[self.keys.lease(claim.fork_id), self.keys.running],
+                keys=[self.keys.lease(claim.fork_id), self.keys.running, self.keys.state(claim.fork_id)],
                 args=[claim.owner, self.ttl_ms, claim.fork_id],
                 client=pipe,
             )
@@ -413,7 +459,7 @@ class LeaseKeeper:
             with self._lock:
                 still_held = self._held.get(claim.fork_id, (None,))[0] == claim
             if not ok and still_held:  # a fork that just finished dropped its lease: not a loss
-                log.warning("fork %s: lease lost (epoch %d)", claim.fork_id, claim.epoch)
+                log.warning("fork %s: lease lost or fork no longer running (epoch %d)", claim.fork_id, claim.epoch)
                 lost.set()
 
     def _run(self) -> None:

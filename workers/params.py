@@ -18,9 +18,30 @@ MSG_FORK_TURNS_VALUE: Final = 'Parameter "fork_turns" must be "all" or a positiv
 MSG_FORK_TURNS_NOT_FORK: Final = 'Parameter "fork_turns" can only be used with subagent_type "fork".'
 MSG_FORK_TURNS_TEAMMATE: Final = 'Parameter "fork_turns" cannot be used when spawning a named teammate.'
 MSG_MODEL_FORK: Final = 'Parameter "model" cannot be used with subagent_type "fork".'
+MSG_FORK_TOOLS_NOT_FORK: Final = 'Parameter "fork_tools" can only be used with subagent_type "fork".'
+MSG_FORK_TOOLS_TEAMMATE: Final = 'Parameter "fork_tools" cannot be used when spawning a named teammate.'
+MSG_FORK_TOOLS_LIST: Final = (
+    'Parameter "fork_tools" must be an array of non-empty tool names without surrounding whitespace.'
+)
+MSG_FORK_TOOLS_STAR: Final = (
+    'Parameter "fork_tools" does not accept "*"; omit it to allow every otherwise-executable inherited tool.'
+)
+MSG_FORK_TOOLS_WILDCARD: Final = (
+    'Parameter "fork_tools" wildcard entries must be "mcp__*" or a trailing MCP tool-prefix pattern such as '
+    '"mcp__github__read_*".'
+)
 
 _STRING_PARAMS: Final = ("subagent_type", "name", "model")
-KNOWN_PARAMS: Final = ("description", "prompt", "subagent_type", "name", "fork_turns", "model", "run_in_background")
+KNOWN_PARAMS: Final = (
+    "description",
+    "prompt",
+    "subagent_type",
+    "name",
+    "fork_turns",
+    "fork_tools",
+    "model",
+    "run_in_background",
+)
 
 ForkTurns = Literal["all"] | int
 
@@ -36,6 +57,7 @@ class AgentParams(BaseModel):
     subagent_type: str | None = None
     name: str | None = None
     fork_turns: str | None = None
+    fork_tools: tuple[str, ...] | None = None  # execution allowlist (forks only); () means no tool may run
     model: str | None = None
     run_in_background: bool | None = None
 
@@ -90,6 +112,39 @@ def _check_fork_turns(raw: Mapping[str, Any]) -> None:
         raise InvalidAgentParams(MSG_FORK_TURNS_TEAMMATE, field="fork_turns")
 
 
+def is_valid_tool_pattern(name: str) -> bool:
+    """An exact tool name, `mcp__*`, or a trailing MCP tool-prefix pattern (`mcp__server__read_*`)."""
+    if "*" not in name or name == "mcp__*":
+        return True
+    if not name.startswith("mcp__") or not name.endswith("*") or "*" in name[:-1]:
+        return False
+    return name[len("mcp__") : -1].rfind("__") > 0
+
+
+def _check_fork_tools(raw: Mapping[str, Any]) -> tuple[str, ...] | None:
+    if "fork_tools" not in raw:
+        return None
+    if not _is_fork_type(raw.get("subagent_type")):
+        raise InvalidAgentParams(MSG_FORK_TOOLS_NOT_FORK, field="fork_tools")
+    if "name" in raw:
+        raise InvalidAgentParams(MSG_FORK_TOOLS_TEAMMATE, field="fork_tools")
+    tools = raw["fork_tools"]
+    if not isinstance(tools, list | tuple) or any(
+        not isinstance(t, str) or not t.strip() or t.strip() != t for t in tools
+    ):
+        raise InvalidAgentParams(MSG_FORK_TOOLS_LIST, field="fork_tools")
+    if "*" in tools:
+        raise InvalidAgentParams(MSG_FORK_TOOLS_STAR, field="fork_tools")
+    if not all(is_valid_tool_pattern(t) for t in tools):
+        raise InvalidAgentParams(MSG_FORK_TOOLS_WILDCARD, field="fork_tools")
+    return tuple(tools)
+
+
+def tool_allowed(name: str, allowlist: tuple[str, ...] | list[str]) -> bool:
+    """Whether `name` matches an entry of a `fork_tools` allowlist (exact, or an `mcp__` prefix pattern)."""
+    return any(name == entry or (entry.endswith("*") and name.startswith(entry[:-1])) for entry in allowlist)
+
+
 def _check_types(raw: Mapping[str, Any]) -> None:
     for field in _STRING_PARAMS:
         if field in raw and raw[field] is not None and not isinstance(raw[field], str):
@@ -112,7 +167,8 @@ def validate_agent_params(raw: Mapping[str, Any]) -> AgentParams:
     """Validate an Agent tool call's parameters, in the order of the spec.
 
     description and prompt first, then the three `fork_turns` checks (value, fork only, not with a
-    teammate name), then `model` (a fork runs on the parent's model), then types and unknown keys.
+    teammate name), the `fork_tools` checks (fork only, not with a teammate name, a list of exact names or
+    MCP patterns), then `model` (a fork runs on the parent's model), then types and unknown keys.
 
     Raises:
         InvalidAgentParams: the first rule broken, with the spec's message and `.field`.
@@ -124,6 +180,7 @@ def validate_agent_params(raw: Mapping[str, Any]) -> AgentParams:
     description = _require_text(raw, "description")
     prompt = _require_text(raw, "prompt")
     _check_fork_turns(raw)
+    fork_tools = _check_fork_tools(raw)
     if "model" in raw and _is_fork_type(raw.get("subagent_type")):
         raise InvalidAgentParams(MSG_MODEL_FORK, field="model")
     _check_types(raw)
@@ -133,6 +190,7 @@ def validate_agent_params(raw: Mapping[str, Any]) -> AgentParams:
         subagent_type=raw.get("subagent_type"),
         name=raw["name"] if "name" in raw and raw["name"] is not None else ("" if "name" in raw else None),
         fork_turns=raw.get("fork_turns"),
+        fork_tools=fork_tools,
         model=raw.get("model"),
         run_in_background=raw.get("run_in_background"),
     )
@@ -159,6 +217,13 @@ def agent_tool_schema() -> dict[str, Any]:
                 "description": 'How much of this conversation a fork inherits: "all" (the default when omitted) '
                 'or the last N user turns as a positive integer string such as "3". Only valid with '
                 'subagent_type "fork", never with name.',
+            },
+            "fork_tools": {
+                "type": "array",
+                "items": {"type": "string"},
+                "description": 'Only with subagent_type "fork": the tools the fork may execute (exact names, '
+                '"mcp__*" or an MCP prefix pattern such as "mcp__github__read_*"). Its declarations stay '
+                "unchanged; [] lets it run no tool. Omit to allow every inherited tool.",
             },
             "model": {"type": "string", "description": "Model for a regular subagent; forks use the parent's."},
             "run_in_background": {"type": "boolean", "description": "Return at once and notify when done."},

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import enum
 import json
+import threading
 import zlib
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any, Final, Literal
 
@@ -32,6 +34,7 @@ class Status(enum.StrEnum):
     FAILED = "failed"
     CANCELLED = "cancelled"
     PAUSED = "paused"
+    AWAITING_APPROVAL = "awaiting_approval"  # parked on calls a person must approve or deny; holds no worker
 
     @property
     def terminal(self) -> bool:
@@ -98,9 +101,18 @@ class BootstrapRecord(BaseModel):
 
     @classmethod
     def decode(
-        cls, data: bytes, *, fork_id: str, context: bytes, expected_digest: str | None = None
+        cls,
+        data: bytes,
+        *,
+        fork_id: str,
+        context: bytes,
+        expected_digest: str | None = None,
+        cache: ChunkCache | HeldChunks | None = None,
     ) -> BootstrapRecord:
         """Verify (when a digest is given) and decode stored bytes, with the context chunk they name.
+
+        With `cache`, a context chunk decoded before under the digest the record names is used
+        without `context` (which may then be empty), and a newly verified one is kept.
 
         Raises:
             RecordIntegrityError: the bytes do not hash to `expected_digest`, or the context chunk
@@ -121,13 +133,20 @@ class BootstrapRecord(BaseModel):
                 fork_id=fork_id,
             )
         ref = raw.pop("context_chunk")
-        if ref != chunk_digest(context):
-            raise RecordIntegrityError(
-                f"fork {fork_id}: the context chunk (system instruction and tools) does not match the digest the "
-                "bootstrap record names; it is missing or was modified after launch",
-                fork_id=fork_id,
-            )
-        raw.update(codec.decode_verified(context, what=f"fork {fork_id}: context chunk"))
+        fields = cache.get(ref) if cache is not None else None
+        if fields is None:
+            if ref != chunk_digest(context):
+                raise RecordIntegrityError(
+                    f"fork {fork_id}: the context chunk (system instruction and tools) does not match the digest "
+                    "the bootstrap record names; it is missing or was modified after launch",
+                    fork_id=fork_id,
+                )
+            fields = codec.decode_verified(context, what=f"fork {fork_id}: context chunk")
+            if cache is not None and isinstance(fields, dict):
+                cache.put(ref, fields, len(context))
+        if not isinstance(fields, dict):
+            raise RecordDecodeError(f"fork {fork_id}: the context chunk is not a map", fork_id=fork_id)
+        raw.update(fields)
         try:
             return cls.model_validate(raw, strict=True)
         except ValueError as exc:
@@ -185,6 +204,7 @@ class ForkState(BaseModel):
     started_ms: int | None = None
     finished_ms: int | None = None
     error: str | None = None
+    pending_approval: list[dict[str, Any]] = Field(default_factory=list)  # awaiting_approval: the parked calls
 
     @classmethod
     def from_hash(cls, fork_id: str, fields: dict[str, str]) -> ForkState:
@@ -205,6 +225,7 @@ class ForkState(BaseModel):
             started_ms=num("started_ms"),
             finished_ms=num("finished_ms"),
             error=fields.get("error") or None,
+            pending_approval=json.loads(fields["pending"]) if fields.get("pending") else [],
         )
 
 
@@ -248,11 +269,17 @@ def chunk_digest(chunk: bytes) -> bytes:
     return bytes.fromhex(codec.digest(chunk))
 
 
-def join_seed(record: BootstrapRecord, chunks: Sequence[bytes]) -> ForkSeed:
+def join_seed(
+    record: BootstrapRecord, chunks: Sequence[bytes], cache: ChunkCache | HeldChunks | None = None
+) -> ForkSeed:
     """The seed of `record` from its chunk bytes, each verified against the record.
+
+    With `cache`, a chunk decoded before under the digest the record names is taken from it (its
+    bytes in `chunks` may then be empty), and newly verified chunks are kept.
 
     Raises:
         RecordIntegrityError: a chunk is missing or does not match its digest.
+        RecordDecodeError: a chunk's messages are not Contents.
     """
     if len(chunks) != len(record.seed_chunks):
         raise RecordIntegrityError(
@@ -260,24 +287,105 @@ def join_seed(record: BootstrapRecord, chunks: Sequence[bytes]) -> ForkSeed:
             f"{len(record.seed_chunks)}; the seed cannot be rebuilt",
             fork_id=record.fork_id,
         )
-    messages: list[dict[str, Any]] = []
+    contents: list[Content] = []
     for i, (expected, chunk) in enumerate(zip(record.seed_chunks, chunks, strict=True)):
-        if chunk_digest(chunk) != expected:
-            raise RecordIntegrityError(
-                f"fork {record.fork_id}: seed chunk {i} ({expected.hex()[:12]}…) does not match its digest; "
-                "it was modified or truncated after launch",
-                fork_id=record.fork_id,
-            )
-        messages.extend(codec.decode_verified(chunk, what=f"fork {record.fork_id}: seed chunk {i}"))
-    if len(messages) != record.message_count:
+        cached = cache.get(expected) if cache is not None else None
+        if cached is None:
+            cached = _seed_chunk(record.fork_id, i, expected, chunk)
+            if cache is not None:
+                cache.put(expected, cached, len(chunk))
+        contents.extend(cached)
+    if len(contents) != record.message_count:
         raise RecordIntegrityError(
-            f"fork {record.fork_id}: seed has {len(messages)} messages, the record says {record.message_count}",
+            f"fork {record.fork_id}: seed has {len(contents)} messages, the record says {record.message_count}",
             fork_id=record.fork_id,
         )
+    return ForkSeed.model_construct(schema_version=1, initial_messages=contents, task_prompt=record.task_prompt)
+
+
+def _seed_chunk(fork_id: str, index: int, expected: bytes, chunk: bytes) -> tuple[Content, ...]:
+    """One seed chunk's Contents, its bytes verified against `expected` first."""
+    if chunk_digest(chunk) != expected:
+        raise RecordIntegrityError(
+            f"fork {fork_id}: seed chunk {index} ({expected.hex()[:12]}…) does not match its digest; "
+            "it was modified or truncated after launch",
+            fork_id=fork_id,
+        )
+    messages = codec.decode_verified(chunk, what=f"fork {fork_id}: seed chunk {index}")
     try:
-        contents = load_contents(messages)
+        if not isinstance(messages, list):
+            raise ValueError(f"a seed chunk holds a list of Contents, not {type(messages).__name__}")
+        return tuple(load_contents(messages))
     except ValueError as exc:
         raise RecordDecodeError(
-            f"fork {record.fork_id}: seed messages are not Contents: {exc}", fork_id=record.fork_id, cause=exc
+            f"fork {fork_id}: seed messages are not Contents: {exc}", fork_id=fork_id, cause=exc
         ) from exc
-    return ForkSeed(initial_messages=contents, task_prompt=record.task_prompt)
+
+
+class ChunkCache:
+    """Decoded chunks by digest, shared by the forks one worker process runs: an LRU bounded by chunk bytes.
+
+    A chunk is named by the BLAKE2b-256 of its bytes, so a value decoded from bytes that were verified
+    against that digest stands for those bytes: a hit is a verified read that costs neither Redis
+    nor decoding. Forks of one parent name the same chunks, so a worker decodes each once.
+    Values are shared, never copied: seed chunks are tuples of Contents, which nothing mutates in
+    place (history code copies with `model_copy`); context chunks are maps that readers copy from.
+    Thread-safe.
+    """
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[bytes, tuple[Any, int]] = OrderedDict()
+        self._size = 0
+        self._lock = threading.Lock()
+
+    def __contains__(self, digest: bytes) -> bool:
+        with self._lock:
+            return digest in self._entries
+
+    def get(self, digest: bytes) -> Any:
+        """The decoded chunk, or None; a hit becomes the most recently used."""
+        with self._lock:
+            entry = self._entries.get(digest)
+            if entry is None:
+                return None
+            self._entries.move_to_end(digest)
+            return entry[0]
+
+    def put(self, digest: bytes, value: Any, size: int) -> None:
+        """Keep a chunk decoded from `size` verified bytes, evicting the least recently used beyond the bound."""
+        if size > self.max_bytes:
+            return
+        with self._lock:
+            old = self._entries.pop(digest, None)
+            if old is not None:
+                self._size -= old[1]
+            self._entries[digest] = (value, size)
+            self._size += size
+            while self._size > self.max_bytes:
+                _, (_, evicted) = self._entries.popitem(last=False)
+                self._size -= evicted
+
+    def hold(self, refs: Sequence[bytes]) -> HeldChunks:
+        """The values held for `refs` now, kept for one read however the cache evicts meanwhile."""
+        return HeldChunks(self, {ref: value for ref in refs if (value := self.get(ref)) is not None})
+
+
+class HeldChunks:
+    """What a `ChunkCache` held for one fork's chunks at one moment; new values are written through."""
+
+    def __init__(self, cache: ChunkCache, values: dict[bytes, Any]) -> None:
+        self.cache = cache
+        self.values = values
+
+    def __contains__(self, digest: bytes) -> bool:
+        return digest in self.values
+
+    def get(self, digest: bytes) -> Any:
+        """The held value, or None."""
+        return self.values.get(digest)
+
+    def put(self, digest: bytes, value: Any, size: int) -> None:
+        """Hold the value and keep it in the cache."""
+        self.values[digest] = value
+        self.cache.put(digest, value, size)

@@ -15,16 +15,20 @@ from typing import Any, Final
 import redis
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from broker_config.redis_client import redis_client
 from broker_config.settings import Settings
-from workers.child import ChildLoop, Stopped
+from workers.child import ChildLoop, Parked, Spawner, Stopped
 from workers.errors import ForkNotFound, ForkqError, LeaseLost, RecordDecodeError, RecordIntegrityError
 from workers.history import ForkSeed
-from workers.journal import JournalEntry
+from workers.journal import JournalEntry, RequestDigests
 from workers.keys import Keys
 from workers.lease import Claim, LeaseKeeper, Leases
+from workers.metrics import Metrics
+from workers.progress import Progress, RunObserver
 from workers.providers import ModelProvider
 from workers.providers.routing import ProviderRouter
-from workers.records import BootstrapRecord, ForkResult, Status
+from workers.records import BootstrapRecord, ChunkCache, ForkResult, Status
+from workers.spawn import SubagentSpawner
 from workers.store import ForkStore
 from workers.tools import ToolRegistry, load_tools
 
@@ -66,12 +70,17 @@ class WorkerRuntime:
     @cached_property
     def redis(self) -> redis.Redis:
         """One client (one connection pool) per process."""
-        return redis.Redis.from_url(self.settings.redis_url, health_check_interval=30)
+        return redis_client(self.settings, health_check_interval=30)
 
     @cached_property
     def store(self) -> ForkStore:
         """The fork store over this process's client."""
-        return ForkStore(self.redis, Keys(self.settings.namespace), ttl_s=self.settings.record_ttl_s)
+        return ForkStore(
+            self.redis,
+            Keys(self.settings.namespace),
+            ttl_s=self.settings.record_ttl_s,
+            chunk_cache=ChunkCache(self.settings.chunk_cache_mb * 1024 * 1024),
+        )
 
     @cached_property
     def leases(self) -> Leases:
@@ -84,14 +93,31 @@ class WorkerRuntime:
         )
 
     @cached_property
+    def digests(self) -> RequestDigests:
+        """Model request digests, each message encoded once per process (forks share their seed's)."""
+        return RequestDigests()
+
+    @cached_property
     def keeper(self) -> LeaseKeeper:
         """The process's heartbeat."""
         return LeaseKeeper(self.leases, interval_s=self.settings.heartbeat_s)
 
     @cached_property
+    def metrics(self) -> Metrics:
+        """This process's Prometheus metrics, in the runtime's own registry (served by the worker step)."""
+        return Metrics()
+
+    @cached_property
     def provider(self) -> ModelProvider:
         """The model provider forks of this worker use: a router choosing one per request by model name."""
         return ProviderRouter(self.settings)
+
+    @cached_property
+    def spawner(self) -> Spawner | None:
+        """Launches nested subagents (None without a broker to enqueue them on)."""
+        if self.requeue is None:
+            return None
+        return SubagentSpawner(self.store, self.requeue, self.stopping)
 
     @cached_property
     def tools(self) -> ToolRegistry:
@@ -104,7 +130,8 @@ class FencedChannel:
     """The loop's `ForkIO` for one claim: events buffered into the next fenced write or checkpoint.
 
     A step costs two round trips: a checkpoint before the model call (events + status check) and
-    the journal append after it (entry + events, fenced by epoch and lease).
+    the journal append after it (entry + events, fenced by epoch and lease); the last step's append
+    rides on the fenced `finish`, so a one-step fork makes three in all with its claim.
     """
 
     leases: Leases
@@ -113,10 +140,13 @@ class FencedChannel:
     stopping: threading.Event
     pending_entries: list[JournalEntry] = field(default_factory=list)  # written with the next append
     pending_events: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    observe: Callable[[str, dict[str, Any]], None] | None = None  # metrics and Flower progress, as emitted
 
     def emit(self, kind: str, data: dict[str, Any]) -> None:
         """Queue a progress event."""
         self.pending_events.append((kind, data))
+        if self.observe is not None:
+            self.observe(kind, data)
 
     def _take_events(self) -> list[tuple[str, dict[str, Any]]]:
         events, self.pending_events = self.pending_events, []
@@ -140,11 +170,31 @@ class FencedChannel:
             raise Stopped("cancelled" if status == "cancelled" else "lease_lost")
 
     def append(self, entry: JournalEntry, *, boundary: bool = False) -> None:
-        """Fenced append of `entry` (after any pending ones) with the queued events."""
+        """Fenced append of `entry` (after any pending ones) with the queued events.
+
+        A final answer (a model entry without calls) is held for the next write, normally `finish`:
+        nothing runs on it, so a worker lost meanwhile only makes the revived run ask the model again.
+        """
         if boundary:
             self._stop_if_asked()
         entries, self.pending_entries = [*self.pending_entries, entry], []
+        if not boundary and _is_final_answer(entry):
+            self.pending_entries = entries
+            return
         self.leases.append(self.claim, *entries, events=self._take_events())
+
+    def finish(self, result: ForkResult) -> None:
+        """Write the result with the held entries and queued events (one round trip)."""
+        entries, self.pending_entries = self.pending_entries, []
+        self.leases.finish(self.claim, result, *entries, events=self._take_events())
+
+
+def _is_final_answer(entry: JournalEntry) -> bool:
+    """A model response without calls that ended normally (not malformed, cut or filtered): the loop ends on it."""
+    if entry.kind != "model" or entry.finish_reason is not None:
+        return False
+    parts = (entry.content or {}).get("parts") or []
+    return not any(isinstance(p, dict) and "functionCall" in p for p in parts)
 
 
 def new_owner() -> str:
@@ -152,8 +202,10 @@ def new_owner() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{threading.get_ident()}:{uuid.uuid4().hex[:12]}"
 
 
-def run_fork_job(runtime: WorkerRuntime, job: RunForkJob) -> str:
+def run_fork_job(runtime: WorkerRuntime, job: RunForkJob, progress: Progress | None = None) -> str:
     """Run one delivery of a fork job; returns what happened (`succeeded`, `duplicate:<status>`, ...).
+
+    `progress` is called once per step (`workers.progress.step_progress` fields).
 
     A delivery whose digest is not the fork's launch digest is refused without touching the fork;
     a stored record that no longer matches its digest fails the fork; a delivery for a fork that is
@@ -163,6 +215,7 @@ def run_fork_job(runtime: WorkerRuntime, job: RunForkJob) -> str:
     if runtime.stopping.is_set() and runtime.requeue is not None:
         # a worker that is shutting down hands new deliveries back instead of claiming them
         runtime.requeue(fid, job.digest, 0)
+        runtime.metrics.skipped("handed_back")
         return "handed_back"
     claim = runtime.leases.claim(fid, new_owner(), job.digest)
     if claim == "forged":
@@ -175,27 +228,42 @@ def run_fork_job(runtime: WorkerRuntime, job: RunForkJob) -> str:
         raise ForkNotFound(f"fork {fid}: no such fork (never launched, or past its retention)", fork_id=fid)
     if isinstance(claim, str):
         log.info("fork %s: delivery ignored, fork is %s", fid, claim)
+        runtime.metrics.skipped("duplicate")
         return f"duplicate:{claim}"
     lost = runtime.keeper.hold(claim)
+    run = RunObserver(runtime.metrics, runtime.tools.tools, claim.attempt, progress)
     try:
-        return _run_claimed(runtime, job, claim, lost)
+        return run.ended(_run_claimed(runtime, job, claim, lost, run.observe))
     except LeaseLost as exc:
         log.warning("%s", exc)
-        return "lease_lost"
+        return run.ended("lease_lost")
     finally:
+        run.close()
         runtime.keeper.drop(claim)
 
 
-def _run_claimed(runtime: WorkerRuntime, job: RunForkJob, claim: Claim, lost: threading.Event) -> str:
+def _run_claimed(
+    runtime: WorkerRuntime,
+    job: RunForkJob,
+    claim: Claim,
+    lost: threading.Event,
+    observe: Callable[[str, dict[str, Any]], None] | None = None,
+) -> str:
     fid = job.fork_id
     try:
         record, seed = _load_inputs(runtime, job, claim.record)
         entries = [JournalEntry.decode(raw, fork_id=fid) for raw in claim.journal]
+        channel = FencedChannel(runtime.leases, claim, lost, runtime.stopping, observe=observe)
+        missing = _check_tool_surface(runtime, record.tools, entries, channel)
+        provider, spawner = runtime.provider, runtime.spawner
     except (ForkqError, redis.RedisError) as exc:
         runtime.leases.finish(claim, ForkResult(fork_id=fid, status=Status.FAILED, error=str(exc)))
         raise
-    channel = FencedChannel(runtime.leases, claim, lost, runtime.stopping)
-    missing = _check_tool_surface(runtime, record.tools, entries, channel)
+    except Exception as exc:  # e.g. a broken tool plugin: fail now with the cause, not later as worker_lost
+        log.exception("fork %s: worker could not set up the run", fid)
+        error = f"worker setup failed: {type(exc).__name__}: {exc}"
+        runtime.leases.finish(claim, ForkResult(fork_id=fid, status=Status.FAILED, error=error))
+        return Status.FAILED.value
     if missing:
         reason = (
             f"declared tool(s) {', '.join(missing)} not available on this worker; the fork was started "
@@ -203,25 +271,37 @@ def _run_claimed(runtime: WorkerRuntime, job: RunForkJob, claim: Claim, lost: th
         )
         runtime.leases.pause(claim, reason)
         return "paused"
+    settings = runtime.settings
     loop = ChildLoop(
         record=record,
         seed=seed,
-        provider=runtime.provider,
+        provider=provider,
         tools=runtime.tools,
         io=channel,
         entries=entries,
-        max_turns=runtime.settings.max_turns,
+        max_turns=settings.max_turns,
+        max_wall_s=settings.max_wall_s,
+        running_s=claim.running_ms / 1000,
+        max_depth=settings.max_subagent_depth,
+        schema_retries=settings.schema_retries,
+        spawner=spawner,
+        cancelled=lost.is_set,
+        digests=runtime.digests,
     )
     try:
         result = loop.run()
+    except Parked as park:  # no worker slot is held while a person decides
+        runtime.leases.park(claim, park.calls)
+        return "awaiting_approval"
     except Stopped as stop:
         return _stopped(runtime, job, claim, stop.reason)
     except (LeaseLost, redis.RedisError):
         raise
     except Exception as exc:  # a provider or loop failure ends the fork as failed, with the reason
         log.exception("fork %s: attempt %d failed", fid, claim.attempt)
-        result = ForkResult(fork_id=fid, status=Status.FAILED, error=f"{type(exc).__name__}: {exc}")
-    runtime.leases.finish(claim, result)
+        error = f"{type(exc).__name__}: {exc}"
+        result = ForkResult(fork_id=fid, status=Status.FAILED, error=error, usage=loop.usage())
+    channel.finish(result)
     return result.status.value
 
 

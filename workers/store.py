@@ -10,20 +10,35 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, cast
 
 import redis
+from redis.commands.core import Script
 
-from workers.errors import ForkNotFound, RecordExistsError
+from workers.errors import ForkNotFound, InvalidApproval, RecordExistsError
 from workers.history import ForkSeed
+from workers.journal import JournalEntry
 from workers.keys import Keys
-from workers.records import BootstrapRecord, ForkResult, ForkState, Status, chunk_digest, join_seed
+from workers.records import (
+    BootstrapRecord,
+    ChunkCache,
+    ForkResult,
+    ForkState,
+    HeldChunks,
+    Status,
+    chunk_digest,
+    join_seed,
+)
 
 EVENTS_MAXLEN: Final = 10_000
 WAIT_TIMEOUT_MS: Final = 1000
 DEAD_LETTERS_MAX: Final = 1000
+KNOWN_CHUNKS_MAX: Final = 4096  # chunk keys a client remembers writing, so that it does not send them again
+DECISION_GRACE_MS: Final = 30_000  # a decided fork's job not confirmed enqueued by then is re-enqueued by a sweeper
 
 log = logging.getLogger("forkq.store")
 
@@ -45,6 +60,18 @@ redis.call('EXPIRE', KEYS[3], ARGV[2])
 return 'created'
 """.replace("@MAXLEN@", str(EVENTS_MAXLEN))
 )
+
+# KEYS: chunks of one parent (one hash tag). ARGV: ttl_s, then each chunk's bytes, or '' for a chunk the client
+# wrote before (not sent again). Returns the 1-based positions of the '' chunks that are gone.
+_PUT_CHUNKS = """
+local gone = {}
+for i, key in ipairs(KEYS) do
+  if ARGV[i + 1] ~= '' then redis.call('SET', key, ARGV[i + 1], 'NX', 'EX', ARGV[1]) end
+  -- a chunk lives at least as long as the newest record naming it
+  if redis.call('EXPIRE', key, ARGV[1]) == 0 then table.insert(gone, i) end
+end
+return gone
+"""
 
 # KEYS: state, events, result, bootstrap, journal. ARGV: result bytes, event data, ttl_s. Terminal forks stay.
 _CANCEL = (
@@ -71,6 +98,37 @@ return 'queued'
 """
 
 
+# KEYS: state, journal, events, running. ARGV: call id, approval entry bytes, its seq, event type, event
+# data, grace_ms, fork_id. Records a person's decision on one parked call; the last one puts the fork
+# back in the queue state (indexed, due after grace_ms, until its job is confirmed enqueued).
+_DECIDE = (
+    _NOW
+    + """
+local status = redis.call('HGET', KEYS[1], 'status')
+if not status then return 'missing' end
+if status ~= 'awaiting_approval' then return status end
+local pending = cjson.decode(redis.call('HGET', KEYS[1], 'pending') or '[]')
+local left, found = {}, false
+for _, p in ipairs(pending) do
+  if p.call_id == ARGV[1] then found = true else table.insert(left, p) end
+end
+if not found then return 'unknown_call' end
+if redis.call('LLEN', KEYS[2]) ~= tonumber(ARGV[3]) then return 'seq' end
+redis.call('RPUSH', KEYS[2], ARGV[2])
+redis.call('XADD', KEYS[3], 'MAXLEN', '~', @MAXLEN@, '*', 'type', ARGV[4], 'data', ARGV[5])
+if #left > 0 then
+  redis.call('HSET', KEYS[1], 'pending', cjson.encode(left))
+  return 'recorded'
+end
+redis.call('HSET', KEYS[1], 'status', 'queued', 'pending', '', 'error', '')
+redis.call('ZADD', KEYS[4], now + tonumber(ARGV[6]), ARGV[7])
+return 'queued'
+""".replace("@MAXLEN@", str(EVENTS_MAXLEN))
+)
+
+DECIDE_ATTEMPTS: Final = 5
+
+
 @dataclass(frozen=True, slots=True)
 class ForkEvent:
     """One progress event of a fork; `id` is the stream id (Redis milliseconds-sequence)."""
@@ -93,49 +151,84 @@ class ForkEvent:
 class ForkStore:
     """One fork store per process: a Redis client (with its connection pool) and the key schema."""
 
-    def __init__(self, client: redis.Redis, keys: Keys, *, ttl_s: int) -> None:
+    def __init__(self, client: redis.Redis, keys: Keys, *, ttl_s: int, chunk_cache: ChunkCache | None = None) -> None:
         self.client = client
         self.keys = keys
         self.ttl_s = ttl_s
+        self.chunk_cache = chunk_cache  # workers: chunks decoded once per process (verified reads without Redis)
         self._launch = client.register_script(_LAUNCH)
+        self._put_chunks = client.register_script(_PUT_CHUNKS)
         self._cancel = client.register_script(_CANCEL)
         self._resume = client.register_script(_RESUME)
+        self._decide = client.register_script(_DECIDE)
         self._replicas: int | None = None  # learned on the first launch
+        self._known: OrderedDict[str, None] = OrderedDict()  # chunk keys this store wrote, most recent last
+        self._known_lock = threading.Lock()
 
     # ── launch ────────────────────────────────────────────────────────────────────────────────
 
-    def _queue_chunks(self, pipe: Any, parent_session: str, chunks: Sequence[bytes]) -> None:
-        for chunk in chunks:
-            key = self.keys.chunk(parent_session, chunk_digest(chunk).hex())
-            pipe.set(key, chunk, nx=True, ex=self.ttl_s)
-            pipe.expire(key, self.ttl_s)  # a chunk lives at least as long as the newest record naming it
+    def _known_chunk(self, key: str) -> bool:
+        with self._known_lock:
+            if key not in self._known:
+                return False
+            self._known.move_to_end(key)
+            return True
+
+    def _remember_chunks(self, keys: Sequence[str]) -> None:
+        with self._known_lock:
+            for key in keys:
+                self._known[key] = None
+                self._known.move_to_end(key)
+            while len(self._known) > KNOWN_CHUNKS_MAX:
+                self._known.popitem(last=False)
 
     def put_launch(
         self, record: BootstrapRecord, record_bytes: bytes, digest_hex: str, seed_chunks: Sequence[bytes] = ()
     ) -> None:
         """Write the chunks (context and seed), then atomically the record (write-once), the queued
-        state and the first event: one round trip.
+        state and the first event: one round trip (two when a chunk this store wrote before is gone).
+
+        A chunk this store wrote before is not sent again: its TTL is refreshed, and if it is gone
+        (expired, deleted) it is written again, before the caller enqueues the job.
 
         Raises:
             RecordExistsError: a different record already exists under this fork id.
         """
         fid = record.fork_id
+        session = record.parent_session
         data = json.dumps({"kind": record.kind, "digest": digest_hex, "messages": record.message_count})
-        pipe = self.client.pipeline(transaction=False)
-        self._queue_chunks(pipe, record.parent_session, [record.context_blob(), *seed_chunks])
-        self._launch(
-            keys=[self.keys.bootstrap(fid), self.keys.state(fid), self.keys.events(fid)],
-            args=[record_bytes, self.ttl_s, record.kind, record.description, digest_hex, data],
-            client=pipe,
-        )
-        outcome = pipe.execute()[-1]
+        chunks = [record.context_blob(), *seed_chunks]
+        chunk_keys = [self.keys.chunk(session, chunk_digest(c).hex()) for c in chunks]
+        sent = [b"" if self._known_chunk(key) else chunk for key, chunk in zip(chunk_keys, chunks, strict=True)]
+        keys = [self.keys.bootstrap(fid), self.keys.state(fid), self.keys.events(fid)]
+        args = [record_bytes, self.ttl_s, record.kind, record.description, digest_hex, data]
+        gone, outcome = self._scripts((self._put_chunks, chunk_keys, [self.ttl_s, *sent]), (self._launch, keys, args))
         if outcome == b"conflict":
             raise RecordExistsError(
                 f"fork {fid}: a different bootstrap record already exists; fork ids must be unique per launch",
                 fork_id=fid,
                 key=self.keys.bootstrap(fid),
             )
+        if gone:  # expired or deleted since this store wrote them: write them again before the job is enqueued
+            again = [int(i) - 1 for i in gone]
+            self._scripts((self._put_chunks, [chunk_keys[i] for i in again], [self.ttl_s, *(chunks[i] for i in again)]))
+        self._remember_chunks(chunk_keys)
         self._wait_for_replicas(fid)
+
+    def _scripts(self, *calls: tuple[Script, list[str], list[Any]]) -> list[Any]:
+        """Run scripts in one pipelined round trip (EVALSHA; loaded first only if Redis lacks one)."""
+        for attempt in (1, 2):
+            pipe = self.client.pipeline(transaction=False)
+            for script, keys, args in calls:  # EVALSHA itself: a Script object in a pipeline adds SCRIPT EXISTS
+                pipe.evalsha(script.sha, len(keys), *keys, *args)
+            try:
+                return pipe.execute()
+            except redis.exceptions.NoScriptError:  # a restarted or flushed Redis
+                if attempt == 2:
+                    raise
+                for script, _, _ in calls:
+                    script.sha = self.client.script_load(script.script)
+        raise AssertionError("unreachable")
 
     def _wait_for_replicas(self, fork_id: str) -> None:
         """With replicas, acknowledge a launch only once they have the record too (`WAIT`)."""
@@ -196,13 +289,29 @@ class ForkStore:
         self, fork_id: str, data: bytes, digest_hex: str | None, inline: Sequence[bytes] | None = None
     ) -> tuple[BootstrapRecord, ForkSeed]:
         """Record and seed from stored record bytes, with the job's inline chunks (context first, then
-        the seed's) or, without them, every chunk read from Redis in one round trip; all verified.
+        the seed's) or, without them, the chunks read from Redis in one round trip; all verified.
+        Chunks the store's chunk cache holds are neither read nor decoded again.
         """
+        held = None
         if not inline:
             session, refs = BootstrapRecord.chunk_refs(data, fork_id=fork_id)
-            inline = self._chunks(session, refs)
-        record = BootstrapRecord.decode(data, fork_id=fork_id, context=inline[0], expected_digest=digest_hex)
-        return record, join_seed(record, inline[1:])
+            held = self.chunk_cache.hold(refs) if self.chunk_cache is not None else None
+            inline = self._uncached_chunks(session, refs, held)
+        cache = held if held is not None else self.chunk_cache
+        record = BootstrapRecord.decode(
+            data, fork_id=fork_id, context=inline[0], expected_digest=digest_hex, cache=cache
+        )
+        return record, join_seed(record, inline[1:], cache)
+
+    def _uncached_chunks(self, parent_session: str, refs: Sequence[bytes], held: HeldChunks | None) -> list[bytes]:
+        """The chunks named by `refs` from Redis in one MGET, except those `held` has (left empty)."""
+        if held is None:
+            return self._chunks(parent_session, refs)
+        missing = [i for i, ref in enumerate(refs) if ref not in held]
+        chunks = [b""] * len(refs)
+        for i, chunk in zip(missing, self._chunks(parent_session, [refs[i] for i in missing]), strict=True):
+            chunks[i] = chunk
+        return chunks
 
     def load_seed(self, record: BootstrapRecord, chunks: Sequence[bytes] | None = None) -> ForkSeed:
         """The record's seed, from given chunks or from Redis, every chunk verified."""
@@ -254,6 +363,46 @@ class ForkStore:
         """Put a paused fork back in the queue state; True when it was paused."""
         return bool(self._resume(keys=[self.keys.state(fork_id), self.keys.events(fork_id)]) == b"queued")
 
+    def decide(self, fork_id: str, call_id: str, decision: str, reason: str | None = None) -> str:
+        """Record a person's `approve`/`deny` of a parked call; `queued` when it was the last one undecided.
+
+        Otherwise `recorded` (other calls still wait). Raises ForkNotFound; InvalidApproval when
+        the fork is not awaiting approval or has no such pending call.
+        """
+        for _ in range(DECIDE_ATTEMPTS):  # the journal length can only change under us if a decision races
+            state = self.state(fork_id)
+            call = next((p for p in state.pending_approval if p.get("call_id") == call_id), None)
+            if state.status is not Status.AWAITING_APPROVAL or call is None:
+                raise InvalidApproval(_approval_refusal(state, call_id), fork_id=fork_id)
+            seq = self.client.llen(self.keys.journal(fork_id))
+            entry = JournalEntry(
+                seq=seq,
+                step=int(call.get("step", 0)),
+                kind="approval",
+                call_index=int(call["index"]),
+                call_id=call_id,
+                name=str(call.get("name")),
+                decision="approve" if decision == "approve" else "deny",
+                reason=reason or None,
+            )
+            event = json.dumps({"call_id": call_id, "name": call.get("name"), "reason": reason})
+            event_type = "approved" if entry.decision == "approve" else "denied"
+            outcome = self._decide(
+                keys=[
+                    self.keys.state(fork_id),
+                    self.keys.journal(fork_id),
+                    self.keys.events(fork_id),
+                    self.keys.running,
+                ],
+                args=[call_id, entry.encode(), seq, event_type, event, DECISION_GRACE_MS, fork_id],
+            )
+            outcome = cast(bytes, outcome).decode()
+            if outcome != "seq":
+                if outcome in ("queued", "recorded"):
+                    return outcome
+                raise InvalidApproval(_approval_refusal(self.state(fork_id), call_id), fork_id=fork_id)
+        raise InvalidApproval(f"fork {fork_id}: decisions raced {DECIDE_ATTEMPTS} times; try again", fork_id=fork_id)
+
     def events(
         self, fork_id: str, *, after: str = "0-0", block_ms: int | None = None, count: int = 1000
     ) -> list[ForkEvent]:
@@ -270,6 +419,13 @@ class ForkStore:
                 yield event
                 if event.terminal:
                     return
+
+
+def _approval_refusal(state: ForkState, call_id: str) -> str:
+    if state.status is not Status.AWAITING_APPROVAL:
+        return f"fork {state.fork_id} is {state.status.value}, not awaiting approval: there is no call to decide"
+    waiting = ", ".join(f"{p.get('call_id')} ({p.get('name')})" for p in state.pending_approval) or "none"
+    return f"fork {state.fork_id}: no pending call {call_id!r}; calls awaiting approval: {waiting}"
 
 
 def _event(event_id: bytes, fields: dict[bytes, bytes]) -> ForkEvent:

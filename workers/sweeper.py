@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from workers.lease import Leases
+from workers.metrics import Metrics
 from workers.store import ForkStore
 
 log = logging.getLogger("forkq.sweeper")
@@ -29,6 +30,7 @@ class Sweeper:
     enqueue: Enqueue
     max_attempts: int
     interval_s: float
+    metrics: Metrics | None = None  # counts revivals (`forkq_revivals_total`)
 
     def sweep_once(self) -> Counter[str]:
         """One pass over expired leases; counts outcomes (`revive`, `requeue`, `failed`, `alive`, ...).
@@ -42,6 +44,8 @@ class Sweeper:
         for fork_id in self.leases.expired():
             outcome = self.leases.revive(fork_id, max_attempts=self.max_attempts, grace_ms=grace_ms)
             outcomes[outcome] += 1
+            if self.metrics is not None:
+                self.metrics.swept(outcome)
             if outcome in ("revive", "requeue"):
                 state = self.store.state(fork_id)
                 self.enqueue(fork_id, state.digest, state.attempt + 1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from celery import Celery, Task
@@ -12,6 +13,7 @@ from pydantic import ValidationError
 
 from broker_config.celery import RUN_FORK_TASK, SWEEP_TASK
 from workers.errors import ForkNotFound, RecordDecodeError, RecordIntegrityError
+from workers.progress import Progress
 from workers.runner import RunForkJob, WorkerRuntime, run_fork_job
 from workers.sweeper import Sweeper
 
@@ -49,6 +51,7 @@ def make_sweeper(app: Celery, runtime: WorkerRuntime) -> Sweeper:
         store=runtime.store,
         max_attempts=settings.max_attempts,
         interval_s=settings.sweep_s,
+        metrics=runtime.metrics,
         enqueue=lambda fid, digest, attempt: enqueue_fork(app, settings.queue, fid, digest, attempt=attempt),
     )
 
@@ -74,8 +77,40 @@ class ForkqRequest(Request):
         super().__init__(message, *args, **kwargs)
 
 
+class WorkerEvents:
+    """The event dispatcher of the worker running this process's requests (threads and solo pools).
+
+    Celery sends its own task events (`task-started`, `task-succeeded`) through it from the pool's
+    threads: buffered, then published in batches by the worker's event loop. `Task.send_event`
+    instead builds a dispatcher and publishes one message per event, which cost a one-step fork as
+    much worker CPU as its journal writes. In a prefork child (another pid) there is none.
+    """
+
+    def __init__(self) -> None:
+        self._seen: tuple[int, Any] = (0, None)
+
+    def seen(self, dispatcher: Any) -> None:
+        """Remember the dispatcher a request was created with."""
+        self._seen = (os.getpid(), dispatcher)
+
+    def dispatcher(self) -> Any:
+        """The worker's dispatcher, if this process's requests were created here."""
+        pid, dispatcher = self._seen
+        return dispatcher if pid == os.getpid() else None
+
+
+def _request_class(events: WorkerEvents) -> type[ForkqRequest]:
+    class Request(ForkqRequest):
+        def __init__(self, message: Any, *args: Any, **kwargs: Any) -> None:
+            super().__init__(message, *args, **kwargs)
+            events.seen(kwargs.get("eventer"))
+
+    return Request
+
+
 def register_tasks(app: Celery, runtime: WorkerRuntime) -> None:
     """Register `run_fork` and `sweep` on `app`, bound to the process's runtime."""
+    events = WorkerEvents()
 
     # shared=False: each app gets its own task (a shared task would register on every app built later)
     @app.task(
@@ -85,7 +120,7 @@ def register_tasks(app: Celery, runtime: WorkerRuntime) -> None:
         ignore_result=True,
         acks_late=True,
         reject_on_worker_lost=True,
-        Request=ForkqRequest,
+        Request=_request_class(events),
     )
     def run_fork(self: Task[Any, Any], *args: Any, **kwargs: Any) -> str:
         """Run one delivery of a fork job (a no-op when the fork is not queued)."""
@@ -95,18 +130,41 @@ def register_tasks(app: Celery, runtime: WorkerRuntime) -> None:
             # a hostile or malformed message: refuse it, never run it, never crash the worker
             log.error("rejected malformed run_fork job %s: %s", self.request.id, exc)
             runtime.store.dead_letter(str(self.request.id), f"malformed run_fork job: {exc}")
+            runtime.metrics.skipped("rejected")
             return "rejected:malformed"
         try:
-            return run_fork_job(runtime, job)
+            return run_fork_job(runtime, job, progress=progress_events(self, events.dispatcher()))
         except (RecordIntegrityError, RecordDecodeError, ForkNotFound) as exc:
             log.error("fork %s: refused: %s", job.fork_id, exc)
             runtime.store.dead_letter(str(self.request.id), str(exc))
+            runtime.metrics.skipped("refused")
             return f"refused:{type(exc).__name__}"
 
     @app.task(name=SWEEP_TASK, shared=False, ignore_result=True, Request=ForkqRequest)
     def sweep() -> dict[str, int]:
         """One sweeper pass (Celery beat schedules it every FORKQ_SWEEP_S)."""
         return dict(make_sweeper(app, runtime).sweep_once())
+
+
+def progress_events(task: Task[Any, Any], dispatcher: Any = None) -> Progress | None:
+    """Each step of the running delivery as a `task-progress` Celery event (None when task events are off).
+
+    Flower shows a task's last event as its state: `PROGRESS` while the fork runs, with the step
+    summary as its result; the delivery's return value (`succeeded`, `released`, ...) replaces it.
+    With the worker's `dispatcher` (`WorkerEvents`) the event joins the worker's own buffered task events.
+    """
+    if not task.app.conf.worker_send_task_events:
+        return None
+    task_id = task.request.id
+
+    def send(fields: dict[str, Any]) -> None:
+        if dispatcher is not None and dispatcher.enabled:
+            dispatcher.send("task-progress", uuid=task_id, **fields)
+            return
+        # retry=False: a broker hiccup loses one progress event, it never holds up the fork
+        task.send_event("task-progress", retry=False, **fields)
+
+    return send
 
 
 def _job_fields(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -1,4 +1,13 @@
-"""The tool registry: declarations, handlers and their flags; tools act inside the fork's cwd."""
+"""The tool registry: declarations, handlers and their flags; arguments are checked against the schema first.
+
+A `Tool` pairs a function declaration (name, description, JSON-schema parameters) with the handler a
+worker runs and the flags the child loop and the approval modes read. `ToolRegistry.run` validates a
+call's arguments against the tool's schema (compiled once, at registration) before the handler
+runs, and turns every outcome into `{"output": ...}` or `{"error": ...}`: a tool failure is
+something the model reads, never an exception that ends the fork. The built-in coding tools are
+declared at the end of this module and implemented in `workers.builtin_tools`; deployers add their
+own through the `forkq.tools` entry point group.
+"""
 
 from __future__ import annotations
 
@@ -9,33 +18,59 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
+from jsonschema.exceptions import SchemaError, ValidationError
+from jsonschema.protocols import Validator
+from jsonschema.validators import Draft202012Validator, validator_for
+
+from workers.errors import ConfigurationError, ForkqError
 from workers.messages import FunctionCall
-
-
-@dataclass(frozen=True, slots=True)
-class ToolContext:
-    """What a handler may know about the fork that calls it."""
-
-    fork_id: str
-    cwd: Path
-    call_id: str | None
-    idempotency_key: str
-
 
 log = logging.getLogger("forkq.tools")
 
 ENTRY_POINT_GROUP = "forkq.tools"
 
+# how many schema violations one error response lists: enough to fix a call in one retry
+MAX_REPORTED_ERRORS = 5
+# a violation message quotes the bad value; a huge wrong-typed argument must not flood the context
+MAX_ERROR_MESSAGE_CHARS = 300
+
+
+def never_cancelled() -> bool:
+    """The default `ToolContext.cancelled`: nobody cancels this call."""
+    return False
+
+
+@dataclass(frozen=True, slots=True)
+class ToolContext:
+    """What a handler may know about the fork that calls it.
+
+    `cancelled` is polled by long-running handlers (`run_shell_command`) so a cancelled fork stops
+    its work without waiting for the command's timeout.
+    """
+
+    fork_id: str
+    cwd: Path
+    call_id: str | None
+    idempotency_key: str
+    cancelled: Callable[[], bool] = never_cancelled
+
+
 Handler = Callable[[Mapping[str, Any], ToolContext], Any]
 
 
-class ToolError(Exception):
+class ToolError(ForkqError):
     """Raised by a handler for a failure the model should read (becomes `{"error": message}`)."""
 
 
 @dataclass(frozen=True, slots=True)
 class Tool:
-    """A tool a worker can execute."""
+    """A tool a worker can execute.
+
+    `mutating`: it changes something outside the model's context (files, processes).
+    `idempotent`: running it twice has the effect of running it once, so a call interrupted by a
+    worker's death may be re-run on revival. `edit`: a file-edit tool, approved automatically in the
+    `auto-edit` approval mode.
+    """
 
     name: str
     description: str
@@ -43,6 +78,7 @@ class Tool:
     handler: Handler
     mutating: bool = False
     idempotent: bool = False
+    edit: bool = False
 
     @property
     def declaration(self) -> dict[str, Any]:
@@ -50,28 +86,105 @@ class Tool:
         return {"name": self.name, "description": self.description, "parameters": dict(self.parameters)}
 
 
+def compile_schema(tool: Tool) -> Validator:
+    """A validator for the tool's parameters: the draft its `$schema` names, else Draft 2020-12.
+
+    Raises:
+        ConfigurationError: the parameters are not a valid JSON schema.
+    """
+    # an unknown `$schema` falls back to 2020-12 too (default given: no deprecation warning)
+    cls = validator_for(tool.parameters, default=Draft202012Validator)
+    try:
+        cls.check_schema(dict(tool.parameters))
+    except SchemaError as exc:
+        where = "/".join(str(p) for p in exc.path) or "the top level"
+        raise ConfigurationError(
+            f"tool {tool.name!r}: its parameters are not a valid JSON schema ({exc.message} at {where}); "
+            "fix the tool's declaration",
+            field=tool.name,
+            cause=exc,
+        ) from exc
+    return cls(tool.parameters)
+
+
+def describe_parameters(schema: Mapping[str, Any]) -> str:
+    """`path (string, required), offset (integer)`: a parameter list for error messages."""
+    properties = schema.get("properties")
+    if not isinstance(properties, Mapping) or not properties:
+        return "none declared"
+    required = set(schema.get("required") or ())
+    described = []
+    for name, spec in properties.items():
+        kind = spec.get("type", "any") if isinstance(spec, Mapping) else "any"
+        described.append(f"{name} ({kind}{', required' if name in required else ''})")
+    return ", ".join(described)
+
+
+def _violation(error: ValidationError) -> str:
+    where = "/".join(str(p) for p in error.path)
+    message = error.message
+    if len(message) > MAX_ERROR_MESSAGE_CHARS:
+        message = message[:MAX_ERROR_MESSAGE_CHARS] + "…"
+    return f"argument {where!r}: {message}" if where else message
+
+
+def invalid_arguments(tool: Tool, errors: list[ValidationError]) -> str:
+    """The error a model reads for a call whose arguments break the schema: what is wrong, what is expected."""
+    lines = [_violation(e) for e in errors[:MAX_REPORTED_ERRORS]]
+    if len(errors) > MAX_REPORTED_ERRORS:
+        lines.append(f"(and {len(errors) - MAX_REPORTED_ERRORS} more)")
+    return (
+        f"invalid arguments for tool {tool.name!r}: " + "; ".join(lines) + f". Nothing was run; call {tool.name} "
+        f"again with arguments matching its parameters: {describe_parameters(tool.parameters)}"
+    )
+
+
 @dataclass
 class ToolRegistry:
     """Tools by name; `run` turns a call into a response dict and never raises for tool failures."""
 
     tools: dict[str, Tool] = field(default_factory=dict)
+    # the validator of each registered tool, kept with the tool it was compiled for
+    _validators: dict[str, tuple[Tool, Validator]] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def register(self, tool: Tool) -> None:
-        """Add (or replace) a tool."""
+        """Add (or replace) a tool, after checking its parameters are a valid JSON schema.
+
+        Raises:
+            ConfigurationError: the tool's parameters are not a valid JSON schema.
+        """
+        validator = compile_schema(tool)
+        self._validators[tool.name] = (tool, validator)
         self.tools[tool.name] = tool
 
     def get(self, name: str | None) -> Tool | None:
         """The tool named `name`, if this worker has it."""
         return self.tools.get(name or "")
 
+    def _validator(self, tool: Tool) -> Validator:
+        compiled = self._validators.get(tool.name)
+        if compiled is not None and compiled[0] is tool:
+            return compiled[1]
+        # put into `tools` directly, not through `register`: compile now, once
+        validator = compile_schema(tool)
+        self._validators[tool.name] = (tool, validator)
+        return validator
+
     def run(self, call: FunctionCall, ctx: ToolContext) -> dict[str, Any]:
-        """`{"output": ...}` or `{"error": ...}` for one call."""
+        """`{"output": ...}` or `{"error": ...}` for one call; the handler runs only with valid arguments."""
         tool = self.get(call.name)
         if tool is None:
             available = ", ".join(sorted(self.tools)) or "none"
             return {"error": f"tool {call.name!r} is not available on this worker (available: {available})"}
+        args = call.args if call.args is not None else {}
         try:
-            return {"output": tool.handler(call.args or {}, ctx)}
+            errors = list(self._validator(tool).iter_errors(args))
+        except ConfigurationError as exc:
+            return {"error": str(exc)}
+        if errors:
+            return {"error": invalid_arguments(tool, errors)}
+        try:
+            return {"output": tool.handler(args, ctx)}
         except ToolError as exc:
             return {"error": str(exc)}
         except Exception as exc:  # a tool's bug must not crash the fork: the model reads the error
@@ -79,56 +192,152 @@ class ToolRegistry:
 
 
 def resolve_inside(cwd: Path, path: str) -> Path:
-    """`path` resolved against `cwd` (symlinks followed); refuses anything outside `cwd`."""
+    """`path` resolved against `cwd` (symlinks followed); refuses anything outside `cwd`.
+
+    Raises:
+        ToolError: the path escapes `cwd` (by `..`, as an absolute path, or through a symlink), or
+            cannot be resolved at all.
+    """
     root = cwd.resolve()
-    target = (root / path).resolve()
+    try:
+        target = (root / path).resolve()
+    except (OSError, RuntimeError, ValueError) as exc:  # NUL bytes, symlink loops
+        raise ToolError(
+            f"path {path!r} cannot be resolved ({exc}); use a plain path inside the working directory"
+        ) from exc
     if target != root and root not in target.parents:
         raise ToolError(f"path {path!r} is outside the working directory {str(root)!r}; use a path inside it")
     return target
 
 
-def _list_directory(args: Mapping[str, Any], ctx: ToolContext) -> str:
-    target = resolve_inside(ctx.cwd, str(args.get("path") or "."))
-    if not target.is_dir():
-        raise ToolError(f"{args.get('path')!r} is not a directory")
-    return "\n".join(sorted(p.name + ("/" if p.is_dir() else "") for p in target.iterdir()))
+def _schema(properties: dict[str, Any], *required: str) -> dict[str, Any]:
+    # extra arguments are refused: a misspelt name (`file_path`) must not be silently ignored
+    return {"type": "object", "properties": properties, "required": list(required), "additionalProperties": False}
 
 
-def _read_file(args: Mapping[str, Any], ctx: ToolContext) -> str:
-    target = resolve_inside(ctx.cwd, str(args.get("path", "")))
-    if not target.is_file():
-        raise ToolError(f"{args.get('path')!r} is not a file")
-    lines = target.read_text(encoding="utf-8", errors="replace").splitlines(keepends=True)
-    offset = int(args.get("offset") or 0)
-    limit = int(args.get("limit") or 2000)
-    return "".join(lines[offset : offset + limit])
+def _string(description: str) -> dict[str, Any]:
+    return {"type": "string", "description": description}
+
+
+PATH_DOC = "Path relative to the working directory (an absolute path must lie inside it)."
+
+
+# The declarations below are the contract a model sees; the handlers live in `workers.builtin_tools`
+# (whose docstring explains the flags), imported inside the functions because that module imports
+# Tool, ToolError and resolve_inside from this one.
+
+
+def _file_tools() -> list[Tool]:
+    from workers import builtin_tools as impl  # noqa: PLC0415
+
+    return [
+        Tool(
+            "read_file",
+            f"Read a UTF-8 text file. Returns at most `limit` lines (default {impl.READ_MAX_LINES}) from line "
+            "`offset`, with a marker telling the offset to continue from when the file is longer.",
+            _schema(
+                {
+                    "path": _string(PATH_DOC),
+                    "offset": {"type": "integer", "minimum": 0, "description": "0-based line to start at."},
+                    "limit": {"type": "integer", "minimum": 1, "maximum": impl.READ_MAX_LINES, "description": "Lines."},
+                },
+                "path",
+            ),
+            impl.read_file,
+            idempotent=True,
+        ),
+        Tool(
+            "list_directory",
+            "List a directory (default: the working directory), sorted; directories end with '/'.",
+            _schema({"path": _string(PATH_DOC)}),
+            impl.list_directory,
+            idempotent=True,
+        ),
+        Tool(
+            "write_file",
+            "Write a file with the given content, replacing it if it exists; parent directories are created.",
+            _schema({"path": _string(PATH_DOC), "content": _string("The complete new content.")}, "path", "content"),
+            impl.write_file,
+            mutating=True,
+            idempotent=True,  # the same content twice is the same file: a re-run after a crash is harmless
+            edit=True,
+        ),
+        Tool(
+            "edit",
+            "Replace one exact occurrence of old_string with new_string in a file. old_string must match the "
+            "file exactly (whitespace included) and exactly once; include surrounding lines to make it unique.",
+            _schema(
+                {
+                    "path": _string(PATH_DOC),
+                    "old_string": _string("The exact text to replace, unique in the file."),
+                    "new_string": _string("The replacement text."),
+                },
+                "path",
+                "old_string",
+                "new_string",
+            ),
+            impl.edit,
+            mutating=True,
+            edit=True,
+        ),
+    ]
+
+
+def _search_and_shell_tools() -> list[Tool]:
+    from workers import builtin_tools as impl  # noqa: PLC0415
+
+    return [
+        Tool(
+            "glob",
+            "Find paths matching a glob pattern such as '**/*.py' or 'src/*.{ts,tsx}' under `path`; sorted, "
+            f"relative to the working directory, at most {impl.GLOB_MAX_RESULTS}; .git is skipped.",
+            _schema({"pattern": _string("Glob pattern, relative; '**' matches any depth."), "path": _string(PATH_DOC)}),
+            impl.glob,
+            idempotent=True,
+        ),
+        Tool(
+            "grep_search",
+            "Search file contents with a Python regular expression; returns 'path:line:text' lines "
+            f"(at most {impl.GREP_MAX_MATCHES}). Binary files and .git are skipped.",
+            _schema(
+                {
+                    "pattern": _string("Python regular expression (re syntax; (?i) for case-insensitive)."),
+                    "path": _string("File or directory to search. " + PATH_DOC),
+                    "include": _string("Glob on file names, e.g. '*.py' or '*.{ts,tsx}' (with '/': on paths)."),
+                },
+                "pattern",
+            ),
+            impl.grep_search,
+            idempotent=True,
+        ),
+        Tool(
+            "run_shell_command",
+            "Run a command with bash in the working directory; returns combined stdout and stderr (the middle "
+            f"is cut past {impl.SHELL_OUTPUT_CAP // 1024} KiB) and the exit code. Background processes are "
+            "stopped when the command ends.",
+            _schema(
+                {
+                    "command": _string("The bash command line."),
+                    "timeout_s": {
+                        "type": "number",
+                        "minimum": 1,
+                        "maximum": impl.SHELL_MAX_TIMEOUT_S,
+                        "description": f"Seconds before it is killed (default {impl.SHELL_DEFAULT_TIMEOUT_S}).",
+                    },
+                },
+                "command",
+            ),
+            impl.run_shell_command,
+            mutating=True,
+        ),
+    ]
 
 
 def builtin_tools() -> ToolRegistry:
-    """The read-only built-ins: `list_directory` and `read_file`, confined to the fork's cwd."""
+    """The built-in coding tools (files, search, shell), confined to the fork's working directory."""
     registry = ToolRegistry()
-    registry.register(
-        Tool(
-            "list_directory",
-            "List a directory of the working directory.",
-            {"type": "object", "properties": {"path": {"type": "string"}}},
-            _list_directory,
-            idempotent=True,
-        )
-    )
-    registry.register(
-        Tool(
-            "read_file",
-            "Read a text file of the working directory.",
-            {
-                "type": "object",
-                "properties": {"path": {"type": "string"}, "offset": {"type": "integer"}, "limit": {"type": "integer"}},
-                "required": ["path"],
-            },
-            _read_file,
-            idempotent=True,
-        )
-    )
+    for tool in _file_tools() + _search_and_shell_tools():
+        registry.register(tool)
     return registry
 
 
@@ -148,8 +357,9 @@ def load_tools() -> ToolRegistry:
     """The built-ins plus every tool deployers register in the `forkq.tools` entry point group.
 
     An entry point names a `Tool`, a list of them, or a zero-argument callable returning either.
-    A broken entry point is logged and skipped: a worker with fewer tools still runs, and a fork
-    that declares a missing tool gets an error response naming it.
+    A broken entry point (or a tool whose parameters are not a valid JSON schema) is logged and
+    skipped: a worker with fewer tools still runs, and a fork that declares a missing tool gets an
+    error response naming it.
     """
     registry = builtin_tools()
     for ep in entry_points(group=ENTRY_POINT_GROUP):

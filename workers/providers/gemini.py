@@ -94,6 +94,12 @@ class GeminiProvider:
             headers = getattr(exc.response, "headers", None)
             retry_after = parse_retry_after(headers) or _retry_info_delay(exc.details)
             return Failure(is_retryable_status(exc.code), exc.code, str(detail), retry_after)
+        if isinstance(exc, ValidationError):
+            # the SDK could not parse the answer (e.g. a proxy's functionCall.args that is not an object):
+            # the server broke the API's schema, and asking again would get the same
+            first = exc.errors()[0]
+            where = ".".join(map(str, first["loc"]))
+            return Failure(False, None, f"the answer does not fit the SDK's {exc.title} ({where}: {first['msg']})")
         kind = transport_failure(exc)
         if kind == "timeout":
             return Failure(True, None, f"no answer within {self._timeout_s:g}s (FORKQ_PROVIDER_TIMEOUT_S)")

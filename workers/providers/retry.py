@@ -169,6 +169,8 @@ def _fix(provider: str, failure: Failure) -> str:
         return "the provider rejected the request as sent; see the detail above"
     if status == 429:
         return "the provider is rate-limiting this key; lower FORKQ_WORKER_CONCURRENCY or raise the quota"
+    if status is None and not failure.retryable:  # an answer the SDK could not use: waiting will not help
+        return f"check that {env}_BASE_URL points at a server that speaks the {provider} API; see the detail above"
     return (
         f"the provider is unavailable or slow; check {env}_BASE_URL and the provider's status, "
         "or raise FORKQ_PROVIDER_TIMEOUT_S / FORKQ_PROVIDER_MAX_ATTEMPTS"

@@ -1,0 +1,1070 @@
+"""The fork's capabilities (issue #4): approval modes and policies, the `fork_tools` allowlist, nesting,
+structured output, limits, cancellation and what the parent receives.
+
+Three levels: the child loop over an in-memory journal (the gate's decisions, fast and exact); one
+worker delivery without a broker (`run_fork_job` on the real Redis: parking, approvals, revivals);
+and live Celery workers, in-process or as subprocesses, for what needs a broker, a heartbeat or a
+second worker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from celery import Celery
+from celery.contrib.testing.worker import start_worker
+from celery.signals import task_postrun
+from conftest import TEST_NAMESPACE, WorkerProcess
+from live import wait_until
+from test_journal import MemoryJournal
+
+from broker_config.settings import Settings
+from workers.app import make_app, runtime_of
+from workers.child import ChildLoop, Parked, Stopped
+from workers.cli import main
+from workers.client import ForkClient
+from workers.errors import ForkNotEnded, InvalidAgentParams, InvalidApproval
+from workers.history import ForkSeed
+from workers.journal import JournalEntry, replay
+from workers.keys import Keys
+from workers.notification import NO_OUTPUT
+from workers.params import agent_tool_schema
+from workers.policy import FORK_NESTING_ERROR, SUBAGENT_FORK_ERROR, TEAMMATE_NESTING_ERROR
+from workers.providers import ModelRequest, ModelResponse
+from workers.providers.scripted import Script, ScriptedProvider
+from workers.records import BootstrapRecord, Status
+from workers.runner import RunForkJob, WorkerRuntime, run_fork_job
+from workers.tools import Tool, ToolRegistry, builtin_tools
+
+FORK = {"description": "fix the limiter", "prompt": "Fix the rate limiter.", "subagent_type": "fork"}
+REGULAR = {"description": "audit", "prompt": "Audit the limiter.", "subagent_type": "general-purpose"}
+
+
+# ── scripts ───────────────────────────────────────────────────────────────────────────────────
+
+
+def call(call_id: str | None, name: str, **args: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {"name": name, "args": args}
+    if call_id is not None:
+        body["id"] = call_id
+    return {"functionCall": body}
+
+
+def step(*parts: dict[str, Any] | str, delay_s: float = 0.0) -> dict[str, Any]:
+    wire = [{"text": p} if isinstance(p, str) else p for p in parts]
+    return {"delay_s": delay_s, "content": {"role": "model", "parts": wire}}
+
+
+def write_script(directory: Path, steps: list[dict[str, Any]]) -> Path:
+    path = directory / "script.json"
+    path.write_text(json.dumps({"steps": steps}), encoding="utf-8")
+    return path
+
+
+# one step calling a read-only tool, a file edit and a shell command, in that order; then an answer
+MIXED_STEP = step(
+    call("r1", "read_file", path="notes.txt"),
+    call("w1", "write_file", path="edited.txt", content="edited"),
+    call("s1", "run_shell_command", command="echo ran > shell.txt"),
+)
+MIXED = [MIXED_STEP, step("done")]
+
+
+@dataclass
+class Recording:
+    """The scripted provider, remembering every request (thread-safe: a live worker calls it)."""
+
+    script: Script
+    requests: list[ModelRequest] = field(default_factory=list)
+    name: str = "recording"
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def generate(self, request: ModelRequest) -> ModelResponse:
+        with self._lock:
+            self.requests.append(request)
+        return ScriptedProvider(self.script).generate(request)
+
+
+def scripted(steps: list[dict[str, Any]]) -> Recording:
+    return Recording(Script.model_validate({"steps": steps}))
+
+
+def workdir(tmp_path: Path) -> Path:
+    work = tmp_path / "work"
+    work.mkdir(exist_ok=True)
+    (work / "notes.txt").write_text("the limiter uses INCR then EXPIRE\n", encoding="utf-8")
+    return work
+
+
+def parent_for(parent: dict[str, Any], work: Path, mode: str = "yolo", **overrides: Any) -> dict[str, Any]:
+    return {**parent, "approval_mode": mode, "cwd": str(work), **overrides}
+
+
+def tool_results(entries: list[JournalEntry]) -> dict[str, dict[str, Any]]:
+    """Each answered call's response, by call id (or `<step>.<index>`)."""
+    return {
+        e.call_id or f"{e.step}.{e.call_index}": e.response or {}
+        for e in entries
+        if e.kind == "tool_result" and e.response is not None
+    }
+
+
+def ran(entries: list[JournalEntry]) -> set[str]:
+    return {cid for cid, response in tool_results(entries).items() if "output" in response}
+
+
+def started(entries: list[JournalEntry]) -> set[str]:
+    return {e.call_id or f"{e.step}.{e.call_index}" for e in entries if e.kind == "tool_started"}
+
+
+# ── the child loop over an in-memory journal ──────────────────────────────────────────────────
+
+FORK_ID = "f-capabilities"
+DECLARATIONS = [t.declaration for t in builtin_tools().tools.values()] + [
+    {"name": "Agent", "description": "Launch a sub-agent.", "parameters": agent_tool_schema()},
+    {"name": "delegate", "description": "Hand work to a helper.", "parameters": agent_tool_schema()},
+]
+
+
+@dataclass
+class SpawnRecorder:
+    """A spawner that records what it was asked to launch and answers for the nested subagent."""
+
+    calls: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+
+    def spawn(
+        self, record: BootstrapRecord, args: Mapping[str, Any], child_id: str, *, cancelled: Callable[[], bool]
+    ) -> dict[str, Any]:
+        self.calls.append((child_id, dict(args)))
+        return {"output": f"nested report from {child_id}"}
+
+
+@dataclass
+class Loop:
+    loop: ChildLoop
+    journal: MemoryJournal
+    provider: Recording
+    work: Path
+
+    @property
+    def entries(self) -> list[JournalEntry]:
+        return self.journal.entries
+
+
+def child_loop(
+    tmp_path: Path,
+    steps: list[dict[str, Any]],
+    *,
+    kind: str = "fork",
+    name: str | None = None,
+    depth: int = 1,
+    mode: str = "yolo",
+    options: dict[str, Any] | None = None,
+    tools: ToolRegistry | None = None,
+    declarations: list[dict[str, Any]] | None = None,
+    stop_reason: Callable[[], str | None] = lambda: None,
+    **loop_options: Any,
+) -> Loop:
+    work = workdir(tmp_path)
+    record = BootstrapRecord(
+        fork_id=FORK_ID,
+        parent_session="s-capabilities",
+        kind=kind,
+        name=name,
+        seed_chunks=[],
+        message_count=0,
+        task_prompt="Begin.",
+        directive="Fix the rate limiter.",
+        description="capabilities",
+        tools_json=json.dumps(declarations or DECLARATIONS, separators=(",", ":")),
+        model="test-model",
+        approval_mode=mode,
+        cwd=str(work),
+        depth=depth,
+        options=options or {},
+    )
+    provider = scripted(steps)
+    journal = MemoryJournal(stop_reason=stop_reason)
+    loop = ChildLoop(
+        record=record,
+        seed=ForkSeed(initial_messages=[], task_prompt="Begin."),
+        provider=provider,
+        tools=tools or builtin_tools(),
+        io=journal,
+        **loop_options,
+    )
+    return Loop(loop, journal, provider, work)
+
+
+def mcp_tools() -> ToolRegistry:
+    registry = builtin_tools()
+    for name, mutating in (("mcp__github__read_issue", False), ("mcp__github__close_issue", True)):
+        registry.register(Tool(name, "GitHub.", {"type": "object"}, lambda a, c: "ok", mutating=mutating))
+    return registry
+
+
+def test_an_empty_allowlist_answers_every_call_with_an_error_and_runs_nothing(tmp_path: Path) -> None:
+    # Given a fork with fork_tools [] whose launch would park calls that need approval
+    run = child_loop(tmp_path, MIXED, mode="default", options={"fork_tools": [], "approval_policy": "park"})
+
+    # When it runs: nothing parks, because the allowlist answers first
+    result = run.loop.run()
+
+    # Then every call got the allowlist error, and nothing ran or even started
+    assert result.status is Status.SUCCEEDED and result.output == "done"
+    responses = tool_results(run.entries)
+    assert set(responses) == {"r1", "w1", "s1"}
+    for response in responses.values():
+        assert "not in this fork's execution allowlist" in response["error"]
+        assert "fork_tools is []" in response["error"]
+    assert started(run.entries) == set()
+    assert not (run.work / "edited.txt").exists() and not (run.work / "shell.txt").exists()
+
+
+def test_a_call_outside_the_allowlist_is_refused_naming_the_list_while_allowed_calls_run(tmp_path: Path) -> None:
+    run = child_loop(tmp_path, MIXED, options={"fork_tools": ["read_file", "grep_search"]})
+
+    run.loop.run()
+
+    responses = tool_results(run.entries)
+    assert ran(run.entries) == {"r1"} and "INCR then EXPIRE" in responses["r1"]["output"]
+    for cid in ("w1", "s1"):
+        assert "fork_tools: read_file, grep_search" in responses[cid]["error"]
+    assert started(run.entries) == {"r1"}
+    assert not (run.work / "edited.txt").exists() and not (run.work / "shell.txt").exists()
+
+
+def test_an_mcp_prefix_pattern_allows_only_the_tools_it_matches(tmp_path: Path) -> None:
+    declarations = [*DECLARATIONS, {"name": "mcp__github__read_issue"}, {"name": "mcp__github__close_issue"}]
+    steps = [
+        step(
+            call("m1", "mcp__github__read_issue"),
+            call("m2", "mcp__github__close_issue"),
+            call("r1", "read_file", path="notes.txt"),
+        ),
+        step("done"),
+    ]
+    run = child_loop(
+        tmp_path, steps, options={"fork_tools": ["mcp__github__read_*"]}, tools=mcp_tools(), declarations=declarations
+    )
+
+    run.loop.run()
+
+    responses = tool_results(run.entries)
+    assert ran(run.entries) == {"m1"}
+    assert "fork_tools: mcp__github__read_*" in responses["m2"]["error"]
+    assert "fork_tools: mcp__github__read_*" in responses["r1"]["error"]
+
+
+def test_the_allowlist_leaves_the_declarations_the_model_sees_byte_identical(tmp_path: Path) -> None:
+    run = child_loop(tmp_path, MIXED, options={"fork_tools": []})
+
+    run.loop.run()
+
+    assert len(run.provider.requests) == 2
+    for request in run.provider.requests:
+        assert json.dumps(request.tools, separators=(",", ":")) == run.loop.record.tools_json
+        assert {t["name"] for t in request.tools} >= {"read_file", "write_file", "run_shell_command", "Agent"}
+
+
+def test_a_parked_step_lists_only_the_calls_that_passed_the_allowlist_and_the_nesting_rules(tmp_path: Path) -> None:
+    # Given a parking fork allowed to read and write, whose step also calls the shell and the Agent tool
+    steps = [
+        step(
+            call("s1", "run_shell_command", command="touch shell.txt"),
+            call("a1", "Agent", **REGULAR),
+            call("r1", "read_file", path="notes.txt"),
+            call("w1", "write_file", path="edited.txt", content="x"),
+            call(None, "edit", path="notes.txt", old_string="INCR", new_string="SET"),
+        )
+    ]
+    run = child_loop(
+        tmp_path,
+        steps,
+        mode="plan",
+        options={"fork_tools": ["read_file", "write_file", "edit"], "approval_policy": "park"},
+    )
+
+    # When it runs, it parks on the first call that needs a person
+    with pytest.raises(Parked) as parked:
+        run.loop.run()
+
+    # Then the refused calls were answered first, the read ran, and the parked calls are the two edits
+    responses = tool_results(run.entries)
+    assert "fork_tools: read_file, write_file, edit" in responses["s1"]["error"]
+    assert responses["a1"] == {"error": FORK_NESTING_ERROR}
+    assert ran(run.entries) == {"r1"}
+    assert parked.value.calls == [
+        {"call_id": "w1", "index": 3, "step": 0, "name": "write_file", "args": {"path": "edited.txt", "content": "x"}},
+        {
+            "call_id": "0.4",  # a call without an id is named by its step and index
+            "index": 4,
+            "step": 0,
+            "name": "edit",
+            "args": {"path": "notes.txt", "old_string": "INCR", "new_string": "SET"},
+        },
+    ]
+    assert not (run.work / "edited.txt").exists() and not (run.work / "shell.txt").exists()
+
+
+@pytest.mark.parametrize("name", ["Agent", "task", "delegate"])
+def test_a_forks_agent_call_is_refused_and_launches_nothing(tmp_path: Path, name: str) -> None:
+    spawner = SpawnRecorder()
+    run = child_loop(tmp_path, [step(call("a1", name, **REGULAR)), step("done")], spawner=spawner)
+
+    result = run.loop.run()
+
+    assert result.status is Status.SUCCEEDED
+    assert tool_results(run.entries)["a1"] == {
+        "error": "Error: Cannot spawn sub-agents from within a fork. Please execute tasks directly."
+    }
+    assert spawner.calls == [] and started(run.entries) == set()
+
+
+@pytest.mark.parametrize(
+    ("record", "args", "expected"),
+    [
+        ({"kind": "spawn", "name": "reviewer", "depth": 1}, REGULAR, TEAMMATE_NESTING_ERROR),
+        ({"kind": "spawn", "depth": 3}, REGULAR, "Error: Nesting depth limit reached (max 3)"),
+        ({"kind": "spawn", "depth": 1}, {**REGULAR, "subagent_type": "fork"}, SUBAGENT_FORK_ERROR),
+    ],
+    ids=["teammate", "depth-limit", "subagent-fork"],
+)
+def test_a_subagents_agent_call_is_refused_by_the_nesting_rules(
+    tmp_path: Path, record: dict[str, Any], args: dict[str, Any], expected: str
+) -> None:
+    spawner = SpawnRecorder()
+    run = child_loop(tmp_path, [step(call("a1", "Agent", **args)), step("done")], spawner=spawner, **record)
+
+    run.loop.run()
+
+    assert tool_results(run.entries)["a1"]["error"].startswith(expected)
+    assert spawner.calls == []
+
+
+def test_a_subagent_within_the_depth_limit_launches_a_nested_one_and_reads_its_output(tmp_path: Path) -> None:
+    spawner = SpawnRecorder()
+    steps = [step("Delegating.", call("a1", "Agent", **REGULAR)), step("done")]
+    run = child_loop(tmp_path, steps, kind="spawn", depth=2, spawner=spawner, max_depth=3)
+
+    run.loop.run()
+
+    assert spawner.calls == [(f"{FORK_ID}.0.0", REGULAR)]
+    assert tool_results(run.entries)["a1"] == {"output": f"nested report from {FORK_ID}.0.0"}
+    assert started(run.entries) == {"a1"}  # journaled before the launch, so a revival rejoins it
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"fixed": {"type": "boolean"}, "files": {"type": "array", "items": {"type": "string"}}},
+    "required": ["fixed", "files"],
+}
+VALID = '{"fixed": true, "files": ["app/ratelimit.py"]}'
+
+
+def test_a_final_answer_failing_the_schema_goes_back_to_the_model_until_it_validates(tmp_path: Path) -> None:
+    steps = [step("I fixed it."), step('{"fixed": "yes", "files": []}'), step(f"```json\n{VALID}\n```")]
+    run = child_loop(tmp_path, steps, options={"output_schema": SCHEMA})
+
+    result = run.loop.run()
+
+    assert result.status is Status.SUCCEEDED
+    assert json.loads(result.output or "") == json.loads(VALID)
+    feedbacks = [e for e in run.entries if e.kind == "feedback"]
+    assert len(feedbacks) == 2
+    texts = [e.content["parts"][0]["text"] for e in feedbacks if e.content]
+    assert "the answer is not JSON" in texts[0]
+    assert "at fixed: 'yes' is not of type 'boolean'" in texts[1]
+    # the model read each error: the feedback is the last message of the next request
+    assert [r.messages[-1].parts[0].text for r in run.provider.requests[1:]] == texts
+
+
+@pytest.mark.parametrize("retries", [0, 2])
+def test_a_fork_whose_answers_keep_failing_the_schema_fails_after_the_retries(tmp_path: Path, retries: int) -> None:
+    steps = [step(f"attempt {i}: not JSON") for i in range(5)]
+    run = child_loop(tmp_path, steps, options={"output_schema": SCHEMA}, schema_retries=retries)
+
+    result = run.loop.run()
+
+    assert result.status is Status.FAILED and result.output is None
+    assert result.error is not None and result.error.startswith("output_schema:")
+    assert f"after {retries + 1} tries" in result.error
+    assert len(run.provider.requests) == retries + 1
+    assert sum(e.kind == "feedback" for e in run.entries) == retries
+
+
+LOOPING = [step(call(f"l{i}", "list_directory")) for i in range(20)]
+
+
+@pytest.mark.parametrize(
+    ("worker_limit", "launch_limit", "calls"),
+    [(3, None, 3), (200, 2, 2), (3, 10, 3)],
+    ids=["worker", "launch", "lowest"],
+)
+def test_a_fork_that_keeps_calling_tools_fails_at_the_lowest_turn_limit(
+    tmp_path: Path, worker_limit: int, launch_limit: int | None, calls: int
+) -> None:
+    options = {} if launch_limit is None else {"max_turns": launch_limit}
+    run = child_loop(tmp_path, LOOPING, options=options, max_turns=worker_limit)
+
+    result = run.loop.run()
+
+    assert result.status is Status.FAILED
+    assert result.error == f"max_turns: stopped after {calls} model calls"
+    assert len(run.provider.requests) == calls and result.usage.model_calls == calls
+
+
+def test_a_fork_past_its_wall_clock_limit_fails_and_makes_no_further_call(tmp_path: Path) -> None:
+    slow = [step(call(f"l{i}", "list_directory"), delay_s=0.2) for i in range(20)]
+    run = child_loop(tmp_path, slow, options={"max_wall_s": 0.5})
+
+    began = time.monotonic()
+    result = run.loop.run()
+
+    assert result.status is Status.FAILED
+    assert result.error is not None and result.error.startswith("wall_clock:")
+    assert 0.5 <= time.monotonic() - began < 2.0
+    assert len(run.provider.requests) == 3  # 0.2 s each: the third ends past the limit
+
+
+def test_the_wall_clock_limit_counts_the_time_spent_before_a_revival(tmp_path: Path) -> None:
+    run = child_loop(tmp_path, MIXED, running_s=10.0, max_wall_s=10.0)
+
+    result = run.loop.run()
+
+    assert result.status is Status.FAILED and (result.error or "").startswith("wall_clock:")
+    assert run.provider.requests == [] and result.usage.duration_ms >= 10_000
+
+
+def test_a_cancel_noticed_after_the_model_answered_runs_none_of_its_calls(tmp_path: Path) -> None:
+    # Given a fork cancelled while its model call was in flight (seen at the next boundary)
+    cancelled = {"now": False}
+
+    class CancelledDuringTheCall(Recording):
+        def generate(self, request: ModelRequest) -> ModelResponse:
+            response = super().generate(request)
+            cancelled["now"] = True
+            return response
+
+    run = child_loop(tmp_path, MIXED, stop_reason=lambda: "cancelled" if cancelled["now"] else None)
+    run.loop.provider = CancelledDuringTheCall(run.provider.script)
+
+    # When it goes on, it stops before the first side effect
+    with pytest.raises(Stopped) as stopped:
+        run.loop.run()
+
+    # Then no call started and nothing ran
+    assert stopped.value.reason == "cancelled"
+    assert [e.kind for e in run.entries] == ["model"]
+    assert not (run.work / "edited.txt").exists() and not (run.work / "shell.txt").exists()
+
+
+def test_an_empty_final_answer_is_the_no_output_text(tmp_path: Path) -> None:
+    run = child_loop(tmp_path, [step({"text": "thinking", "thought": True}, "  ")])
+
+    result = run.loop.run()
+
+    assert result.status is Status.SUCCEEDED and result.output == NO_OUTPUT
+
+
+# ── one worker delivery on the real Redis (no broker) ─────────────────────────────────────────
+
+
+@pytest.fixture
+def runtimes() -> Iterator[list[WorkerRuntime]]:
+    """Runtimes built by the test; their heartbeat threads stop afterwards."""
+    built: list[WorkerRuntime] = []
+    yield built
+    for runtime in built:
+        runtime.keeper.stop()
+
+
+@pytest.fixture
+def deliver(settings: Settings, runtimes: list[WorkerRuntime]) -> Callable[..., str]:
+    """Run one delivery of a fork's job on a fresh worker runtime (scripted model, built-in tools)."""
+
+    def run(fork_id: str, digest: str, steps: list[dict[str, Any]], provider: Any = None) -> str:
+        runtime = WorkerRuntime(settings)
+        runtime.provider = provider or scripted(steps)
+        runtime.tools = builtin_tools()
+        runtimes.append(runtime)
+        return run_fork_job(runtime, RunForkJob(fork_id=fork_id, digest=digest))
+
+    return run
+
+
+def journal(settings: Settings, fork_id: str) -> list[JournalEntry]:
+    return WorkerRuntime(settings).leases.journal(fork_id)
+
+
+@dataclass(frozen=True)
+class Expected:
+    """What one approval mode and policy do with MIXED: the calls that ran, were denied, or parked."""
+
+    mode: str
+    policy: str
+    ran: frozenset[str]
+    denied: frozenset[str] = frozenset()
+    parked: tuple[str, ...] = ()
+
+
+APPROVAL_MATRIX = [
+    Expected("yolo", "deny", ran=frozenset({"r1", "w1", "s1"})),
+    Expected("yolo", "park", ran=frozenset({"r1", "w1", "s1"})),
+    Expected("auto-edit", "deny", ran=frozenset({"r1", "w1"}), denied=frozenset({"s1"})),
+    Expected("auto-edit", "park", ran=frozenset({"r1", "w1"}), parked=("s1",)),
+    Expected("default", "deny", ran=frozenset({"r1"}), denied=frozenset({"w1", "s1"})),
+    Expected("default", "park", ran=frozenset({"r1"}), parked=("w1", "s1")),
+    Expected("plan", "deny", ran=frozenset({"r1"}), denied=frozenset({"w1", "s1"})),
+    Expected("plan", "park", ran=frozenset({"r1"}), parked=("w1", "s1")),
+]
+
+
+@pytest.mark.parametrize("expected", APPROVAL_MATRIX, ids=[f"{e.mode}-{e.policy}" for e in APPROVAL_MATRIX])
+def test_what_runs_is_denied_or_parks_in_each_approval_mode_and_policy(
+    client: ForkClient, parent: dict[str, Any], tmp_path: Path, deliver: Callable[..., str], expected: Expected
+) -> None:
+    # Given a fork whose first step reads a file, edits a file and runs a shell command
+    mode, ran_calls, denied, parked = expected.mode, expected.ran, expected.denied, list(expected.parked)
+    work = workdir(tmp_path)
+    handle = client.launch(parent_for(parent, work, mode), FORK, approval_policy=expected.policy)
+
+    # When a worker runs it
+    outcome = deliver(handle.fork_id, handle.digest, MIXED)
+
+    # Then exactly the expected calls ran, with their side effects, and the others never started
+    entries = journal(client.settings, handle.fork_id)
+    responses = tool_results(entries)
+    assert ran(entries) == ran_calls
+    assert started(entries) == ran_calls
+    assert (work / "edited.txt").exists() is ("w1" in ran_calls)
+    assert (work / "shell.txt").exists() is ("s1" in ran_calls)
+    for cid in denied:
+        assert f"needs approval in approval mode {mode!r}" in responses[cid]["error"]
+        assert "denied and did not run" in responses[cid]["error"]
+    state = client.status(handle.fork_id)
+    if not parked:
+        assert outcome == "succeeded" and state.status is Status.SUCCEEDED
+        assert set(responses) == {"r1", "w1", "s1"}
+        return
+    # and a parked fork waits holding no worker: no lease, out of the running index, calls in status and events
+    keys = Keys(TEST_NAMESPACE)
+    assert outcome == "awaiting_approval" and state.status is Status.AWAITING_APPROVAL
+    assert [c["call_id"] for c in state.pending_approval] == parked
+    assert set(responses) == ran_calls | denied
+    assert client.redis.exists(keys.lease(handle.fork_id)) == 0
+    assert client.redis.zscore(keys.running, handle.fork_id) is None
+    [event] = [e for e in client.events(handle.fork_id) if e.type == "awaiting_approval"]
+    assert event.data["calls"] == state.pending_approval
+    assert client.result(handle.fork_id) is None
+
+
+@pytest.mark.usefixtures("forkq_env")
+def test_cli_approve_and_deny_decide_parked_calls_and_the_fork_goes_on_with_both_answers(
+    client: ForkClient,
+    parent: dict[str, Any],
+    tmp_path: Path,
+    deliver: Callable[..., str],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Given a fork parked on a file edit and a shell command
+    work = workdir(tmp_path)
+    handle = client.launch(parent_for(parent, work, "default"), FORK, approval_policy="park")
+    fid = handle.fork_id
+    assert deliver(fid, handle.digest, MIXED) == "awaiting_approval"
+    assert main(["status", fid]) == 0
+    assert "awaiting approval: w1 write_file" in capsys.readouterr().out
+
+    # When a person approves the edit (the shell command still waits) and denies the shell command
+    assert main(["approve", fid, "w1"]) == 0
+    assert capsys.readouterr().out.strip() == "recorded: other calls still wait"
+    assert client.status(fid).status is Status.AWAITING_APPROVAL
+    assert main(["approve", fid, "w1"]) == 1  # decided already: no longer pending
+    assert "no pending call 'w1'" in capsys.readouterr().err
+    assert main(["deny", fid, "nope"]) == 1
+    assert "calls awaiting approval: s1 (run_shell_command)" in capsys.readouterr().err
+    assert main(["deny", fid, "s1", "--reason", "no shell on the shared box"]) == 0
+    assert capsys.readouterr().out.strip() == "resumed: the fork is queued again"
+    assert client.status(fid).status is Status.QUEUED
+    assert main(["approve", fid, "s1"]) == 1
+    assert "not awaiting approval" in capsys.readouterr().err
+
+    # Then the next worker replays both decisions: the edit runs, the model reads the denial and its reason
+    provider = scripted(MIXED)
+    assert deliver(fid, handle.digest, [], provider=provider) == "succeeded"
+    entries = journal(client.settings, fid)
+    assert [(e.call_id, e.decision, e.reason) for e in entries if e.kind == "approval"] == [
+        ("w1", "approve", None),
+        ("s1", "deny", "no shell on the shared box"),
+    ]
+    assert (work / "edited.txt").read_text() == "edited" and not (work / "shell.txt").exists()
+    denial = tool_results(entries)["s1"]["error"]
+    assert "'run_shell_command' was denied by the user: no shell on the shared box" in denial
+    [request] = provider.requests
+    answers = {
+        p.function_response.id: p.function_response.response for p in request.messages[-1].parts if p.function_response
+    }
+    assert answers["s1"] == {"error": denial} and "output" in answers["w1"]
+
+
+def test_a_call_without_an_id_is_approved_by_its_step_and_index(
+    settings: Settings, client: ForkClient, parent: dict[str, Any], tmp_path: Path, deliver: Callable[..., str]
+) -> None:
+    work = workdir(tmp_path)
+    steps = [step(call(None, "run_shell_command", command="echo ok > shell.txt")), step("done")]
+    handle = client.launch(parent_for(parent, work, "plan"), FORK, approval_policy="park")
+    assert deliver(handle.fork_id, handle.digest, steps) == "awaiting_approval"
+    assert [c["call_id"] for c in client.status(handle.fork_id).pending_approval] == ["0.0"]
+
+    assert client.approve(handle.fork_id, "0.0") == "queued"
+
+    assert deliver(handle.fork_id, handle.digest, steps) == "succeeded"
+    assert (work / "shell.txt").read_text() == "ok\n"
+
+
+def test_approving_a_fork_that_is_not_parked_or_an_unknown_call_is_refused(
+    client: ForkClient, parent: dict[str, Any], tmp_path: Path, deliver: Callable[..., str]
+) -> None:
+    work = workdir(tmp_path)
+    handle = client.launch(parent_for(parent, work, "default"), FORK, approval_policy="park")
+    with pytest.raises(InvalidApproval, match="is queued, not awaiting approval"):
+        client.approve(handle.fork_id, "w1")
+    assert deliver(handle.fork_id, handle.digest, MIXED) == "awaiting_approval"
+    with pytest.raises(InvalidApproval, match="no pending call 'r1'"):
+        client.deny(handle.fork_id, "r1", "read-only calls never wait")
+    assert len([e for e in journal(client.settings, handle.fork_id) if e.kind == "approval"]) == 0
+
+
+class Died(BaseException):
+    """Stands for the worker process dying mid-call (nothing after it runs)."""
+
+
+def test_the_wall_clock_limit_counts_from_the_first_start_across_a_revival(
+    settings: Settings, client: ForkClient, parent: dict[str, Any], tmp_path: Path, deliver: Callable[..., str]
+) -> None:
+    # Given a fork with a 1.5 s limit whose first worker died 1 s into its first model call
+    class DiesDuringTheCall:
+        name = "dies"
+
+        def generate(self, request: ModelRequest) -> ModelResponse:
+            time.sleep(1.0)
+            raise Died
+
+    work = workdir(tmp_path)
+    handle = client.launch(parent_for(parent, work), FORK, max_wall_s=1.5)
+    with pytest.raises(Died):
+        deliver(handle.fork_id, handle.digest, [], provider=DiesDuringTheCall())
+    leases = WorkerRuntime(settings).leases
+    leases.client.delete(leases.keys.lease(handle.fork_id))
+    assert leases.revive(handle.fork_id, max_attempts=3) == "revive"
+
+    # When another worker revives it, and its first model call takes 0.6 s (well within 1.5 s on its own)
+    outcome = deliver(handle.fork_id, handle.digest, [step(call("l1", "list_directory"), delay_s=0.6), step("done")])
+
+    # Then the fork fails at its limit, counted from the first start
+    result = client.result(handle.fork_id)
+    assert outcome == "failed" and result is not None
+    assert (result.error or "").startswith("wall_clock:")
+    assert result.usage.duration_ms >= 1500  # the second run alone took about 600 ms
+    assert "l1" not in tool_results(journal(settings, handle.fork_id))
+
+
+def test_a_notification_is_refused_until_the_fork_has_ended(client: ForkClient, parent: dict[str, Any]) -> None:
+    handle = client.launch(parent, FORK)
+    with pytest.raises(ForkNotEnded, match="no result to notify yet"):
+        client.notification(handle.fork_id)
+
+
+# ── launch refusals: nothing reaches Redis ────────────────────────────────────────────────────
+
+
+@pytest.mark.parametrize(
+    ("depth", "launch", "message"),
+    [
+        (1, {"params": FORK}, "Cannot spawn sub-agents from within a fork"),
+        (2, {"params": FORK}, "Cannot spawn sub-agents from within a fork"),
+        (3, {"params": REGULAR}, r"Nesting depth limit reached \(max 3\)"),
+        (
+            0,
+            {"params": FORK, "output_schema": {"type": "object", "required": "fixed"}},
+            "output_schema is not a valid JSON schema",
+        ),
+        (0, {"params": {**REGULAR, "fork_tools": ["read_file"]}}, 'can only be used with subagent_type "fork"'),
+        (0, {"params": FORK, "approval_policy": "ask"}, "approval_policy must be one of deny, park"),
+        (0, {"params": FORK, "max_turns": 0}, "max_turns must be a positive number"),
+    ],
+    ids=["fork-at-depth-1", "fork-at-depth-2", "subagent-past-limit", "bad-schema", "fork-tools", "policy", "turns"],
+)
+def test_a_launch_breaking_a_capability_rule_is_refused_and_writes_nothing(
+    client: ForkClient, parent: dict[str, Any], depth: int, launch: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(InvalidAgentParams, match=message):
+        client.launch({**parent, "depth": depth}, **launch)
+    assert client.redis.dbsize() == 0
+
+
+def test_a_regular_subagent_may_be_launched_below_the_depth_limit_without_history(
+    client: ForkClient, parent: dict[str, Any]
+) -> None:
+    handle = client.launch({**parent, "depth": 2}, REGULAR)
+
+    record = client.inspect(handle.fork_id)
+    assert (record["kind"], record["depth"], record["initial_messages"]) == ("spawn", 3, [])
+
+
+@pytest.mark.usefixtures("forkq_env")
+def test_cli_launch_records_the_approval_policy_schema_limits_and_allowlist(
+    client: ForkClient, parent: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    parent_file, schema_file = tmp_path / "parent.json", tmp_path / "schema.json"
+    parent_file.write_text(json.dumps(parent), encoding="utf-8")
+    schema_file.write_text(json.dumps(SCHEMA), encoding="utf-8")
+    common = ["launch", "--parent", str(parent_file), "--prompt", "Fix it.", "--subagent-type", "fork", "--json"]
+
+    code = main(
+        [
+            *common,
+            *("--approval-policy", "park", "--output-schema", str(schema_file)),
+            *("--max-turns", "7", "--max-wall-s", "90", "--fork-tools", "read_file,mcp__github__read_*"),
+        ]
+    )
+
+    assert code == 0
+    fork_id = json.loads(capsys.readouterr().out)["fork_id"]
+    record = client.store.get_record(fork_id, None)
+    assert record.options == {
+        "approval_policy": "park",
+        "output_schema": SCHEMA,
+        "max_turns": 7,
+        "max_wall_s": 90.0,
+        "fork_tools": ["read_file", "mcp__github__read_*"],
+    }
+    # an invalid schema file is a usage error naming the option, and launches nothing
+    schema_file.write_text(json.dumps({"type": "strin"}), encoding="utf-8")
+    assert main([*common, "--output-schema", str(schema_file)]) == 2
+    assert "output_schema is not a valid JSON schema" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as usage:  # argparse: not one of deny, park
+        main([*common, "--approval-policy", "ask"])
+    assert usage.value.code == 2
+    assert len(client.redis.keys("*:state")) == 1
+
+
+# ── live workers ──────────────────────────────────────────────────────────────────────────────
+
+
+@pytest.fixture
+def live(make_settings: Callable[..., Settings], tmp_path: Path) -> Iterator[Callable[..., ForkClient]]:
+    """Start one in-process worker on a script; returns a client of its app. Stopped after the test."""
+    with contextlib.ExitStack() as stack:
+
+        def start(steps: list[dict[str, Any]], concurrency: int = 4, **overrides: Any) -> ForkClient:
+            settings = make_settings(script=write_script(tmp_path, steps), **overrides)
+            app = make_app(settings)
+            stack.callback(app.close)
+            client = stack.enter_context(ForkClient(settings, app=app))
+            stack.enter_context(
+                start_worker(
+                    app,
+                    pool="threads",
+                    concurrency=concurrency,
+                    perform_ping_check=False,
+                    loglevel="WARNING",
+                    shutdown_timeout=30,
+                )
+            )
+            return client
+
+        yield start
+
+
+@pytest.fixture
+def finished() -> Iterator[dict[str, Any]]:
+    """Return values of the tasks in-process workers finish during the test, by task id."""
+    seen: dict[str, Any] = {}
+    lock = threading.Lock()
+
+    def record(task_id: str, retval: Any = None, **_: Any) -> None:
+        with lock:
+            seen[task_id] = retval
+
+    task_postrun.connect(record, weak=False)
+    yield seen
+    task_postrun.disconnect(record)
+
+
+def recording_provider(app: Celery, steps: list[dict[str, Any]]) -> Recording:
+    """Replace the in-process worker's provider with a recording one over the same script."""
+    provider = scripted(steps)
+    runtime_of(app).provider = provider  # a cached property: the instance attribute replaces it
+    return provider
+
+
+def test_a_parked_fork_denied_by_a_person_goes_on_and_its_model_reads_the_denial(
+    live: Callable[..., ForkClient], parent: dict[str, Any], tmp_path: Path
+) -> None:
+    # Given a live worker and a fork that parks on a shell command
+    steps = [step(call("s1", "run_shell_command", command="touch denied.txt")), step("done without the shell")]
+    client = live(steps)
+    provider = recording_provider(client.app, steps)
+    work = workdir(tmp_path)
+    handle = client.launch(parent_for(parent, work, "default"), FORK, approval_policy="park")
+    wait_until(lambda: handle.status().status is Status.AWAITING_APPROVAL, what="the fork to park")
+    assert handle.status().pending_approval == [
+        {"call_id": "s1", "index": 0, "step": 0, "name": "run_shell_command", "args": {"command": "touch denied.txt"}}
+    ]
+
+    # When a person denies it
+    assert client.deny(handle.fork_id, "s1", "not on this machine") == "queued"
+
+    # Then the fork resumes, the shell never ran, and the next model request carries the denial
+    result = handle.wait(timeout=20)
+    assert result.status is Status.SUCCEEDED and result.output == "done without the shell"
+    assert not (work / "denied.txt").exists()
+    last = provider.requests[-1]
+    assert last.step == 1
+    [part] = last.messages[-1].parts
+    assert part.function_response is not None and part.function_response.id == "s1"
+    assert "was denied by the user: not on this machine" in part.function_response.response["error"]
+    types = [e.type for e in client.events(handle.fork_id)]
+    assert types.count("started") == 2  # one run before the decision, one after
+    assert types.index("awaiting_approval") < types.index("denied") < len(types) - 1
+
+
+@pytest.mark.slow
+def test_a_parked_fork_approved_by_a_person_resumes_on_another_worker(
+    client: ForkClient,
+    parent: dict[str, Any],
+    tmp_path: Path,
+    worker_process: Callable[..., WorkerProcess],
+) -> None:
+    # Given a worker process that parks a fork on a file edit, and then stops
+    steps = [step(call("w1", "write_file", path="approved.txt", content="approved")), step("wrote it")]
+    env = {"FORKQ_SCRIPT": str(write_script(tmp_path, steps)), "FORKQ_HEARTBEAT_FILE": str(tmp_path / "hb")}
+    first = worker_process(**env)
+    work = workdir(tmp_path)
+    handle = client.launch(parent_for(parent, work, "default"), FORK, approval_policy="park")
+    wait_until(lambda: handle.status().status is Status.AWAITING_APPROVAL, timeout=30, what="the fork to park")
+    assert not (work / "approved.txt").exists()
+    [parked] = [e for e in client.events(handle.fork_id) if e.type == "awaiting_approval"]
+    assert [c["call_id"] for c in parked.data["calls"]] == ["w1"]
+    first.stop()
+
+    # When a person approves the call and a second worker process starts
+    assert client.approve(handle.fork_id, "w1") == "queued"
+    second = worker_process(**env)
+    result = handle.wait(timeout=30)
+
+    # Then the second worker ran the approved call and finished the fork
+    assert result.status is Status.SUCCEEDED and result.output == "wrote it", second.log()
+    assert (work / "approved.txt").read_text() == "approved"
+    owners = [e.data["owner"] for e in client.events(handle.fork_id) if e.type == "started"]
+    assert [int(owner.split(":")[1]) for owner in owners] == [first.process.pid, second.process.pid]
+    assert first.process.poll() is not None
+
+
+def test_a_regular_subagent_runs_a_nested_subagent_whose_output_answers_its_agent_call(
+    live: Callable[..., ForkClient], parent: dict[str, Any], tmp_path: Path
+) -> None:
+    # Given workers allowing two levels, and a script whose first step calls the Agent tool
+    nested_args = {"description": "count calls", "prompt": "Count the INCR calls.", "subagent_type": "general-purpose"}
+    steps = [step(call("a1", "Agent", **nested_args)), step("report: 1 INCR call")]
+    client = live(steps, max_subagent_depth=2)
+    work = workdir(tmp_path)
+
+    # When a top-level session launches a regular subagent (depth 1)
+    handle = client.launch(parent_for(parent, work), REGULAR)
+    result = handle.wait(timeout=30)
+
+    # Then its Agent call launched a nested subagent (depth 2, no history) and got its output
+    assert result.status is Status.SUCCEEDED, result.error
+    nested_id = f"{handle.fork_id}.0.0"
+    nested = client.result(nested_id)
+    assert nested is not None and nested.status is Status.SUCCEEDED
+    record = client.inspect(nested_id)
+    assert (record["kind"], record["depth"], record["initial_messages"]) == ("spawn", 2, [])
+    assert record["task_prompt"] == "Count the INCR calls."
+    assert tool_results(journal(client.settings, handle.fork_id))["a1"] == {"output": nested.output}
+    # and the nested subagent, at the limit, was refused its own Agent call
+    assert tool_results(journal(client.settings, nested_id))["a1"]["error"].startswith(
+        "Error: Nesting depth limit reached (max 2)"
+    )
+
+
+def test_structured_output_retries_through_a_live_worker_and_fails_when_exhausted(
+    live: Callable[..., ForkClient], parent: dict[str, Any], tmp_path: Path
+) -> None:
+    # Given a script answering prose, then JSON of the wrong shape, then a valid answer
+    client = live([step("It is fixed."), step('{"fixed": true}'), step(VALID)])
+    work = workdir(tmp_path)
+    strict = {**SCHEMA, "properties": {**SCHEMA["properties"], "fixed": {"const": False}}}
+
+    # When one fork asks for SCHEMA and another for a schema no answer meets
+    ok = client.launch(parent_for(parent, work), FORK, output_schema=SCHEMA)
+    exhausted = client.launch(parent_for(parent, work), FORK, output_schema=strict)
+
+    # Then the first succeeds with the valid JSON after two feedbacks, the second fails after three tries
+    result = ok.wait(timeout=20)
+    assert result.status is Status.SUCCEEDED and json.loads(result.output or "") == json.loads(VALID)
+    assert [e.kind for e in journal(client.settings, ok.fork_id)].count("feedback") == 2
+    failed = exhausted.wait(timeout=20)
+    assert failed.status is Status.FAILED
+    assert (failed.error or "").startswith("output_schema:") and "after 3 tries" in (failed.error or "")
+
+
+def test_launch_limits_stop_a_looping_fork_through_a_live_worker(
+    live: Callable[..., ForkClient], parent: dict[str, Any], tmp_path: Path
+) -> None:
+    client = live([step(call(f"l{i}", "list_directory"), delay_s=0.4) for i in range(30)])
+    work = workdir(tmp_path)
+
+    turns = client.launch(parent_for(parent, work), FORK, max_turns=2)
+    wall = client.launch(parent_for(parent, work), FORK, max_wall_s=1.0)  # calls end at 0.4, 0.8, 1.2 s
+
+    by_turns, by_wall = turns.wait(timeout=20), wall.wait(timeout=20)
+    assert (by_turns.status, by_turns.error) == (Status.FAILED, "max_turns: stopped after 2 model calls")
+    assert by_wall.status is Status.FAILED and (by_wall.error or "").startswith("wall_clock:")
+    assert by_wall.usage.model_calls == 3
+
+
+def test_a_fork_cancelled_during_its_model_call_runs_none_of_that_responses_tools(
+    live: Callable[..., ForkClient], parent: dict[str, Any], tmp_path: Path, finished: dict[str, Any]
+) -> None:
+    # Given a fork whose first model call takes 1.5 s and asks for a file edit and a shell command
+    slow = step(
+        call("w1", "write_file", path="edited.txt", content="x"),
+        call("s1", "run_shell_command", command="touch shell.txt"),
+        delay_s=1.5,
+    )
+    client = live([slow, step("done")])
+    work = workdir(tmp_path)
+    handle = client.launch(parent_for(parent, work), FORK)
+    wait_until(lambda: any(e.type == "model_call" for e in handle.events()), what="the model call to start")
+
+    # When it is cancelled while the call is in flight
+    assert handle.cancel() is Status.CANCELLED
+    wait_until(lambda: f"{handle.fork_id}.1" in finished, what="the worker to finish the delivery")
+
+    # Then the response was never recorded, no tool started, nothing happened, and the fork stays cancelled
+    assert finished[f"{handle.fork_id}.1"] == "lease_lost"
+    assert [e.kind for e in journal(client.settings, handle.fork_id)] == ["surface"]
+    assert not (work / "edited.txt").exists() and not (work / "shell.txt").exists()
+    assert handle.status().status is Status.CANCELLED
+    result = client.result(handle.fork_id)
+    assert result is not None and result.status is Status.CANCELLED
+
+
+def process_alive(pid: int) -> bool:
+    """A process exists and is not a zombie (a killed orphan may wait for a reaper that never comes)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_a_fork_cancelled_during_a_shell_command_kills_it_and_does_nothing_more(
+    live: Callable[..., ForkClient], parent: dict[str, Any], tmp_path: Path, finished: dict[str, Any]
+) -> None:
+    # Given a worker with a fast heartbeat, and a fork running a 30 s shell command, then an edit
+    command = "sleep 30 & echo $! > sleep.pid; touch started; wait; touch after.txt"
+    steps = [
+        step(call("s1", "run_shell_command", command=command, timeout_s=60)),
+        step(call("w1", "write_file", path="next.txt", content="x")),
+    ]
+    client = live(steps, heartbeat_s=0.5, lease_ttl_s=2)
+    work = workdir(tmp_path)
+    handle = client.launch(parent_for(parent, work), FORK)
+    wait_until(lambda: (work / "started").exists() and (work / "sleep.pid").stat().st_size > 0, what="the command")
+    sleeper = int((work / "sleep.pid").read_text())
+    assert process_alive(sleeper)
+
+    # When the fork is cancelled
+    began = time.monotonic()
+    assert handle.cancel() is Status.CANCELLED
+
+    # Then the heartbeat notices, the command's process group is killed long before its 30 s
+    wait_until(lambda: not process_alive(sleeper), timeout=10, what="the shell's process group to be killed")
+    assert time.monotonic() - began < 5
+    wait_until(lambda: f"{handle.fork_id}.1" in finished, what="the worker to finish the delivery")
+    # and nothing more happened: the command did not go on, the next step was never asked for or run
+    assert finished[f"{handle.fork_id}.1"] == "lease_lost"
+    assert not (work / "after.txt").exists() and not (work / "next.txt").exists()
+    entries = journal(client.settings, handle.fork_id)
+    assert [e.kind for e in entries] == ["surface", "model", "tool_started"]
+    assert handle.status().status is Status.CANCELLED
+
+
+def test_the_parent_is_notified_of_only_the_final_output_with_escaped_fields(
+    live: Callable[..., ForkClient],
+    parent: dict[str, Any],
+    tmp_path: Path,
+    forkq_env: Settings,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Given a fork that lists a directory, thinks aloud, and ends without any visible text
+    steps = [step(call("l1", "list_directory")), step({"text": "<private & thoughtful>", "thought": True})]
+    client = live(steps)
+    work = workdir(tmp_path)
+    handle = client.launch(parent_for(parent, work), {**FORK, "description": 'check <limits> & "quotas"'})
+    result = handle.wait(timeout=20)
+    assert result.status is Status.SUCCEEDED
+
+    # When the parent asks for its notification, from Python and from the CLI
+    notification = client.notification(handle.fork_id)
+    assert main(["result", handle.fork_id, "--notification"]) == 0
+
+    # Then it is the same text: the escaped description, the no-output text, the usage; never the work
+    assert capsys.readouterr().out.strip() == notification
+    assert f"<task-id>{handle.fork_id}</task-id>" in notification
+    assert "<status>completed</status>" in notification
+    assert '<summary>Agent "check &lt;limits&gt; &amp; "quotas"" completed</summary>' in notification
+    assert f"<result>{NO_OUTPUT}</result>" in notification
+    assert "<tool_uses>1</tool_uses>" in notification
+    assert "thoughtful" not in notification and "notes.txt" not in notification
+
+
+def test_only_the_final_answer_and_usage_are_in_the_result(
+    live: Callable[..., ForkClient], parent: dict[str, Any], tmp_path: Path
+) -> None:
+    client = live([step("Reading first.", call("r1", "read_file", path="notes.txt")), step("final answer")])
+    work = workdir(tmp_path)
+
+    result = client.launch(parent_for(parent, work), FORK).wait(timeout=20)
+
+    assert result.output == "final answer"
+    assert result.usage.tool_uses == 1 and result.usage.model_calls == 2
+    assert result.usage.total_tokens == result.usage.input_tokens + result.usage.output_tokens > 0
+    assert result.usage.duration_ms > 0
+
+
+def test_replaying_a_denied_journal_rebuilds_the_denial_the_model_read(tmp_path: Path) -> None:
+    # Given a loop parked on a shell command, and a person's denial appended to its journal
+    steps = [step(call("s1", "run_shell_command", command="touch shell.txt")), step("ok")]
+    first = child_loop(tmp_path, steps, mode="default", options={"approval_policy": "park"})
+    with pytest.raises(Parked):
+        first.loop.run()
+    entries = [
+        *first.entries,
+        JournalEntry(
+            seq=len(first.entries), step=0, kind="approval", call_index=0, call_id="s1", decision="deny", reason="no"
+        ),
+    ]
+
+    # When a revived loop runs from that journal
+    second = child_loop(tmp_path, steps, mode="default", options={"approval_policy": "park"}, entries=entries)
+    second.journal.entries = list(entries)
+    result = second.loop.run()
+
+    # Then the denial answered the call, nothing ran, and a replay rebuilds the same messages
+    assert result.status is Status.SUCCEEDED and not (second.work / "shell.txt").exists()
+    assert "denied by the user: no" in tool_results(second.entries)["s1"]["error"]
+    state = replay(ForkSeed(initial_messages=[], task_prompt="Begin."), second.entries)
+    assert state.messages[:-1] == second.provider.requests[-1].messages

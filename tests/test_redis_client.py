@@ -1,0 +1,189 @@
+"""redis_client: FORKQ_REDIS_URL direct or through a real Redis Sentinel; a broker found by Sentinel runs forks."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+from celery.worker import WorkController
+from redis.sentinel import MasterNotFoundError
+
+from broker_config.redis_client import redis_client
+from broker_config.settings import Settings
+from workers.app import make_app
+from workers.client import ForkClient
+from workers.keys import Keys
+from workers.records import Status
+from workers.redis_server import RedisServer
+
+FORK = {"description": "d", "prompt": "Summarise the session.", "subagent_type": "fork", "fork_turns": "1"}
+
+
+@dataclass
+class SentinelNode:
+    """A `redis-server --sentinel` process watching one primary under the name `master`."""
+
+    port: int
+    master: str
+    process: subprocess.Popen[bytes]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+@pytest.fixture
+def start_sentinel(redis_executable: str, tmp_path: Path) -> Iterator[Callable[..., SentinelNode]]:
+    """Start Sentinel nodes (stopped after the test) that watch a primary on 127.0.0.1."""
+    nodes: list[SentinelNode] = []
+
+    def start(
+        primary_port: int, *, master: str = "forkq-primary", auth_pass: str = "", requirepass: str = ""
+    ) -> SentinelNode:
+        port = free_port()
+        config = tmp_path / f"sentinel-{port}.conf"  # Sentinel rewrites its config file: one per node
+        lines = [
+            "bind 127.0.0.1",
+            f"port {port}",
+            f"dir {tmp_path}",
+            f"sentinel monitor {master} 127.0.0.1 {primary_port} 1",
+        ]
+        lines += [f"sentinel auth-pass {master} {auth_pass}"] if auth_pass else []
+        lines += [f"requirepass {requirepass}"] if requirepass else []
+        config.write_text("\n".join(lines) + "\n")
+        log = (tmp_path / f"sentinel-{port}.log").open("wb")
+        process = subprocess.Popen([redis_executable, str(config), "--sentinel"], stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        node = SentinelNode(port, master, process)
+        nodes.append(node)
+        with redis.Redis(port=port, password=requirepass or None, socket_timeout=1) as probe:
+            deadline = time.monotonic() + 10
+            while True:
+                try:
+                    if probe.execute_command("SENTINEL", "GET-MASTER-ADDR-BY-NAME", master):
+                        return node
+                except redis.ConnectionError:
+                    pass
+                if process.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(
+                        f"Sentinel on port {port} did not start: {(tmp_path / f'sentinel-{port}.log').read_text()}"
+                    )
+                time.sleep(0.02)
+
+    yield start
+    for node in nodes:
+        node.process.terminate()
+        node.process.wait(10)
+
+
+def test_a_plain_redis_url_is_opened_with_the_given_options(redis_url: str) -> None:
+    with redis_client(Settings(redis_url=redis_url), socket_timeout=2) as client:
+        assert client.ping()
+        assert client.connection_pool.connection_kwargs["socket_timeout"] == 2
+
+
+def test_a_sentinel_url_reaches_the_primary_that_sentinel_names(
+    fresh_redis: RedisServer, start_sentinel: Callable[..., SentinelNode]
+) -> None:
+    # Given a password-protected primary, watched by two Sentinel nodes under a custom master name
+    assert fresh_redis.port is not None
+    with redis.Redis.from_url(fresh_redis.url) as admin:
+        admin.config_set("requirepass", "pa55-word")
+    first = start_sentinel(fresh_redis.port, auth_pass="pa55-word")
+    second = start_sentinel(fresh_redis.port, auth_pass="pa55-word")
+    url = f"sentinel://:pa55-word@127.0.0.1:{first.port}/2;sentinel://:pa55-word@127.0.0.1:{second.port}/2"
+    settings = Settings(redis_url=url, sentinel_master=first.master)
+
+    # When forkq's Redis client writes through the sentinel:// URL
+    with redis_client(settings, socket_timeout=3) as client:
+        client.set("forkq-sentinel-probe", "yes")
+
+    # Then the write landed on the primary, in the URL's database, with the URL's password
+    direct = f"redis://:pa55-word@127.0.0.1:{fresh_redis.port}/2"
+    with redis.Redis.from_url(direct) as primary:
+        assert primary.get("forkq-sentinel-probe") == b"yes"
+
+
+def test_sentinel_nodes_that_require_a_password_get_forkq_sentinel_password(
+    redis_server: RedisServer, redis_url: str, start_sentinel: Callable[..., SentinelNode]
+) -> None:
+    node = start_sentinel(redis_server.port, requirepass="sentinel-pw")
+    url = f"sentinel://127.0.0.1:{node.port}/0"
+
+    with redis_client(Settings(redis_url=url, sentinel_master=node.master, sentinel_password="sentinel-pw")) as client:
+        assert client.ping()
+    with (
+        redis_client(Settings(redis_url=url, sentinel_master=node.master)) as client,
+        pytest.raises(MasterNotFoundError, match="AuthenticationError"),
+    ):
+        client.ping()
+
+
+def test_a_fork_runs_through_a_broker_found_by_sentinel(
+    redis_server: RedisServer,
+    make_settings: Callable[..., Settings],
+    start_sentinel: Callable[..., SentinelNode],
+    start_live_worker: Callable[[Celery], WorkController],
+    parent: dict[str, Any],
+) -> None:
+    # Given a broker URL that lists Sentinel nodes instead of Redis (the second one down: nodes are
+    # asked in order, so a node that is down first costs each new connection its retries)
+    node = start_sentinel(redis_server.port)
+    broker = f"sentinel://127.0.0.1:{node.port}/0;sentinel://127.0.0.1:{free_port()}/0"
+    settings = make_settings(broker_url=broker, sentinel_master=node.master)
+    app = make_app(settings)
+
+    # When a fork is launched and a worker consumes the queue
+    try:
+        with ForkClient(settings, app=app) as client:
+            handle = client.launch(parent, FORK)
+            start_live_worker(app)
+            status = handle.wait(timeout=15).status
+    finally:
+        app.close()
+
+    # Then the job went through the primary Sentinel named, and the fork ran
+    assert app.conf.broker_transport_options["master_name"] == node.master
+    assert status is Status.SUCCEEDED
+
+
+def test_records_and_broker_both_found_by_sentinel_run_a_fork_end_to_end(
+    redis_server: RedisServer,
+    make_settings: Callable[..., Settings],
+    start_sentinel: Callable[..., SentinelNode],
+    start_live_worker: Callable[[Celery], WorkController],
+    parent: dict[str, Any],
+) -> None:
+    # Given FORKQ_REDIS_URL and the broker both as Sentinel URLs (one URL serves both, as in deploy/)
+    node = start_sentinel(redis_server.port)
+    url = f"sentinel://127.0.0.1:{node.port}/0"
+    settings = make_settings(redis_url=url, broker_url=url, sentinel_master=node.master)
+    app = make_app(settings)
+
+    # When a fork is launched through the client and run by a worker, both on Sentinel-found clients
+    try:
+        with ForkClient(settings, app=app) as client:
+            handle = client.launch(parent, FORK)
+            start_live_worker(app)
+            result = handle.wait(timeout=15)
+            record = client.inspect(handle.fork_id)
+    finally:
+        app.close()
+
+    # Then the fork ran, and its records are on the primary that Sentinel names
+    assert result.status is Status.SUCCEEDED, result.error
+    assert record["fork_id"] == handle.fork_id
+    with redis.Redis(port=redis_server.port) as primary:
+        assert primary.exists(Keys(settings.namespace).bootstrap(handle.fork_id)) == 1

@@ -1,0 +1,641 @@
+"""The tool registry and the built-in coding tools, run through `ToolRegistry.run` as the child loop runs them.
+
+Every test uses its own `tmp_path` as the fork's working directory (`work/`), with a sibling
+`outside/` directory the tools must never reach. Shell tests run real bash processes and check
+through /proc that the processes a command started are really gone.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from workers import builtin_tools
+from workers.errors import ConfigurationError
+from workers.messages import FunctionCall
+from workers.tools import ENTRY_POINT_GROUP, Tool, ToolContext, ToolError, ToolRegistry, load_tools, resolve_inside
+from workers.tools import builtin_tools as make_builtin_registry
+
+# ── helpers ────────────────────────────────────────────────────────────────────────────────────
+
+
+@pytest.fixture
+def work(tmp_path: Path) -> Path:
+    """The fork's working directory; `tmp_path/outside` holds a secret beside it."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret.txt").write_text("secret: the key is 42\n", encoding="utf-8")
+    cwd = tmp_path / "work"
+    cwd.mkdir()
+    return cwd
+
+
+@pytest.fixture
+def registry() -> ToolRegistry:
+    return make_builtin_registry()
+
+
+def context(cwd: Path, cancelled: Callable[[], bool] | None = None) -> ToolContext:
+    ctx = ToolContext(fork_id="f-tools", cwd=cwd, call_id="c1", idempotency_key="f-tools:0:c1")
+    if cancelled is None:
+        return ctx
+    return ToolContext(
+        fork_id=ctx.fork_id, cwd=cwd, call_id=ctx.call_id, idempotency_key=ctx.idempotency_key, cancelled=cancelled
+    )
+
+
+def run(registry: ToolRegistry, cwd: Path, name: str, **args: Any) -> dict[str, Any]:
+    return registry.run(FunctionCall(id="c1", name=name, args=args), context(cwd))
+
+
+def output(response: dict[str, Any]) -> str:
+    assert "error" not in response, response
+    text = response["output"]
+    assert isinstance(text, str)
+    return text
+
+
+def error(response: dict[str, Any]) -> str:
+    assert "output" not in response, response
+    text = response["error"]
+    assert isinstance(text, str)
+    return text
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` is a running process (a zombie waiting for its reaper counts as gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def all_gone(pids: list[int], within_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while any(alive(pid) for pid in pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def pids_in(text: str) -> list[int]:
+    return [int(found) for found in re.findall(r"pid=(\d+)", text)]
+
+
+# ── the registry ───────────────────────────────────────────────────────────────────────────────
+
+
+def test_the_builtins_are_declared_with_their_flags(registry: ToolRegistry) -> None:
+    flags = {name: (t.mutating, t.idempotent, t.edit) for name, t in registry.tools.items()}
+    assert flags == {
+        "read_file": (False, True, False),
+        "list_directory": (False, True, False),
+        "glob": (False, True, False),
+        "grep_search": (False, True, False),
+        "write_file": (True, True, True),
+        "edit": (True, False, True),
+        "run_shell_command": (True, False, False),
+    }
+    for tool in registry.tools.values():
+        declaration = tool.declaration
+        assert declaration["name"] == tool.name and declaration["description"]
+        assert declaration["parameters"]["additionalProperties"] is False
+
+
+def test_a_tool_context_is_never_cancelled_by_default(work: Path) -> None:
+    assert context(work).cancelled() is False
+
+
+def test_an_unknown_tool_is_answered_with_the_available_ones(registry: ToolRegistry, work: Path) -> None:
+    message = error(run(registry, work, "rm_rf"))
+    assert "'rm_rf' is not available" in message and "read_file" in message
+
+
+def recording_tool(calls: list[Mapping[str, Any]], parameters: Mapping[str, Any]) -> Tool:
+    def handler(args: Mapping[str, Any], ctx: ToolContext) -> str:
+        calls.append(args)
+        return "ran"
+
+    return Tool("record", "Records its arguments.", parameters, handler)
+
+
+STRICT = {
+    "type": "object",
+    "properties": {"path": {"type": "string"}, "count": {"type": "integer", "minimum": 1}},
+    "required": ["path"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        ({}, "'path' is a required property"),
+        ({"path": 3}, "argument 'path': 3 is not of type 'string'"),
+        ({"path": "a", "count": "two"}, "argument 'count': 'two' is not of type 'integer'"),
+        ({"path": "a", "count": 0}, "argument 'count': 0 is less than the minimum of 1"),
+        ({"path": "a", "file_path": "b"}, "('file_path' was unexpected)"),
+    ],
+)
+def test_arguments_breaking_the_schema_are_refused_before_the_handler_runs(
+    work: Path, args: dict[str, Any], expected: str
+) -> None:
+    calls: list[Mapping[str, Any]] = []
+    registry = ToolRegistry()
+    registry.register(recording_tool(calls, STRICT))
+    message = error(run(registry, work, "record", **args))
+    assert expected in message
+    assert "Nothing was run" in message and "path (string, required), count (integer)" in message
+    assert calls == []
+
+
+def test_valid_arguments_reach_the_handler(work: Path) -> None:
+    calls: list[Mapping[str, Any]] = []
+    registry = ToolRegistry()
+    registry.register(recording_tool(calls, STRICT))
+    assert run(registry, work, "record", path="a", count=2) == {"output": "ran"}
+    assert calls == [{"path": "a", "count": 2}]
+
+
+def test_a_huge_bad_argument_is_clipped_in_the_error(work: Path) -> None:
+    registry = ToolRegistry()
+    registry.register(recording_tool([], {"type": "object", "properties": {"n": {"type": "integer"}}}))
+    message = error(run(registry, work, "record", n="x" * 100_000))
+    assert len(message) < 1000 and "…" in message
+
+
+def test_a_schema_that_is_not_json_schema_is_refused_at_registration() -> None:
+    bad = recording_tool([], {"type": "object", "properties": {"n": {"type": "integr"}}})
+    with pytest.raises(ConfigurationError, match="'record': its parameters are not a valid JSON schema") as caught:
+        ToolRegistry().register(bad)
+    assert caught.value.field == "record"
+
+
+def test_the_declared_schema_draft_is_the_one_validated_against(work: Path) -> None:
+    # draft-04's boolean exclusiveMinimum is invalid in 2020-12: registering proves the draft was honoured
+    draft4 = {
+        "$schema": "http://json-schema.org/draft-04/schema#",
+        "type": "object",
+        "properties": {"n": {"type": "number", "minimum": 0, "exclusiveMinimum": True}},
+    }
+    registry = ToolRegistry()
+    registry.register(recording_tool([], draft4))
+    assert "less than or equal to the minimum of 0" in error(run(registry, work, "record", n=0))
+    assert run(registry, work, "record", n=1) == {"output": "ran"}
+
+
+def test_a_tool_put_into_the_dict_directly_is_still_validated(work: Path) -> None:
+    calls: list[Mapping[str, Any]] = []
+    registry = ToolRegistry()
+    registry.tools["record"] = recording_tool(calls, STRICT)
+    assert "'path' is a required property" in error(run(registry, work, "record"))
+    assert calls == []
+
+
+def test_handler_failures_become_error_responses(work: Path) -> None:
+    def refuse(args: Mapping[str, Any], ctx: ToolContext) -> str:
+        raise ToolError("refused: reason given")
+
+    def crash(args: Mapping[str, Any], ctx: ToolContext) -> str:
+        raise KeyError("boom")
+
+    registry = ToolRegistry()
+    registry.register(Tool("refuse", "Refuses.", {"type": "object"}, refuse))
+    registry.register(Tool("crash", "Crashes.", {"type": "object"}, crash))
+    assert run(registry, work, "refuse") == {"error": "refused: reason given"}
+    assert error(run(registry, work, "crash")) == "tool 'crash' failed: KeyError: 'boom'"
+
+
+PLUGIN = """
+from workers.tools import Tool
+
+def _effect(args, ctx):
+    with open(args["target"], "a", encoding="utf-8") as out:
+        out.write("ran\\n")
+    return "effect"
+
+SCHEMA = {"type": "object", "properties": {"target": {"type": "string"}}, "required": ["target"],
+          "additionalProperties": False}
+
+def tools():
+    return [Tool("plugin_effect", "Appends a line.", SCHEMA, _effect, mutating=True)]
+
+BROKEN = Tool("plugin_broken", "Bad schema.", {"type": "objekt"}, _effect)
+"""
+
+
+def test_entry_point_tools_are_loaded_and_validated_like_builtins(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Given: an installed distribution declaring a good and a broken tool in the forkq.tools group
+    module = f"forkq_plugin_{uuid.uuid4().hex}"
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / f"{module}.py").write_text(PLUGIN, encoding="utf-8")
+    dist = site / f"{module}-0.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {module}\nVersion: 0.0\n", encoding="utf-8")
+    entries = f"[{ENTRY_POINT_GROUP}]\ngood = {module}:tools\nbroken = {module}:BROKEN\n"
+    (dist / "entry_points.txt").write_text(entries, encoding="utf-8")
+    monkeypatch.syspath_prepend(str(site))
+    target = tmp_path / "effects.txt"
+
+    # When: the worker loads its tools
+    with caplog.at_level(logging.ERROR, logger="forkq.tools"):
+        registry = load_tools()
+
+    # Then: the good tool is there beside the built-ins, validated; the broken one was logged and skipped
+    assert {"plugin_effect", "read_file", "run_shell_command"} <= set(registry.tools)
+    assert "plugin_broken" not in registry.tools
+    assert "plugin_broken" in caplog.text and "not a valid JSON schema" in caplog.text
+    assert "'target' is a required property" in error(run(registry, tmp_path, "plugin_effect"))
+    assert "was unexpected" in error(run(registry, tmp_path, "plugin_effect", target=str(target), extra=1))
+    assert not target.exists()
+    assert run(registry, tmp_path, "plugin_effect", target=str(target)) == {"output": "effect"}
+    assert target.read_text(encoding="utf-8") == "ran\n"
+
+
+# ── confinement to the working directory ───────────────────────────────────────────────────────
+
+ESCAPES = ["dotdot", "absolute", "symlink"]
+
+
+def escape_path(work: Path, kind: str, leaf: str) -> str:
+    """A path naming `outside/<leaf>` by `..`, as an absolute path, or through a symlink inside `work`."""
+    outside = work.parent / "outside"
+    if kind == "dotdot":
+        return f"../outside/{leaf}".rstrip("/")
+    if kind == "absolute":
+        return str(outside / leaf).rstrip("/")
+    (work / "link").symlink_to(outside, target_is_directory=True)
+    return f"link/{leaf}".rstrip("/")
+
+
+ESCAPE_CALLS: dict[str, Callable[[str], dict[str, Any]]] = {
+    "read_file": lambda p: {"path": f"{p}/secret.txt"},
+    "list_directory": lambda p: {"path": p},
+    "glob": lambda p: {"pattern": "*", "path": p},
+    "grep_search": lambda p: {"pattern": "secret", "path": p},
+    "write_file": lambda p: {"path": f"{p}/secret.txt", "content": "overwritten"},
+    "edit": lambda p: {"path": f"{p}/secret.txt", "old_string": "42", "new_string": "43"},
+}
+
+
+@pytest.mark.parametrize("kind", ESCAPES)
+@pytest.mark.parametrize("tool", sorted(ESCAPE_CALLS))
+def test_path_taking_tools_refuse_paths_outside_the_working_directory(
+    registry: ToolRegistry, work: Path, tool: str, kind: str
+) -> None:
+    args = ESCAPE_CALLS[tool](escape_path(work, kind, ""))
+    message = error(run(registry, work, tool, **args))
+    assert "is outside the working directory" in message and "use a path inside it" in message
+    assert (work.parent / "outside" / "secret.txt").read_text(encoding="utf-8") == "secret: the key is 42\n"
+
+
+@pytest.mark.parametrize("tool", ["write_file", "edit"])
+def test_writes_through_a_dangling_symlink_out_are_refused(registry: ToolRegistry, work: Path, tool: str) -> None:
+    (work / "new.txt").symlink_to(work.parent / "outside" / "created.txt")
+    args = {"path": "new.txt", "content": "x"} if tool == "write_file" else {"path": "new.txt"}
+    if tool == "edit":
+        args |= {"old_string": "a", "new_string": "b"}
+    assert "outside the working directory" in error(run(registry, work, tool, **args))
+    assert not (work.parent / "outside" / "created.txt").exists()
+
+
+def test_glob_and_grep_skip_symlinks_that_point_out(registry: ToolRegistry, work: Path) -> None:
+    (work / "link").symlink_to(work.parent / "outside", target_is_directory=True)
+    (work / "leak.txt").symlink_to(work.parent / "outside" / "secret.txt")
+    (work / "own.txt").write_text("secret of our own\n", encoding="utf-8")
+    assert output(run(registry, work, "glob", pattern="*/*.txt")).startswith("no paths match")
+    assert output(run(registry, work, "glob", pattern="*.txt")) == "own.txt"
+    assert output(run(registry, work, "grep_search", pattern="secret")) == "own.txt:1:secret of our own"
+
+
+def test_an_absolute_path_inside_the_working_directory_is_accepted(registry: ToolRegistry, work: Path) -> None:
+    (work / "a.txt").write_text("hello\n", encoding="utf-8")
+    assert output(run(registry, work, "read_file", path=str(work / "a.txt"))) == "hello\n"
+
+
+def test_resolve_inside_refuses_an_unresolvable_path(work: Path) -> None:
+    with pytest.raises(ToolError, match="cannot be resolved"):
+        resolve_inside(work, "bad\0name")
+
+
+# ── read_file and list_directory ───────────────────────────────────────────────────────────────
+
+
+def test_read_file_returns_the_text_and_pages_with_offset_and_limit(registry: ToolRegistry, work: Path) -> None:
+    (work / "lines.txt").write_text("".join(f"line {n}\n" for n in range(1, 11)), encoding="utf-8")
+    assert output(run(registry, work, "read_file", path="lines.txt")).count("\n") == 10
+    page = output(run(registry, work, "read_file", path="lines.txt", offset=2, limit=3))
+    assert page == (
+        "line 3\nline 4\nline 5\n[... truncated: showing lines 3-5; call read_file with offset=5 to read on ...]"
+    )
+    assert output(run(registry, work, "read_file", path="lines.txt", offset=8)) == "line 9\nline 10\n"
+
+
+def test_read_file_explains_missing_files_directories_binaries_and_offsets(registry: ToolRegistry, work: Path) -> None:
+    (work / "dir").mkdir()
+    (work / "blob.bin").write_bytes(b"\x89PNG\0\0\0")
+    (work / "short.txt").write_text("one\ntwo\n", encoding="utf-8")
+    (work / "empty.txt").write_text("", encoding="utf-8")
+    assert "does not exist; use glob" in error(run(registry, work, "read_file", path="nope.txt"))
+    assert "is a directory, not a file" in error(run(registry, work, "read_file", path="dir"))
+    assert "is a binary file" in error(run(registry, work, "read_file", path="blob.bin"))
+    assert "past the end of 'short.txt', which has 2 lines" in error(
+        run(registry, work, "read_file", path="short.txt", offset=5)
+    )
+    assert output(run(registry, work, "read_file", path="empty.txt")) == "(empty file)"
+    assert "maximum of 2000" in error(run(registry, work, "read_file", path="short.txt", limit=10_000))
+
+
+def test_read_file_is_bounded_in_characters_and_clips_long_lines(registry: ToolRegistry, work: Path) -> None:
+    (work / "wide.txt").write_text("x" * 5000 + "\nshort\n", encoding="utf-8")
+    text = output(run(registry, work, "read_file", path="wide.txt"))
+    assert text == "x" * 2000 + "[... line truncated: 3000 chars omitted ...]\nshort\n"
+    (work / "big.txt").write_text(("y" * 1999 + "\n") * 1000, encoding="utf-8")  # 2 MB in 1000 lines
+    page = output(run(registry, work, "read_file", path="big.txt"))
+    assert len(page) <= builtin_tools.READ_MAX_CHARS + 2100
+    assert "call read_file with offset=" in page
+
+
+def test_list_directory_sorts_entries_and_marks_directories(registry: ToolRegistry, work: Path) -> None:
+    (work / "b.txt").write_text("", encoding="utf-8")
+    (work / "a").mkdir()
+    (work / "c.py").write_text("", encoding="utf-8")
+    (work / "a" / "inner.txt").write_text("", encoding="utf-8")
+    assert output(run(registry, work, "list_directory")) == "a/\nb.txt\nc.py"
+    assert output(run(registry, work, "list_directory", path="a")) == "inner.txt"
+    (work / "empty").mkdir()
+    assert output(run(registry, work, "list_directory", path="empty")) == "(directory 'empty' is empty)"
+    assert "is not a directory" in error(run(registry, work, "list_directory", path="b.txt"))
+
+
+def test_list_directory_is_bounded(registry: ToolRegistry, work: Path) -> None:
+    for n in range(builtin_tools.LIST_MAX_ENTRIES + 7):
+        (work / f"f{n:05}").touch()
+    listing = output(run(registry, work, "list_directory"))
+    assert listing.count("\n") == builtin_tools.LIST_MAX_ENTRIES
+    assert listing.endswith("[... 7 more not shown; list a subdirectory, or use glob with a narrower pattern ...]")
+
+
+# ── glob and grep_search ───────────────────────────────────────────────────────────────────────
+
+
+def source_tree(work: Path) -> None:
+    files = {
+        "src/app.py": "import os\ndef main():\n    return os.getcwd()\n",
+        "src/util.py": "def helper():\n    return 1\n",
+        "src/web/page.ts": "export const main = 1;\n",
+        "src/web/view.tsx": "export function main() {}\n",
+        "README.md": "call main() to start\n",
+        ".git/config": "def main in git internals\n",
+    }
+    for name, text in files.items():
+        (work / name).parent.mkdir(parents=True, exist_ok=True)
+        (work / name).write_text(text, encoding="utf-8")
+    (work / "src" / "logo.bin").write_bytes(b"def main\0binary")
+
+
+def test_glob_returns_sorted_paths_relative_to_the_working_directory(registry: ToolRegistry, work: Path) -> None:
+    source_tree(work)
+    assert output(run(registry, work, "glob", pattern="**/*.py")) == "src/app.py\nsrc/util.py"
+    assert output(run(registry, work, "glob", pattern="*.{ts,tsx}", path="src/web")) == (
+        "src/web/page.ts\nsrc/web/view.tsx"
+    )
+    assert output(run(registry, work, "glob", pattern="src/*")) == "src/app.py\nsrc/logo.bin\nsrc/util.py\nsrc/web/"
+    assert ".git" not in output(run(registry, work, "glob", pattern="**/*"))
+    assert output(run(registry, work, "glob", pattern="*.rs")) == "no paths match '*.rs' under '.'"
+
+
+def test_glob_refuses_absolute_and_parent_patterns(registry: ToolRegistry, work: Path) -> None:
+    for pattern in ["../outside/*", "/etc/*", "src/../../outside/*"]:
+        assert "must be relative and without '..'" in error(run(registry, work, "glob", pattern=pattern))
+
+
+def test_glob_results_are_bounded(registry: ToolRegistry, work: Path) -> None:
+    for n in range(builtin_tools.GLOB_MAX_RESULTS + 3):
+        (work / f"m{n:05}.txt").touch()
+    listing = output(run(registry, work, "glob", pattern="*.txt"))
+    assert listing.splitlines()[0] == "m00000.txt"
+    assert listing.endswith("[... 3 more not shown; use a narrower pattern or path ...]")
+
+
+def test_grep_search_prints_path_line_text_and_skips_binaries_and_git(registry: ToolRegistry, work: Path) -> None:
+    source_tree(work)
+    assert output(run(registry, work, "grep_search", pattern=r"def \w+\(")).splitlines() == [
+        "src/app.py:2:def main():",
+        "src/util.py:1:def helper():",
+    ]
+
+
+def test_grep_search_include_filters_file_names(registry: ToolRegistry, work: Path) -> None:
+    source_tree(work)
+    assert output(run(registry, work, "grep_search", pattern="main", include="*.tsx")) == (
+        "src/web/view.tsx:1:export function main() {}"
+    )
+    assert output(run(registry, work, "grep_search", pattern="main", include="*.{ts,md}")).splitlines() == [
+        "README.md:1:call main() to start",
+        "src/web/page.ts:1:export const main = 1;",
+    ]
+    # with a '/', include is matched against the path below the searched directory
+    assert output(run(registry, work, "grep_search", pattern="main", path="src", include="web/*")).splitlines() == [
+        "src/web/page.ts:1:export const main = 1;",
+        "src/web/view.tsx:1:export function main() {}",
+    ]
+
+
+def test_grep_search_searches_one_file_or_says_nothing_matched(registry: ToolRegistry, work: Path) -> None:
+    source_tree(work)
+    assert output(run(registry, work, "grep_search", pattern="(?i)RETURN", path="src/util.py")) == (
+        "src/util.py:2:    return 1"
+    )
+    assert output(run(registry, work, "grep_search", pattern="zebra", include="*.py")) == (
+        "no matches for 'zebra' under '.' in files matching '*.py'"
+    )
+    assert "does not exist" in error(run(registry, work, "grep_search", pattern="x", path="nope"))
+
+
+def test_grep_search_explains_an_invalid_regular_expression(registry: ToolRegistry, work: Path) -> None:
+    assert "not a valid Python regular expression" in error(run(registry, work, "grep_search", pattern="(unclosed"))
+
+
+def test_grep_search_is_bounded(registry: ToolRegistry, work: Path) -> None:
+    (work / "many.txt").write_text("hit " + "z" * 1000 + "\n" * 1 + "hit\n" * 600, encoding="utf-8")
+    lines = output(run(registry, work, "grep_search", pattern="hit")).splitlines()
+    assert len(lines) == builtin_tools.GREP_MAX_MATCHES + 1
+    assert lines[0].endswith("[... line truncated: 504 chars omitted ...]")
+    assert lines[-1] == "[... stopped after 500 matches; narrow the pattern, path or include ...]"
+
+
+# ── write_file and edit ────────────────────────────────────────────────────────────────────────
+
+
+def test_write_file_creates_parent_directories_and_overwrites(registry: ToolRegistry, work: Path) -> None:
+    assert output(run(registry, work, "write_file", path="a/b/c.txt", content="one\n")) == "created a/b/c.txt (4 bytes)"
+    assert output(run(registry, work, "write_file", path="a/b/c.txt", content="two\n")) == (
+        "overwrote a/b/c.txt (4 bytes)"
+    )
+    assert (work / "a" / "b" / "c.txt").read_text(encoding="utf-8") == "two\n"
+
+
+def test_write_file_twice_with_the_same_content_is_the_same_file(registry: ToolRegistry, work: Path) -> None:
+    for _ in range(2):
+        output(run(registry, work, "write_file", path="x.txt", content="même contenu\r\n"))
+    assert (work / "x.txt").read_bytes() == "même contenu\r\n".encode()
+
+
+def test_write_file_refuses_a_directory_and_missing_content(registry: ToolRegistry, work: Path) -> None:
+    (work / "d").mkdir()
+    assert "is a directory" in error(run(registry, work, "write_file", path="d", content="x"))
+    assert "'content' is a required property" in error(run(registry, work, "write_file", path="new.txt"))
+    assert not (work / "new.txt").exists()
+
+
+def test_edit_replaces_the_one_exact_occurrence(registry: ToolRegistry, work: Path) -> None:
+    (work / "m.py").write_text("a = 1\nb = 2\nc = 3\n", encoding="utf-8")
+    result = output(run(registry, work, "edit", path="m.py", old_string="b = 2\n", new_string="b = 20\n"))
+    assert result == "edited m.py: replaced 1 occurrence at line 2"
+    assert (work / "m.py").read_text(encoding="utf-8") == "a = 1\nb = 20\nc = 3\n"
+
+
+def test_edit_with_no_match_says_to_copy_the_exact_text(registry: ToolRegistry, work: Path) -> None:
+    (work / "m.py").write_text("def f():\n    return 1\n", encoding="utf-8")
+    message = error(run(registry, work, "edit", path="m.py", old_string="def f():\n  return 1", new_string="x"))
+    assert "old_string was not found in 'm.py'" in message and "including whitespace and indentation" in message
+    assert (work / "m.py").read_text(encoding="utf-8") == "def f():\n    return 1\n"
+
+
+def test_edit_with_several_matches_says_to_include_more_context(registry: ToolRegistry, work: Path) -> None:
+    (work / "m.py").write_text("x = 0\ny = 1\nx = 0\n", encoding="utf-8")
+    message = error(run(registry, work, "edit", path="m.py", old_string="x = 0", new_string="x = 9"))
+    assert "occurs 2 times in 'm.py' (starting at lines 1, 3)" in message
+    assert "Include more surrounding context" in message
+    (work / "o.txt").write_text("aaa", encoding="utf-8")  # overlapping occurrences are ambiguous too
+    assert "occurs 2 times" in error(run(registry, work, "edit", path="o.txt", old_string="aa", new_string="b"))
+    assert (work / "m.py").read_text(encoding="utf-8") == "x = 0\ny = 1\nx = 0\n"
+
+
+def test_edit_matches_newlines_in_a_crlf_file(registry: ToolRegistry, work: Path) -> None:
+    (work / "w.txt").write_bytes(b"one\r\ntwo\r\nthree\r\n")
+    output(run(registry, work, "edit", path="w.txt", old_string="one\ntwo", new_string="1\n2"))
+    assert (work / "w.txt").read_bytes() == b"1\r\n2\r\nthree\r\n"
+
+
+def test_edit_refuses_empty_or_unchanged_strings_and_non_text_files(registry: ToolRegistry, work: Path) -> None:
+    (work / "t.txt").write_text("text\n", encoding="utf-8")
+    (work / "latin1.txt").write_bytes("café".encode("latin-1"))
+    assert "old_string is empty" in error(run(registry, work, "edit", path="t.txt", old_string="", new_string="x"))
+    assert "the same" in error(run(registry, work, "edit", path="t.txt", old_string="text", new_string="text"))
+    assert "not UTF-8 text" in error(run(registry, work, "edit", path="latin1.txt", old_string="caf", new_string="x"))
+    assert "does not exist" in error(run(registry, work, "edit", path="none.txt", old_string="a", new_string="b"))
+
+
+# ── run_shell_command ──────────────────────────────────────────────────────────────────────────
+
+
+def test_a_command_runs_in_the_working_directory_with_its_exit_code(registry: ToolRegistry, work: Path) -> None:
+    (work / "here.txt").touch()
+    assert output(run(registry, work, "run_shell_command", command="pwd; ls")) == (
+        f"{work.resolve()}\nhere.txt\n[exit code: 0]"
+    )
+
+
+def test_a_non_zero_exit_is_reported_with_stderr_not_raised(registry: ToolRegistry, work: Path) -> None:
+    result = run(registry, work, "run_shell_command", command="echo out; echo err >&2; exit 3")
+    assert result == {"output": "out\nerr\n[exit code: 3]"}
+    assert output(run(registry, work, "run_shell_command", command="kill -9 $$")) == (
+        "(no output)\n[killed by signal SIGKILL]"
+    )
+
+
+def test_long_output_keeps_head_and_tail_around_a_truncation_marker(registry: ToolRegistry, work: Path) -> None:
+    command = "echo START; head -c 200000 /dev/zero | tr '\\0' a; echo; echo END"
+    text = output(run(registry, work, "run_shell_command", command=command))
+    cap = builtin_tools.SHELL_OUTPUT_CAP
+    total = len("START\n") + 200_000 + len("\nEND\n")
+    assert text.startswith("START\naaa")
+    assert f"\n[... output truncated: {total - cap} bytes omitted ...]\n" in text
+    assert text.endswith("a\nEND\n[exit code: 0]")
+
+
+def test_a_timeout_kills_the_whole_process_group(registry: ToolRegistry, work: Path) -> None:
+    command = "sleep 30 & echo pid=$!; sleep 30 & echo pid=$!; echo pid=$$; wait"
+    started = time.monotonic()
+    message = error(run(registry, work, "run_shell_command", command=command, timeout_s=1))
+    assert time.monotonic() - started < 10
+    assert "timed out after 1 s" in message and "process group killed" in message
+    pids = pids_in(message)
+    assert len(pids) == 3
+    assert all_gone(pids)
+
+
+def test_background_processes_do_not_outlive_the_command(registry: ToolRegistry, work: Path) -> None:
+    started = time.monotonic()
+    text = output(run(registry, work, "run_shell_command", command="sleep 30 & echo pid=$!"))
+    assert time.monotonic() - started < 10
+    assert text.endswith("[exit code: 0]")
+    assert all_gone(pids_in(text))
+
+
+def test_cancelling_the_fork_stops_a_running_command(work: Path) -> None:
+    # Given: a fork cancelled 0.3 s into a command that would run for 30 s
+    cancel = threading.Event()
+    timer = threading.Timer(0.3, cancel.set)
+    ctx = context(work, cancelled=cancel.is_set)
+    call = FunctionCall(
+        id="c1", name="run_shell_command", args={"command": "echo pid=$$; sleep 30 & echo pid=$!; wait"}
+    )
+    started = time.monotonic()
+    timer.start()
+    try:
+        # When: the command runs
+        result = make_builtin_registry().run(call, ctx)
+    finally:
+        timer.cancel()
+    # Then: it ends soon after the cancel, as an error saying why, with its processes gone
+    assert time.monotonic() - started < 10
+    message = error(result)
+    assert message.startswith("the fork was cancelled; the command was stopped")
+    pids = pids_in(message)
+    assert len(pids) == 2 and all_gone(pids)
+
+
+def test_a_command_of_an_already_cancelled_fork_never_starts(work: Path) -> None:
+    call = FunctionCall(id="c1", name="run_shell_command", args={"command": "touch ran.txt"})
+    result = make_builtin_registry().run(call, context(work, cancelled=lambda: True))
+    assert error(result) == "the fork was cancelled; the command was not run"
+    assert not (work / "ran.txt").exists()
+
+
+def test_the_worker_credentials_are_not_in_the_command_environment(
+    registry: ToolRegistry, work: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FORKQ_REDIS_URL", "redis://:hunter2@redis:6379/0")
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-secret")
+    monkeypatch.setenv("FORKQ_TOOLS_TEST_VISIBLE_NOT", "x")
+    monkeypatch.setenv("TOOLS_TEST_VISIBLE", "yes")
+    command = 'echo "${FORKQ_REDIS_URL:-none} ${OPENAI_API_KEY:-none} $TOOLS_TEST_VISIBLE"'
+    assert output(run(registry, work, "run_shell_command", command=command)) == "none none yes\n[exit code: 0]"
+
+
+def test_shell_timeouts_are_bounded_by_the_schema(registry: ToolRegistry, work: Path) -> None:
+    message = error(run(registry, work, "run_shell_command", command="true", timeout_s=3600))
+    assert "argument 'timeout_s': 3600 is greater than the maximum of 600" in message
+
+
+def test_a_missing_working_directory_is_reported(registry: ToolRegistry, tmp_path: Path) -> None:
+    message = error(run(registry, tmp_path / "gone", "run_shell_command", command="true"))
+    assert "working directory" in message and "does not exist" in message
+    assert os.path.exists(tmp_path)

@@ -1,0 +1,164 @@
+"""Prometheus metrics of one worker (or sweeper) process, in its own registry, and their HTTP server.
+
+Every label takes a bounded set of values: statuses and outcomes are fixed words, and a tool name
+that is not in the worker's registry is counted as `other` (a model can call any name it invents).
+No fork ids in labels: they are unbounded; a fork's own progress is in its event stream.
+
+With `FORKQ_METRICS_PORT` set, `forkq worker` and `forkq sweep` serve `/metrics` on that port. The
+counters live in the serving process, so the worker's `threads` (default) and `solo` pools are
+covered; a `prefork` pool runs forks in child processes whose counters the parent cannot see, and
+its worker serves no fork metrics (it logs why at start).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Container
+from dataclasses import dataclass
+from typing import Final
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import start_http_server
+from prometheus_client.gc_collector import GCCollector
+from prometheus_client.platform_collector import PlatformCollector
+from prometheus_client.process_collector import ProcessCollector
+
+log = logging.getLogger("forkq.metrics")
+
+OTHER_TOOL: Final = "other"
+# how a claimed run ended: a result written (succeeded, failed), stopped by someone else (cancelled),
+# handed on (paused, awaiting_approval, released, lease_lost); `error`: an exception left the run
+# (Redis down, a bug); `other`: an outcome this list does not know yet
+RUN_STATUSES: Final = (
+    "succeeded",
+    "failed",
+    "cancelled",
+    "paused",
+    "awaiting_approval",
+    "released",
+    "lease_lost",
+    "error",
+    "other",
+)
+SKIP_REASONS: Final = ("duplicate", "handed_back", "refused", "rejected")
+SWEEP_OUTCOMES: Final = ("revive", "requeue", "failed")
+# model calls and steps take seconds (tens with long outputs or retries); attempts are few
+LATENCY_BUCKETS: Final = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+ATTEMPT_BUCKETS: Final = (1.0, 2.0, 3.0, 4.0, 5.0, 10.0)
+
+
+class Metrics:
+    """forkq's metrics in one registry: a fresh one per runtime by default, so runtimes never collide."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        if registry is None:  # a process's own registry gets the usual process and Python metrics
+            registry = CollectorRegistry()
+            ProcessCollector(registry=registry)
+            PlatformCollector(registry=registry)
+            GCCollector(registry=registry)
+        self.registry = registry
+        self.forks_finished = Counter(
+            "forkq_forks_finished",
+            "Claimed fork runs this process ended, by how they ended.",
+            ["status"],
+            registry=registry,
+        )
+        self.deliveries_skipped = Counter(
+            "forkq_deliveries_skipped",
+            "run_fork deliveries that claimed nothing: duplicate, handed_back (worker stopping), refused, rejected.",
+            ["reason"],
+            registry=registry,
+        )
+        self.attempts = Histogram(
+            "forkq_claim_attempt",
+            "Attempt number of each fork claim (the count is the number of claims).",
+            buckets=ATTEMPT_BUCKETS,
+            registry=registry,
+        )
+        self.revivals = Counter(
+            "forkq_revivals",
+            "Sweeper outcomes: revive (lease expired, re-enqueued), requeue (job re-sent), failed (attempts spent).",
+            ["outcome"],
+            registry=registry,
+        )
+        self.step_seconds = Histogram(
+            "forkq_step_seconds",
+            "One step of a fork: its model call and tool calls, until the next model call or the run's end.",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.model_call_seconds = Histogram(
+            "forkq_model_call_seconds",
+            "One model call, retries included.",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.tokens = Counter(
+            "forkq_tokens", "Model tokens, by direction (input, output).", ["direction"], registry=registry
+        )
+        self.tool_calls = Counter(
+            "forkq_tool_calls",
+            "Tool calls answered, by tool (unknown names: other) and outcome (ok, error).",
+            ["tool", "outcome"],
+            registry=registry,
+        )
+        self.lease_losses = Counter(
+            "forkq_lease_losses", "Runs that stopped because their lease was lost (fenced out).", registry=registry
+        )
+        self.forks_running = Gauge("forkq_forks_running", "Forks this process runs now.", registry=registry)
+        self._zero_labels()
+
+    def _zero_labels(self) -> None:
+        """Export every fixed label value at 0, so rates and alerts work before the first event."""
+        for status in RUN_STATUSES:
+            self.forks_finished.labels(status=status)
+        for reason in SKIP_REASONS:
+            self.deliveries_skipped.labels(reason=reason)
+        for outcome in SWEEP_OUTCOMES:
+            self.revivals.labels(outcome=outcome)
+        for direction in ("input", "output"):
+            self.tokens.labels(direction=direction)
+
+    def run_ended(self, status: str) -> None:
+        """Count one claimed run's end (an unknown status counts as `other`)."""
+        self.forks_finished.labels(status=status if status in RUN_STATUSES else "other").inc()
+        if status == "lease_lost":
+            self.lease_losses.inc()
+
+    def skipped(self, reason: str) -> None:
+        """Count a delivery that claimed nothing."""
+        self.deliveries_skipped.labels(reason=reason if reason in SKIP_REASONS else "refused").inc()
+
+    def swept(self, outcome: str) -> None:
+        """Count a sweeper outcome that changed a fork (`alive` and finished forks are not revivals)."""
+        if outcome in SWEEP_OUTCOMES:
+            self.revivals.labels(outcome=outcome).inc()
+
+    def tool_call(self, tool: str, *, ok: bool, known: Container[str]) -> None:
+        """Count one answered tool call; `known`: the worker's tool names (others count as `other`)."""
+        name = tool if tool in known else OTHER_TOOL
+        self.tool_calls.labels(tool=name, outcome="ok" if ok else "error").inc()
+
+
+@dataclass
+class MetricsServer:
+    """`/metrics` over HTTP on a port, in a daemon thread; `close` frees the port."""
+
+    port: int
+    server: WSGIServer
+    thread: threading.Thread
+
+    def close(self) -> None:
+        """Stop serving and close the socket."""
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(timeout=5)
+
+
+def serve_metrics(registry: CollectorRegistry, port: int, addr: str = "0.0.0.0") -> MetricsServer:
+    """Serve `registry` on `addr:port` (all interfaces by default: Prometheus scrapes from another host)."""
+    server, thread = start_http_server(port, addr=addr, registry=registry)
+    log.info("serving Prometheus metrics on %s:%d/metrics", addr, port)
+    return MetricsServer(port, server, thread)

@@ -1,0 +1,41 @@
+"""What the parent's model reads when a fork ends: a `<task-notification>` with XML-escaped fields.
+
+Only the final output reaches the parent, with status and usage; never the fork's intermediate work.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+from xml.sax.saxutils import escape
+
+from workers.records import ForkResult, Status
+
+NO_OUTPUT: Final = "(subagent produced no model-visible output)"
+_STATUS: Final = {Status.SUCCEEDED: "completed", Status.FAILED: "failed", Status.CANCELLED: "cancelled"}
+
+
+def render_task_notification(result: ForkResult, *, description: str) -> str:
+    """The notification message for an ended fork (every field XML-escaped)."""
+    status = _STATUS.get(result.status, result.status.value)
+    usage = result.usage
+    summary = f'Agent "{description}" {status}'  # not nested in the f-string below: Python 3.11 refuses that
+    lines = [
+        "<task-notification>",
+        f"<task-id>{escape(result.fork_id)}</task-id>",
+        f"<status>{status}</status>",
+        f"<summary>{escape(summary)}</summary>",
+    ]
+    if result.status is Status.SUCCEEDED:
+        output = result.output if result.output and result.output.strip() else NO_OUTPUT
+        lines.append(f"<result>{escape(output)}</result>")
+    else:
+        lines.append(f"<error>{escape(result.error or 'no reason given')}</error>")
+    lines += [
+        "<usage>"
+        f"<total_tokens>{usage.total_tokens}</total_tokens>"
+        f"<tool_uses>{usage.tool_uses}</tool_uses>"
+        f"<duration_ms>{usage.duration_ms}</duration_ms>"
+        "</usage>",
+        "</task-notification>",
+    ]
+    return "\n".join(lines)

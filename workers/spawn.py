@@ -1,0 +1,105 @@
+"""Nested subagents: an Agent call of a regular subagent launches another one and waits for it.
+
+The nested fork's id is fixed by the calling fork and the call's position, and its bootstrap record
+is built from the caller's, so a revived caller re-launching it finds the same record (write-once)
+and simply waits for the same subagent: the call is idempotent.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+from workers.child import Stopped
+from workers.errors import ForkqError, InvalidAgentParams
+from workers.params import validate_agent_params
+from workers.policy import effective_mode
+from workers.records import BootstrapRecord, ForkResult
+from workers.store import ForkStore
+
+POLL_MS: Final = 500
+Enqueue = Callable[[str, str, int], None]  # fork id, digest, attempt
+
+
+def nested_record(parent: BootstrapRecord, args: Mapping[str, Any], child_id: str) -> BootstrapRecord:
+    """The bootstrap record of the regular subagent an Agent call of `parent` asks for (no history).
+
+    Raises:
+        InvalidAgentParams: the call's parameters break the Agent tool's contract.
+    """
+    agent = validate_agent_params(args)
+    if agent.is_fork:  # the gate refuses this before; kept here so no caller can nest a fork
+        raise InvalidAgentParams('a subagent cannot fork (subagent_type "fork")', field="subagent_type")
+    return BootstrapRecord(
+        fork_id=child_id,
+        parent_session=parent.parent_session,  # the same context chunk: stored once for the whole tree
+        kind="spawn",
+        seed_chunks=[],
+        message_count=0,
+        task_prompt=agent.prompt,
+        directive=agent.prompt,
+        description=agent.description,
+        subagent_type=agent.subagent_type,
+        name=agent.name,
+        system_instruction=parent.system_instruction,
+        tools_json=parent.tools_json,
+        model=agent.model or parent.model,
+        generation=parent.generation,
+        approval_mode=effective_mode(parent.approval_mode),
+        cwd=parent.cwd,
+        depth=parent.depth + 1,
+        options={k: v for k, v in parent.options.items() if k in ("approval_policy", "max_wall_s")},
+    )
+
+
+@dataclass
+class SubagentSpawner:
+    """Launches nested subagents through the fork store and the broker, and waits for their results."""
+
+    store: ForkStore
+    enqueue: Enqueue
+    stopping: threading.Event
+
+    def spawn(
+        self, record: BootstrapRecord, args: Mapping[str, Any], child_id: str, *, cancelled: Callable[[], bool]
+    ) -> dict[str, Any]:
+        """The nested subagent's output (`{"output": ...}`) or why it failed (`{"error": ...}`).
+
+        Raises:
+            Stopped: the worker shuts down (the caller is released; its revival waits again).
+        """
+        try:
+            child = nested_record(record, args, child_id)
+        except InvalidAgentParams as exc:
+            return {"error": f"Error: {exc}"}
+        data, digest = child.encode()
+        try:
+            self.store.put_launch(child, data, digest)
+        except ForkqError as exc:
+            return {"error": f"Error: the subagent could not be launched: {exc}"}
+        if self.store.state(child_id).attempt == 0:  # not yet run; a duplicate job would be a no-op anyway
+            self.enqueue(child_id, digest, 1)
+        return self._wait(child_id, cancelled)
+
+    def _wait(self, child_id: str, cancelled: Callable[[], bool]) -> dict[str, Any]:
+        after = "0-0"
+        while True:
+            result = self.store.result(child_id)
+            if result is not None:
+                return _outcome(result)
+            if cancelled():  # the caller was cancelled: so is what it launched
+                self.store.cancel(child_id)
+            if self.stopping.is_set():
+                raise Stopped("shutdown")
+            for event in self.store.events(child_id, after=after, block_ms=POLL_MS):
+                after = event.id
+            time.sleep(0)  # let the heartbeat thread run between polls
+
+
+def _outcome(result: ForkResult) -> dict[str, Any]:
+    if result.status.value == "succeeded":
+        return {"output": result.output or ""}
+    return {"error": f"Error: the subagent {result.status.value}: {result.error or 'no reason given'}"}
