@@ -64,7 +64,7 @@ def outcomes() -> Iterator[list[tuple[str, Any, str]]]:
 # ── the job message ───────────────────────────────────────────────────────────────────────────
 
 
-def test_the_job_message_is_msgpack_carrying_fork_id_digest_and_seed_chunks(
+def test_the_job_message_is_msgpack_carrying_fork_id_digest_seed_chunks_and_record(
     client: ForkClient, settings: Settings, redis_client: redis.Redis, parent: dict[str, Any]
 ) -> None:
     # Given no worker runs, the job stays in the broker queue after launch
@@ -74,8 +74,9 @@ def test_the_job_message_is_msgpack_carrying_fork_id_digest_and_seed_chunks(
     assert envelope["content-type"] == "application/x-msgpack"
     assert envelope["headers"]["task"] == RUN_FORK_TASK
     args, kwargs, _embed = body(envelope)
-    fork_id, digest, chunks = args
+    fork_id, digest, chunks, record = args
     assert (fork_id, digest, kwargs) == (handle.fork_id, handle.digest, {})
+    assert codec.digest(record) == digest  # the stored record bytes, named by the job's digest
     seed = build_fork_seed(parse_parent_snapshot(parent).history, fork_turns="3", directive=FORK["prompt"])
     context, *seed_chunks = chunks  # inline: the parent's context chunk, then the seed's chunks
     assert seed_chunks == split_seed(seed.initial_messages)
@@ -89,7 +90,7 @@ def test_argsrepr_shows_the_fork_id_and_sizes_never_the_seed_bytes(
     handle = client.launch(parent, {**FORK, "fork_turns": "all"})
 
     [envelope] = envelopes(redis_client, settings.queue)
-    _, _, chunks = body(envelope)[0]
+    _, _, chunks, _record = body(envelope)[0]
     argsrepr = envelope["headers"]["argsrepr"]
     assert handle.fork_id in argsrepr
     assert handle.digest[:12] in argsrepr
@@ -218,10 +219,10 @@ def test_a_job_whose_inline_seed_was_altered_cannot_fail_an_intact_fork(
     queue = client.settings.queue
     handle = client.launch(parent, {**FORK, "fork_turns": "3"})
     [envelope] = envelopes(client.redis, queue)
-    fork_id, digest, chunks = body(envelope)[0]
+    fork_id, digest, chunks, record = body(envelope)[0]
     chunks[0] = chunks[0][:-1] + bytes([chunks[0][-1] ^ 1])
     client.redis.delete(queue)
-    task_id = push_raw(client.redis, queue, job_body(fork_id, digest, chunks))
+    task_id = push_raw(client.redis, queue, job_body(fork_id, digest, chunks, record))
 
     # When a worker handles the corrupted job
     start_live_worker(client.app)

@@ -195,7 +195,7 @@ class ChildLoop:
     def _model_step(self, state: Replay) -> None:
         request = self._request(state.step, state.messages)
         digest = self.digests.digest(request)  # what the model sees (the request without the directive)
-        self.io.emit("model_call", {"step": state.step + 1, "request_digest": digest})
+        self.io.emit("model_call", model_call_event(state.step, digest))
         self.io.checkpoint()
         response = self.provider.generate(request)
         content = response.content
@@ -347,17 +347,7 @@ class ChildLoop:
         return calls
 
     def _request(self, step: int, messages: list[Content]) -> ModelRequest:
-        record = self.record
-        return ModelRequest(
-            fork_id=record.fork_id,
-            step=step,
-            model=record.model,
-            system_instruction=record.system_instruction,
-            tools=self.declarations,
-            messages=list(messages),
-            generation=record.generation,
-            directive=record.directive,
-        )
+        return model_request(self.record, self.declarations, step, messages)
 
     def _result(
         self, state: Replay, started: float, status: Status, output: str | None, error: str | None
@@ -371,6 +361,34 @@ class ChildLoop:
             duration_ms=int((time.monotonic() - started + self.running_s) * 1000),  # since the first start
         )
         return ForkResult(fork_id=self.record.fork_id, status=status, output=output, usage=usage, error=error)
+
+
+def model_request(
+    record: BootstrapRecord, declarations: list[dict[str, Any]], step: int, messages: list[Content]
+) -> ModelRequest:
+    """The model request of step `step` over `messages`."""
+    return ModelRequest(
+        fork_id=record.fork_id,
+        step=step,
+        model=record.model,
+        system_instruction=record.system_instruction,
+        tools=declarations,
+        messages=list(messages),
+        generation=record.generation,
+        directive=record.directive,
+    )
+
+
+def model_call_event(step: int, digest: str) -> dict[str, Any]:
+    """The data of the `model_call` event published before model call `step` (0-based) is made."""
+    return {"step": step + 1, "request_digest": digest}
+
+
+def first_model_call(record: BootstrapRecord, seed: ForkSeed, digests: RequestDigests) -> dict[str, Any]:
+    """The `model_call` event data of a fork's first model call, which a run over an empty journal
+    (or one holding only the tool surface) makes before anything else: the request `ChildLoop` builds."""
+    state = replay(seed, [])
+    return model_call_event(state.step, digests.digest(model_request(record, record.tools, state.step, state.messages)))
 
 
 def approval_id(step: int, pending: PendingCall) -> str:

@@ -188,7 +188,16 @@ class ForkClient:
         inline: list[bytes] | None = [record.context_blob(), *chunks]
         if sum(map(len, inline or [])) > self.settings.inline_seed_max_bytes:
             inline = None
-        enqueue_fork(self.app, self.settings.queue, fid, digest, attempt=1, seed_chunks=inline)
+        # a small job also carries the record: the worker then makes its first checkpoint with the claim
+        enqueue_fork(
+            self.app,
+            self.settings.queue,
+            fid,
+            digest,
+            attempt=1,
+            seed_chunks=inline,
+            record=None if inline is None else record_bytes,
+        )
         return ForkHandle(fork_id=fid, digest=digest, kind=record.kind, client=self)
 
     @staticmethod

@@ -36,9 +36,13 @@ local status = redis.call('HGET', KEYS[1], 'status')
 if status ~= 'running' then return status or 'missing' end
 """
 
-# KEYS: state, lease, events, running, bootstrap, journal. ARGV: owner, ttl_ms, fork_id, job digest ('' = any).
-# One round trip: refuse a job whose digest is not the launch digest, claim, and hand back the
-# bootstrap record and the journal the run starts from.
+# KEYS: state, lease, events, running, bootstrap, journal. ARGV: owner, ttl_ms, fork_id, job digest ('' = any),
+# surface entry ('' = none), model_call event data, the job's record bytes. One round trip: refuse a job
+# whose digest is not the launch digest, claim, and hand back the bootstrap record and the journal the run
+# starts from. On a first claim with an empty journal, a worker that built the first request from the job's
+# record (which hashes to the job digest, checked here, and equals the stored record) also records its tool
+# surface and publishes the first `model_call`: the checkpoint before the first model call, in the same
+# round trip (`primed`; the record is then not sent back).
 _CLAIM = (
     _NOW
     + """
@@ -55,8 +59,15 @@ redis.call('HSETNX', KEYS[1], 'first_started_ms', now)
 redis.call('ZADD', KEYS[4], now + tonumber(ARGV[2]), ARGV[3])
 redis.call('XADD', KEYS[3], 'MAXLEN', '~', @MAXLEN@, '*', 'type', 'started', 'data',
            cjson.encode({owner = ARGV[1], attempt = attempt, epoch = epoch}))
-return {'claimed', attempt, epoch, redis.call('GET', KEYS[5]) or '', redis.call('LRANGE', KEYS[6], 0, -1),
-        redis.call('HGET', KEYS[1], 'first_started_ms'), now}
+local record = redis.call('GET', KEYS[5]) or ''
+local primed = 0
+if ARGV[5] and ARGV[5] ~= '' and attempt == 1 and ARGV[7] == record and redis.call('LLEN', KEYS[6]) == 0 then
+  redis.call('RPUSH', KEYS[6], ARGV[5])
+  redis.call('XADD', KEYS[3], 'MAXLEN', '~', @MAXLEN@, '*', 'type', 'model_call', 'data', ARGV[6])
+  primed, record = 1, ''
+end
+return {'claimed', attempt, epoch, record, redis.call('LRANGE', KEYS[6], 0, -1),
+        redis.call('HGET', KEYS[1], 'first_started_ms'), now, primed}
 """
 )
 
@@ -204,6 +215,7 @@ class Claim:
     record: bytes = field(default=b"", repr=False, compare=False)  # bootstrap bytes read by the claim
     journal: tuple[bytes, ...] = field(default=(), repr=False, compare=False)  # journal entries at claim time
     running_ms: int = 0  # Redis time since the fork's first claim (its wall-clock limit counts from there)
+    primed: bool = False  # the claim wrote the surface entry and published the first `model_call` (`first`)
 
 
 class Leases:
@@ -224,12 +236,26 @@ class Leases:
         self._enqueued = client.register_script(_ENQUEUED)
         self._revive = client.register_script(_REVIVE.replace("@MAXLEN@", MAXLEN))
 
-    def claim(self, fork_id: str, owner: str, digest: str | None = None) -> Claim | str:
+    def claim(
+        self,
+        fork_id: str,
+        owner: str,
+        digest: str | None = None,
+        *,
+        first: tuple[bytes, JournalEntry, dict[str, Any]] | None = None,
+    ) -> Claim | str:
         """Take a queued fork: a `Claim` (with the record and journal), or why not.
 
         The reason is the fork's status, `leased`, `missing`, or `forged` when `digest` is given
-        and is not the fork's launch digest (the fork is then left untouched).
+        and is not the fork's launch digest (the fork is then left untouched). With `first` (the
+        record bytes, the surface entry and the first `model_call` event's data, built from that record,
+        which hashes to `digest`)
+        and `digest` given, a first claim of a fork with an empty journal also appends the entry and
+        publishes the `model_call` event (`Claim.primed`), if the stored record is `first`'s record bytes.
         """
+        record, entry, event = b"", b"", ""
+        if first is not None and digest:
+            record, entry, event = first[0], first[1].encode(), json.dumps(first[2])
         k = self.keys
         reply = cast(
             list[Any],
@@ -242,20 +268,21 @@ class Leases:
                     k.bootstrap(fork_id),
                     k.journal(fork_id),
                 ],
-                args=[owner, self.ttl_ms, fork_id, digest or ""],
+                args=[owner, self.ttl_ms, fork_id, digest or "", entry, event, record],
             ),
         )
         if reply[0] != b"claimed":
             return cast(bytes, reply[0]).decode()
-        _, attempt, epoch, record, journal, first_ms, now_ms = reply
+        _, attempt, epoch, stored, journal, first_ms, now_ms, primed = reply
         return Claim(
             fork_id=fork_id,
             owner=owner,
             epoch=int(epoch),
             attempt=int(attempt),
-            record=record,
+            record=record if primed else stored,
             journal=tuple(journal),
             running_ms=int(now_ms) - int(first_ms),
+            primed=bool(primed),
         )
 
     def _fenced(self, claim: Claim, outcome: Any, what: str) -> None:

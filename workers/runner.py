@@ -17,7 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from broker_config.redis_client import redis_client
 from broker_config.settings import Settings
-from workers.child import ChildLoop, Parked, Spawner, Stopped
+from workers import codec
+from workers.child import ChildLoop, Parked, Spawner, Stopped, first_model_call
 from workers.errors import ForkNotFound, ForkqError, LeaseLost, RecordDecodeError, RecordIntegrityError
 from workers.history import ForkSeed
 from workers.journal import JournalEntry, RequestDigests
@@ -49,6 +50,7 @@ class RunForkJob(BaseModel):
     fork_id: str = Field(min_length=1, max_length=128)
     digest: str = Field(pattern=r"^[0-9a-f]{64}$")
     seed_chunks: list[bytes] | None = None  # inline: the context chunk, then the seed's chunks
+    record: bytes | None = Field(None, max_length=MAX_INLINE_JOB_BYTES)  # inline: the stored record bytes
 
     @field_validator("seed_chunks")
     @classmethod
@@ -141,6 +143,7 @@ class FencedChannel:
     pending_entries: list[JournalEntry] = field(default_factory=list)  # written with the next append
     pending_events: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     observe: Callable[[str, dict[str, Any]], None] | None = None  # metrics and Flower progress, as emitted
+    published: list[tuple[str, dict[str, Any]]] = field(default_factory=list)  # by the claim (`Claim.primed`)
 
     def emit(self, kind: str, data: dict[str, Any]) -> None:
         """Queue a progress event."""
@@ -159,8 +162,16 @@ class FencedChannel:
             raise Stopped("shutdown")
 
     def checkpoint(self) -> None:
-        """Publish queued events and stop if the fork was cancelled, lost or its worker stops."""
+        """Publish queued events and stop if the fork was cancelled, lost or its worker stops.
+
+        The first checkpoint of a primed claim costs no round trip when its events are the ones the
+        claim published: the claim wrote them, and found the fork running, atomically.
+        """
         self._stop_if_asked()
+        published, self.published = self.published, []
+        if published and not self.pending_entries and self.pending_events == published:
+            self.pending_events = []
+            return
         if self.pending_entries:  # the first run's tool surface: recorded before the first model call
             entries, self.pending_entries = self.pending_entries, []
             self.leases.append(self.claim, *entries, events=self._take_events())
@@ -217,7 +228,8 @@ def run_fork_job(runtime: WorkerRuntime, job: RunForkJob, progress: Progress | N
         runtime.requeue(fid, job.digest, 0)
         runtime.metrics.skipped("handed_back")
         return "handed_back"
-    claim = runtime.leases.claim(fid, new_owner(), job.digest)
+    first = _first_step(runtime, job)
+    claim = runtime.leases.claim(fid, new_owner(), job.digest, first=first[2] if first else None)
     if claim == "forged":
         raise RecordIntegrityError(
             f"fork {fid}: job digest {job.digest[:12]}… is not the fork's launch digest; "
@@ -233,7 +245,7 @@ def run_fork_job(runtime: WorkerRuntime, job: RunForkJob, progress: Progress | N
     lost = runtime.keeper.hold(claim)
     run = RunObserver(runtime.metrics, runtime.tools.tools, claim.attempt, progress)
     try:
-        return run.ended(_run_claimed(runtime, job, claim, lost, run.observe))
+        return run.ended(_run_claimed(runtime, job, claim, lost, observe=run.observe, first=first))
     except LeaseLost as exc:
         log.warning("%s", exc)
         return run.ended("lease_lost")
@@ -242,18 +254,45 @@ def run_fork_job(runtime: WorkerRuntime, job: RunForkJob, progress: Progress | N
         runtime.keeper.drop(claim)
 
 
+FirstStep = tuple[BootstrapRecord, ForkSeed, tuple[bytes, JournalEntry, dict[str, Any]]]
+
+
+def _first_step(runtime: WorkerRuntime, job: RunForkJob) -> FirstStep | None:
+    """From a job that carries its record: record, seed, and what a first claim writes before the first
+    model call (the surface entry and the `model_call` event data); None without a usable record.
+
+    The record is used only if it hashes to the job digest, which the claim checks against the launch
+    digest before it writes anything; any problem leaves the work to the usual path after the claim.
+    """
+    if job.record is None or codec.digest(job.record) != job.digest:
+        return None
+    try:
+        record, seed = _load_inputs(runtime, job, job.record)
+        surface = JournalEntry(seq=0, step=0, kind="surface", tools=_surface(runtime, record.tools))
+        return record, seed, (job.record, surface, first_model_call(record, seed, runtime.digests))
+    except Exception as exc:  # nothing is claimed yet: the usual path reports it (as the fork's failure)
+        log.warning("fork %s: inputs not prepared before the claim (%s); reading them after it", job.fork_id, exc)
+        return None
+
+
 def _run_claimed(
     runtime: WorkerRuntime,
     job: RunForkJob,
     claim: Claim,
     lost: threading.Event,
+    *,
     observe: Callable[[str, dict[str, Any]], None] | None = None,
+    first: FirstStep | None = None,
 ) -> str:
     fid = job.fork_id
     try:
-        record, seed = _load_inputs(runtime, job, claim.record)
+        # the job's record stands for the stored one only if they are the same bytes (else it is verified below)
+        same = first is not None and claim.record == first[2][0]
+        record, seed = first[:2] if first is not None and same else _load_inputs(runtime, job, claim.record)
         entries = [JournalEntry.decode(raw, fork_id=fid) for raw in claim.journal]
         channel = FencedChannel(runtime.leases, claim, lost, runtime.stopping, observe=observe)
+        if claim.primed and first is not None:
+            channel.published = [("model_call", first[2][2])]
         missing = _check_tool_surface(runtime, record.tools, entries, channel)
         provider, spawner = runtime.provider, runtime.spawner
     except (ForkqError, redis.RedisError) as exc:
@@ -323,7 +362,7 @@ def _check_tool_surface(
 ) -> list[str]:
     """Record the executable tool surface on the first run (with the first append); on a revival,
     the tools of the recorded surface this worker lacks."""
-    surface = sorted({str(d.get("name")) for d in declared if runtime.tools.get(d.get("name"))})
+    surface = _surface(runtime, declared)
     recorded = next((e.tools for e in entries if e.kind == "surface"), None)
     if recorded is None:
         entry = JournalEntry(seq=len(entries), step=0, kind="surface", tools=surface)
@@ -331,6 +370,11 @@ def _check_tool_surface(
         entries.append(entry)
         return []
     return sorted(set(recorded) - set(surface))
+
+
+def _surface(runtime: WorkerRuntime, declared: list[dict[str, Any]]) -> list[str]:
+    """The declared tools this worker can execute."""
+    return sorted({str(d.get("name")) for d in declared if runtime.tools.get(d.get("name"))})
 
 
 def _stopped(runtime: WorkerRuntime, job: RunForkJob, claim: Claim, reason: str) -> str:

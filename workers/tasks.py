@@ -30,12 +30,23 @@ def job_argsrepr(fork_id: str, digest: str, seed_chunks: list[bytes] | None) -> 
 
 
 def enqueue_fork(
-    app: Celery, queue: str, fork_id: str, digest: str, *, attempt: int, seed_chunks: list[bytes] | None = None
+    app: Celery,
+    queue: str,
+    fork_id: str,
+    digest: str,
+    *,
+    attempt: int,
+    seed_chunks: list[bytes] | None = None,
+    record: bytes | None = None,
 ) -> None:
-    """Send a `run_fork` job (task id `<fork id>.<attempt>`, so Flower lists every run of a fork)."""
+    """Send a `run_fork` job (task id `<fork id>.<attempt>`, so Flower lists every run of a fork).
+
+    With `record` (the stored record bytes) the worker prepares the first model call before its claim,
+    which then also makes the checkpoint before that call (`workers.lease.Leases.claim`).
+    """
     app.send_task(
         RUN_FORK_TASK,
-        args=[fork_id, digest, seed_chunks],
+        args=[fork_id, digest, seed_chunks] if record is None else [fork_id, digest, seed_chunks, record],
         queue=queue,
         task_id=f"{fork_id}.{attempt}",
         argsrepr=job_argsrepr(fork_id, digest, seed_chunks),
@@ -168,7 +179,7 @@ def progress_events(task: Task[Any, Any], dispatcher: Any = None) -> Progress | 
 
 
 def _job_fields(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-    names = ("fork_id", "digest", "seed_chunks")
+    names = ("fork_id", "digest", "seed_chunks", "record")
     if len(args) > len(names):
         raise TypeError(f"run_fork takes at most {len(names)} arguments, got {len(args)}")
     return {**dict(zip(names, args, strict=False)), **kwargs}

@@ -69,7 +69,8 @@ class ScriptedProvider:
         """Step `request.step` of the script, or a final text past its end."""
         if self.script is not None and request.step < len(self.script.steps):
             step = self.script.steps[request.step]
-            time.sleep(step.delay_s)
+            if step.delay_s:  # sleep(0) would still hand the GIL to another thread
+                time.sleep(step.delay_s)
             content = step.content
         else:
             time.sleep(self.default_delay_s if self.script is None else 0.0)
