@@ -152,3 +152,15 @@ def test_a_redis_that_keeps_nothing_on_disk_gets_a_warning_but_is_accepted(setti
     assert health.problems == []
     assert len(health.warnings) == 1 and "persistence off" in health.warnings[0]
     assert "appendonly yes" in health.warnings[0]
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="prctl is Linux's")
+def test_a_worker_process_hides_its_environment_from_same_uid_processes() -> None:
+    # PR_GET_DUMPABLE (3) reads what hide_process_environment set, in a process of its own
+    code = (
+        "import ctypes; from workers.app import hide_process_environment; "
+        "libc = ctypes.CDLL(None); before = libc.prctl(3, 0, 0, 0, 0); "
+        "ok = hide_process_environment(); print(before, ok, libc.prctl(3, 0, 0, 0, 0))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO_ROOT)
+    assert out.stdout.split() == ["1", "True", "0"]

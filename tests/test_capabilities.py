@@ -42,6 +42,7 @@ from workers.providers import ModelRequest, ModelResponse
 from workers.providers.scripted import Script, ScriptedProvider
 from workers.records import BootstrapRecord, Status
 from workers.runner import RunForkJob, WorkerRuntime, run_fork_job
+from workers.spawn import SubagentSpawner, nested_record
 from workers.tools import Tool, ToolRegistry, builtin_tools
 
 FORK = {"description": "fix the limiter", "prompt": "Fix the rate limiter.", "subagent_type": "fork"}
@@ -141,7 +142,13 @@ class SpawnRecorder:
     calls: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
 
     def spawn(
-        self, record: BootstrapRecord, args: Mapping[str, Any], child_id: str, *, cancelled: Callable[[], bool]
+        self,
+        record: BootstrapRecord,
+        args: Mapping[str, Any],
+        child_id: str,
+        *,
+        cancelled: Callable[[], bool],
+        deadline: float,
     ) -> dict[str, Any]:
         self.calls.append((child_id, dict(args)))
         return {"output": f"nested report from {child_id}"}
@@ -315,7 +322,7 @@ def test_a_parked_step_lists_only_the_calls_that_passed_the_allowlist_and_the_ne
     assert not (run.work / "edited.txt").exists() and not (run.work / "shell.txt").exists()
 
 
-@pytest.mark.parametrize("name", ["Agent", "task", "delegate"])
+@pytest.mark.parametrize("name", ["Agent", "delegate"])
 def test_a_forks_agent_call_is_refused_and_launches_nothing(tmp_path: Path, name: str) -> None:
     spawner = SpawnRecorder()
     run = child_loop(tmp_path, [step(call("a1", name, **REGULAR)), step("done")], spawner=spawner)
@@ -1068,3 +1075,115 @@ def test_replaying_a_denied_journal_rebuilds_the_denial_the_model_read(tmp_path:
     assert "denied by the user: no" in tool_results(second.entries)["s1"]["error"]
     state = replay(ForkSeed(initial_messages=[], task_prompt="Begin."), second.entries)
     assert state.messages[:-1] == second.provider.requests[-1].messages
+
+
+def test_an_approval_answers_only_the_call_it_was_given_for_not_a_later_steps_call_at_the_same_index(
+    tmp_path: Path,
+) -> None:
+    # Given two steps that each make one shell call at index 0, under `default` with the park policy
+    steps = [
+        step(call("s1", "run_shell_command", command="touch first.txt")),
+        step(call("s2", "run_shell_command", command="touch second.txt")),
+        step("ok"),
+    ]
+    options = {"approval_policy": "park"}
+    first = child_loop(tmp_path, steps, mode="default", options=options)
+    with pytest.raises(Parked):
+        first.loop.run()
+    approved = JournalEntry(
+        seq=len(first.entries), step=0, kind="approval", call_index=0, call_id="s1", decision="approve"
+    )
+    entries = [*first.entries, approved]
+
+    # When the resumed loop runs the approved call and the model answers with the second one
+    second = child_loop(tmp_path, steps, mode="default", options=options, entries=entries)
+    second.journal.entries = list(entries)
+    with pytest.raises(Parked) as parked:
+        second.loop.run()
+
+    # Then the first call ran, and the second parks for its own decision instead of riding on the first's
+    assert (second.work / "first.txt").exists() and not (second.work / "second.txt").exists()
+    assert [c["call_id"] for c in parked.value.calls] == ["s2"]
+    # and a replay of that journal does not carry the step-0 decision over to step 1's call either
+    state = replay(ForkSeed(initial_messages=[], task_prompt="Begin."), second.entries)
+    assert state.decisions == {} and [p.call.id for p in state.pending] == ["s2"]
+
+
+def nested_wait_setup(client: ForkClient, parent: dict[str, Any]) -> tuple[SubagentSpawner, BootstrapRecord]:
+    """A regular subagent's record (launched, never run) and a spawner over the same store that enqueues nothing."""
+    caller = client.launch({**parent, "history": []}, {"description": "caller", "prompt": "Delegate the review."})
+    record = client.store.get_record(caller.fork_id, caller.digest)
+    return SubagentSpawner(client.store, lambda *_: None, threading.Event()), record
+
+
+def test_a_caller_that_lost_its_lease_stops_waiting_and_leaves_its_subagent_running(
+    client: ForkClient, parent: dict[str, Any]
+) -> None:
+    # Given a caller waiting for its nested subagent, whose lease is lost (it is not cancelled)
+    spawner, record = nested_wait_setup(client, parent)
+    child_id = f"{record.fork_id}.0.0"
+
+    # When the wait notices the loss
+    with pytest.raises(Stopped) as stopped:
+        spawner.spawn(record, REGULAR, child_id, cancelled=lambda: True, deadline=time.monotonic() + 60)
+
+    # Then the caller stops (its revival waits again) and the subagent was not cancelled
+    assert stopped.value.reason == "lease_lost"
+    assert client.status(child_id).status is Status.QUEUED
+
+
+def test_a_cancelled_caller_cancels_the_subagent_it_waits_for(client: ForkClient, parent: dict[str, Any]) -> None:
+    spawner, record = nested_wait_setup(client, parent)
+    child_id = f"{record.fork_id}.0.0"
+    client.cancel(record.fork_id)
+
+    outcome = spawner.spawn(record, REGULAR, child_id, cancelled=lambda: True, deadline=time.monotonic() + 60)
+
+    assert client.status(child_id).status is Status.CANCELLED
+    assert "the subagent cancelled" in outcome["error"]
+
+
+def test_a_caller_past_its_wall_clock_stops_waiting_and_cancels_its_subagent(
+    client: ForkClient, parent: dict[str, Any]
+) -> None:
+    spawner, record = nested_wait_setup(client, parent)
+    child_id = f"{record.fork_id}.0.0"
+
+    outcome = spawner.spawn(record, REGULAR, child_id, cancelled=lambda: False, deadline=time.monotonic())
+
+    assert "wall-clock limit" in outcome["error"]
+    assert client.status(child_id).status is Status.CANCELLED
+
+
+def test_a_nested_subagent_never_parks_even_when_its_caller_may(client: ForkClient, parent: dict[str, Any]) -> None:
+    caller = client.launch(
+        {**parent, "history": []}, {"description": "caller", "prompt": "Delegate."}, approval_policy="park"
+    )
+    record = client.store.get_record(caller.fork_id, caller.digest)
+
+    child = nested_record(record, REGULAR, f"{caller.fork_id}.0.0")
+
+    assert record.options["approval_policy"] == "park" and "approval_policy" not in child.options
+
+
+def test_time_spent_waiting_for_a_person_does_not_count_against_the_wall_clock_limit(
+    client: ForkClient, redis_client: Any, parent: dict[str, Any], tmp_path: Path, deliver: Callable[..., str]
+) -> None:
+    # Given a fork with a 60 s wall clock, parked on a shell command, that has waited an hour for a person
+    work = workdir(tmp_path)
+    steps = [step(call("s1", "run_shell_command", command="echo ok > shell.txt")), step("done")]
+    handle = client.launch(parent_for(parent, work, "default"), FORK, approval_policy="park", max_wall_s=60)
+    assert deliver(handle.fork_id, handle.digest, steps) == "awaiting_approval"
+    state_key = client.store.keys.state(handle.fork_id)
+    hour_ms = 3_600_000
+    for field_name in ("first_started_ms", "parked_ms"):
+        redis_client.hincrby(state_key, field_name, -hour_ms)
+
+    # When the person approves and the fork runs again
+    assert client.approve(handle.fork_id, "s1") == "queued"
+    outcome = deliver(handle.fork_id, handle.digest, steps)
+
+    # Then the hour parked was not charged: the approved call ran and the fork finished
+    result = client.result(handle.fork_id)
+    assert outcome == "succeeded", result
+    assert (work / "shell.txt").read_text() == "ok\n"

@@ -121,9 +121,15 @@ def test_a_user_denial_names_the_tool_and_carries_the_reason_when_given() -> Non
 # ── nesting ───────────────────────────────────────────────────────────────────────────────────
 
 
-@pytest.mark.parametrize("name", ["Agent", "agent", "TASK", "Task"])
+@pytest.mark.parametrize("name", ["Agent", "agent", "AGENT"])
 def test_the_agent_tool_is_recognised_by_name_whatever_its_case(name: str) -> None:
     assert is_agent_call(name, {}) is True
+
+
+@pytest.mark.parametrize("name", ["task", "Task", "agents"])
+def test_a_plain_tool_with_another_name_is_not_an_agent_call(name: str) -> None:
+    plain = {name: {"name": name, "parameters": {"type": "object", "properties": {"title": {"type": "string"}}}}}
+    assert is_agent_call(name, plain) is False
 
 
 @pytest.mark.parametrize("key", ["parameters", "parametersJsonSchema"])

@@ -622,12 +622,15 @@ def test_a_command_of_an_already_cancelled_fork_never_starts(work: Path) -> None
 def test_the_worker_credentials_are_not_in_the_command_environment(
     registry: ToolRegistry, work: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # Given credentials in the worker's environment, under forkq's names and a deployer's own
     monkeypatch.setenv("FORKQ_REDIS_URL", "redis://:hunter2@redis:6379/0")
     monkeypatch.setenv("OPENAI_API_KEY", "sk-secret")
-    monkeypatch.setenv("FORKQ_TOOLS_TEST_VISIBLE_NOT", "x")
-    monkeypatch.setenv("TOOLS_TEST_VISIBLE", "yes")
-    command = 'echo "${FORKQ_REDIS_URL:-none} ${OPENAI_API_KEY:-none} $TOOLS_TEST_VISIBLE"'
-    assert output(run(registry, work, "run_shell_command", command=command)) == "none none yes\n[exit code: 0]"
+    monkeypatch.setenv("REDIS_PASSWORD", "hunter2")
+    monkeypatch.setenv("LC_TOOLS_TEST", "kept")
+    command = 'echo "${FORKQ_REDIS_URL:-none} ${OPENAI_API_KEY:-none} ${REDIS_PASSWORD:-none} $LC_TOOLS_TEST $PATH"'
+    # When a command prints them, Then only the allowlisted ones (PATH, locale, ...) are there
+    text = output(run(registry, work, "run_shell_command", command=command))
+    assert text == f"none none none kept {os.environ['PATH']}\n[exit code: 0]"
 
 
 def test_shell_timeouts_are_bounded_by_the_schema(registry: ToolRegistry, work: Path) -> None:

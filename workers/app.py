@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import sys
 from functools import cache
 from typing import Any
 
@@ -57,6 +59,7 @@ class ForkqWorkerStep(bootsteps.StartStopStep):
             raise ConfigurationError("worker refuses to start: " + "; ".join(health.problems))
         self.metrics_server = _serve_worker_metrics(self.runtime, parent.pool_cls)
         self.heartbeat.start(parent.timer)
+        hide_process_environment()
 
     def stop(self, parent: Any) -> None:
         # forks stop at their next step boundary, are released and re-enqueued for another worker
@@ -103,6 +106,21 @@ def serve_runtime_metrics(runtime: WorkerRuntime, port: int) -> MetricsServer:
             field="FORKQ_METRICS_PORT",
             cause=exc,
         ) from exc
+
+
+PR_SET_DUMPABLE = 4
+
+
+def hide_process_environment() -> bool:
+    """Make this worker process non-dumpable, so a tool's shell command (same uid) cannot read the worker's
+    credentials from /proc/<pid>/environ or attach to it; its own environment is an allowlist already.
+
+    Linux only; True when it took effect.
+    """
+    if sys.platform != "linux":
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    return int(libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)) == 0
 
 
 def runtime_of(app: Celery) -> WorkerRuntime:

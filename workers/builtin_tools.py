@@ -55,9 +55,10 @@ SHELL_POLL_S = 0.05  # how often the command's exit is checked while its output 
 SHELL_CANCEL_POLL_S = 0.1  # how often ctx.cancelled is asked (it may be a Redis round trip)
 SHELL_DRAIN_S = 1.0  # after the group is killed: how long to wait for the pipe's end of file
 READ_CHUNK = 64 * 1024
-# the worker's own credentials: a command the model writes must not be able to read them
-SCRUBBED_ENV_PREFIXES = ("FORKQ_",)
-SCRUBBED_ENV_NAMES = frozenset({"OPENAI_API_KEY", "GEMINI_API_KEY", "GOOGLE_API_KEY"})
+# a command the model writes gets only these of the worker's variables: never its credentials (API
+# keys, FORKQ_* URLs with passwords, REDIS_PASSWORD from a Secret, anything a deployer adds)
+CHILD_ENV_NAMES = frozenset({"PATH", "HOME", "LANG", "LANGUAGE", "TZ", "TERM", "USER", "LOGNAME", "SHELL", "TMPDIR"})
+CHILD_ENV_PREFIXES = ("LC_",)
 
 # ── paths ──────────────────────────────────────────────────────────────────────────────────────
 
@@ -391,7 +392,7 @@ def _child_env() -> dict[str, str]:
     return {
         name: value
         for name, value in os.environ.items()
-        if name not in SCRUBBED_ENV_NAMES and not name.startswith(SCRUBBED_ENV_PREFIXES)
+        if name in CHILD_ENV_NAMES or name.startswith(CHILD_ENV_PREFIXES)
     }
 
 

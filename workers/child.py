@@ -74,9 +74,16 @@ class Spawner(Protocol):
     """Launches a nested regular subagent for an Agent call and waits for its result."""
 
     def spawn(
-        self, record: BootstrapRecord, args: Mapping[str, Any], child_id: str, *, cancelled: Callable[[], bool]
+        self,
+        record: BootstrapRecord,
+        args: Mapping[str, Any],
+        child_id: str,
+        *,
+        cancelled: Callable[[], bool],
+        deadline: float,
     ) -> dict[str, Any]:
-        """`{"output": ...}` or `{"error": ...}`; raises `Stopped` when the worker shuts down meanwhile."""
+        """`{"output": ...}` or `{"error": ...}` by `deadline` (monotonic); raises `Stopped` when the
+        caller must stop meanwhile (shutdown, lost lease)."""
         ...
 
 
@@ -122,7 +129,7 @@ class ChildLoop:
             max_depth=self.max_depth,
             mode=effective_mode(record.approval_mode),
             policy="park" if options.get("approval_policy") == "park" else "deny",
-            allowlist=tuple(allowlist) if isinstance(allowlist, list) else None,
+            allowlist=None if allowlist is None else tuple(allowlist),
         )
         self.max_turns = min(self.max_turns, int(options.get("max_turns") or self.max_turns))
         self.max_wall_s = min(self.max_wall_s, float(options.get("max_wall_s") or self.max_wall_s))
@@ -136,7 +143,7 @@ class ChildLoop:
             LeaseLost: a fenced journal write was refused.
         """
         started = self._began = time.monotonic()
-        deadline = started + self.max_wall_s - self.running_s
+        deadline = self._deadline = started + self.max_wall_s - self.running_s
         state = self._state = replay(self.seed, self.entries)
         while True:
             if state.final is not None:
@@ -224,7 +231,7 @@ class ChildLoop:
         state.input_tokens += response.usage.input_tokens
         state.output_tokens += response.usage.output_tokens
         state.step += 1
-        state.answers = {}
+        state.answers, state.decisions = {}, {}  # decisions are per step: an index means another call now
         invalid = response.invalid_calls
         state.pending = [PendingCall(i, c, started=False, invalid=invalid.get(c.id or "")) for i, c in calls]
         state.final = None if calls else content
@@ -319,7 +326,9 @@ class ChildLoop:
             return {"error": NO_SPAWNER}
         self._started(state, step, pending)
         child_id = f"{self.record.fork_id}.{step}.{pending.index}"
-        return self.spawner.spawn(self.record, pending.call.args or {}, child_id, cancelled=self.cancelled)
+        return self.spawner.spawn(
+            self.record, pending.call.args or {}, child_id, cancelled=self.cancelled, deadline=self._deadline
+        )
 
     def _awaiting(self, state: Replay, step: int) -> list[dict[str, Any]]:
         """The calls of this step that wait for a person: approval needed, undecided, past the other gates."""

@@ -163,7 +163,12 @@ def replay(seed: ForkSeed, entries: list[JournalEntry]) -> Replay:
             call = dict(calls)[entry.call_index]
             state.answers[entry.call_index] = response_part(call, entry.response)
             state.tool_uses += 1
-        elif entry.kind == "approval" and entry.call_index is not None and entry.decision is not None:
+        elif (
+            entry.kind == "approval"
+            and entry.call_index is not None
+            and entry.decision is not None
+            and entry.step == state.step - 1  # a decision belongs to the calls of the step it was made on
+        ):
             state.decisions[entry.call_index] = Decision(entry.decision, entry.reason)
         elif entry.kind == "feedback" and entry.content is not None:
             state.messages.append(Content.model_validate(entry.content))

@@ -137,9 +137,10 @@ return 'released'
 # awaiting_approval), pending calls (JSON), event data. Parked, holding no worker and out of the
 # running index (never revived), until an operator resumes it or a person decides its calls.
 _PAUSE = (
-    _FENCE
+    _NOW
+    + _FENCE
     + """
-redis.call('HSET', KEYS[1], 'status', ARGV[5], 'owner', '', 'error', ARGV[4], 'pending', ARGV[6])
+redis.call('HSET', KEYS[1], 'status', ARGV[5], 'owner', '', 'error', ARGV[4], 'pending', ARGV[6], 'parked_ms', now)
 redis.call('DEL', KEYS[2])
 redis.call('ZREM', KEYS[4], ARGV[3])
 redis.call('XADD', KEYS[3], 'MAXLEN', '~', @MAXLEN@, '*', 'type', ARGV[5], 'data', ARGV[7])

@@ -23,7 +23,7 @@ from workers.tools import Tool
 ApprovalPolicy = Literal["deny", "park"]
 APPROVAL_POLICIES: Final = ("deny", "park")
 PERMISSIVE_MODES: Final = ("yolo", "auto-edit")
-AGENT_TOOL_NAMES: Final = ("agent", "task")
+AGENT_TOOL_NAMES: Final = ("agent",)  # besides any declared tool taking `prompt` and `subagent_type`
 
 FORK_NESTING_ERROR: Final = "Error: Cannot spawn sub-agents from within a fork. Please execute tasks directly."
 TEAMMATE_NESTING_ERROR: Final = (
@@ -80,7 +80,8 @@ def needs_approval(tool: Tool, mode: str) -> bool:
 
 
 def is_agent_call(name: str | None, declarations: Mapping[str, Mapping[str, Any]]) -> bool:
-    """An Agent tool call: the Agent tool's name, or a declared tool taking `prompt` and `subagent_type`."""
+    """An Agent tool call: the Agent tool's name (`agent`, any case), or a declared tool taking `prompt` and
+    `subagent_type` (`Task` and the like are recognized by their parameters, not their name)."""
     if not name:
         return False
     if name.lower() in AGENT_TOOL_NAMES:

@@ -17,7 +17,7 @@ from workers.child import Stopped
 from workers.errors import ForkqError, InvalidAgentParams
 from workers.params import validate_agent_params
 from workers.policy import effective_mode
-from workers.records import BootstrapRecord, ForkResult
+from workers.records import BootstrapRecord, ForkResult, Status
 from workers.store import ForkStore
 
 POLL_MS: Final = 500
@@ -51,7 +51,8 @@ def nested_record(parent: BootstrapRecord, args: Mapping[str, Any], child_id: st
         approval_mode=effective_mode(parent.approval_mode),
         cwd=parent.cwd,
         depth=parent.depth + 1,
-        options={k: v for k, v in parent.options.items() if k in ("approval_policy", "max_wall_s")},
+        # no approval_policy: a nested subagent never parks, since its caller holds a worker slot waiting for it
+        options={k: v for k, v in parent.options.items() if k == "max_wall_s"},
     )
 
 
@@ -64,12 +65,19 @@ class SubagentSpawner:
     stopping: threading.Event
 
     def spawn(
-        self, record: BootstrapRecord, args: Mapping[str, Any], child_id: str, *, cancelled: Callable[[], bool]
+        self,
+        record: BootstrapRecord,
+        args: Mapping[str, Any],
+        child_id: str,
+        *,
+        cancelled: Callable[[], bool],
+        deadline: float,
     ) -> dict[str, Any]:
         """The nested subagent's output (`{"output": ...}`) or why it failed (`{"error": ...}`).
 
         Raises:
-            Stopped: the worker shuts down (the caller is released; its revival waits again).
+            Stopped: the worker shuts down, or the caller lost its lease (it is revived elsewhere and
+                waits for the same subagent again).
         """
         try:
             child = nested_record(record, args, child_id)
@@ -82,16 +90,21 @@ class SubagentSpawner:
             return {"error": f"Error: the subagent could not be launched: {exc}"}
         if self.store.state(child_id).attempt == 0:  # not yet run; a duplicate job would be a no-op anyway
             self.enqueue(child_id, digest, 1)
-        return self._wait(child_id, cancelled)
+        return self._wait(record.fork_id, child_id, cancelled, deadline)
 
-    def _wait(self, child_id: str, cancelled: Callable[[], bool]) -> dict[str, Any]:
+    def _wait(self, caller: str, child_id: str, cancelled: Callable[[], bool], deadline: float) -> dict[str, Any]:
         after = "0-0"
         while True:
             result = self.store.result(child_id)
             if result is not None:
                 return _outcome(result)
-            if cancelled():  # the caller was cancelled: so is what it launched
+            if cancelled():
+                if self.store.state(caller).status is not Status.CANCELLED:
+                    raise Stopped("lease_lost")  # revived elsewhere: the new run waits for the same subagent
+                self.store.cancel(child_id)  # the caller was cancelled: so is what it launched
+            if time.monotonic() >= deadline:  # the caller's wall clock ran out: its subagent's work is moot
                 self.store.cancel(child_id)
+                return {"error": "Error: the caller's wall-clock limit was reached while the subagent ran"}
             if self.stopping.is_set():
                 raise Stopped("shutdown")
             for event in self.store.events(child_id, after=after, block_ms=POLL_MS):

@@ -89,13 +89,28 @@ return 'cancelled'
 )
 
 
+# Time spent parked (paused, awaiting approval) does not count against the wall-clock limit: the
+# fork's first start moves forward by it when the fork is queued again.
+_UNPARK = """
+local parked = tonumber(redis.call('HGET', KEYS[1], 'parked_ms') or '')
+local first = tonumber(redis.call('HGET', KEYS[1], 'first_started_ms') or '')
+if parked and first then redis.call('HSET', KEYS[1], 'first_started_ms', first + (now - parked)) end
+redis.call('HDEL', KEYS[1], 'parked_ms')
+"""
+
 # KEYS: state, events. A paused fork goes back to queued (the caller re-enqueues it).
-_RESUME = """
+_RESUME = (
+    _NOW
+    + """
 if redis.call('HGET', KEYS[1], 'status') ~= 'paused' then return 'no' end
+"""
+    + _UNPARK
+    + """
 redis.call('HSET', KEYS[1], 'status', 'queued', 'error', '')
 redis.call('XADD', KEYS[2], '*', 'type', 'resumed', 'data', '{}')
 return 'queued'
 """
+)
 
 
 # KEYS: state, journal, events, running. ARGV: call id, approval entry bytes, its seq, event type, event
@@ -121,10 +136,13 @@ if #left > 0 then
   return 'recorded'
 end
 redis.call('HSET', KEYS[1], 'status', 'queued', 'pending', '', 'error', '')
+"""
+    + _UNPARK
+    + """
 redis.call('ZADD', KEYS[4], now + tonumber(ARGV[6]), ARGV[7])
 return 'queued'
-""".replace("@MAXLEN@", str(EVENTS_MAXLEN))
-)
+"""
+).replace("@MAXLEN@", str(EVENTS_MAXLEN))
 
 DECIDE_ATTEMPTS: Final = 5
 
