@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -16,10 +17,12 @@ from live import wait_until
 from prometheus_client import CollectorRegistry
 
 from broker_config.settings import Settings
+from workers.app import runtime_of
 from workers.client import ForkClient
 from workers.metrics import Metrics
 from workers.progress import RunObserver, step_progress
 from workers.records import Status
+from workers.tasks import final_event
 
 
 class Clock:
@@ -173,3 +176,53 @@ def test_each_step_of_a_running_fork_is_a_task_progress_event(
     # the delivery's own outcome comes last, after its progress
     assert [e["type"] for e in mine][-1] == "task-succeeded"
     assert mine[-1]["result"] == "'succeeded'"
+
+
+def test_a_delivery_that_parks_its_fork_ends_in_a_custom_state_flower_shows(
+    app: Celery,
+    client: ForkClient,
+    start_live_worker: Callable[..., WorkController],
+    parent: dict[str, Any],
+    task_events: list[dict[str, Any]],
+) -> None:
+    # Given a fork whose parent is in `default` mode, so its first mutating call waits for a person
+    start_live_worker(app)
+    tools = [{"name": "list_directory", "parameters": {"type": "object"}}]
+    mutating = {**parent, "tools": tools, "approval_mode": "default"}  # the call parks before it runs
+    registry = runtime_of(app).tools
+    registry.register(replace(registry.tools["list_directory"], mutating=True))  # make the scripted call wait
+
+    # When its delivery parks it
+    handle = client.launch(
+        mutating, {"description": "p", "prompt": "look", "subagent_type": "fork"}, approval_policy="park"
+    )
+    task_id = f"{handle.fork_id}.1"
+    wait_until(
+        lambda: any(e.get("uuid") == task_id and e["type"] == "task-awaiting_approval" for e in list(task_events)),
+        what="the task-awaiting_approval event",
+    )
+
+    # Then the delivery's last event is the custom one (Flower's state AWAITING_APPROVAL), not task-succeeded
+    mine = [e for e in task_events if e.get("uuid") == task_id]
+    assert [e["type"] for e in mine][-1] == "task-awaiting_approval"
+    assert "task-succeeded" not in [e["type"] for e in mine]
+    state = app.events.State()
+    for event in mine:
+        state.event(event)
+    assert state.tasks[task_id].state == "AWAITING_APPROVAL"
+
+
+@pytest.mark.parametrize(
+    ("outcome", "event"),
+    [
+        ("'succeeded'", None),
+        ("'failed'", "task-failed"),
+        ("'released'", "task-released"),
+        ("'awaiting_approval'", "task-awaiting_approval"),
+        ("'duplicate:running'", "task-duplicate"),
+        ("'refused:RecordIntegrityError'", "task-rejected"),
+        (None, None),
+    ],
+)
+def test_each_delivery_outcome_has_its_final_event(outcome: Any, event: str | None) -> None:
+    assert final_event(outcome) == event

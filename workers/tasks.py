@@ -110,11 +110,41 @@ class WorkerEvents:
         return dispatcher if pid == os.getpid() else None
 
 
+def final_event(outcome: object) -> str | None:
+    """The Celery event that ends a `run_fork` delivery in Flower, for outcomes other than a fork's success.
+
+    A fork that ended `succeeded` keeps Celery's `task-succeeded` (state SUCCESS). A fork that failed
+    ends `task-failed` (FAILURE, with the reason as its exception). Every other outcome is a custom
+    final state: `task-released` (RELEASED: handed to another worker at shutdown), `task-paused`,
+    `task-awaiting_approval`, `task-cancelled`, `task-lease_lost`, `task-handed_back`,
+    `task-duplicate` (a no-op delivery), and `task-rejected` (refused or malformed jobs, dead-lettered).
+    Flower shows the last event's subject as the state (AWAITING_APPROVAL, RELEASED, ...).
+    """
+    if not isinstance(outcome, str):
+        return None
+    kind = outcome.strip("'\"").split(":", 1)[0]  # the pool hands over the return value's repr
+    if kind == "succeeded":
+        return None
+    if kind in ("refused", "rejected"):
+        return "task-rejected"
+    return f"task-{kind}"
+
+
 def _request_class(events: WorkerEvents) -> type[ForkqRequest]:
     class Request(ForkqRequest):
         def __init__(self, message: Any, *args: Any, **kwargs: Any) -> None:
             super().__init__(message, *args, **kwargs)
             events.seen(kwargs.get("eventer"))
+
+        def send_event(self, type: str, **fields: Any) -> None:
+            # Celery's success path stays as it is (task_ready, ack); only its final event carries forkq's
+            # outcome, so Flower shows RELEASED, AWAITING_APPROVAL, ... instead of SUCCESS for every delivery
+            event = final_event(fields.get("result")) if type == "task-succeeded" else None
+            if event == "task-failed":
+                fork_id = str(self.id).rsplit(".", 1)[0]  # task ids are `<fork id>.<attempt>`
+                reason = f"ForkFailed('fork {fork_id} ended failed: `forkq result {fork_id}` has the reason')"
+                fields = {"exception": reason, "traceback": "", "runtime": fields.get("runtime")}
+            super().send_event(event or type, **fields)
 
     return Request
 
