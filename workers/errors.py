@@ -90,7 +90,15 @@ class ForkNotEnded(ForkqError):
 
 
 class LeaseLost(ForkqError):
-    """This worker no longer holds the fork's lease (expired, revived elsewhere, or cancelled)."""
+    """This worker no longer holds the fork's lease (expired, revived elsewhere, or cancelled).
+
+    `refusal` is what the fenced write found: `stale` (another epoch), `lost` (another owner), or the
+    fork's status when it is no longer running (`cancelled`, ...).
+    """
+
+    def __init__(self, message: str, *, fork_id: str | None = None, refusal: str | None = None) -> None:
+        super().__init__(message, fork_id=fork_id)
+        self.refusal = refusal
 
 
 class InvalidApproval(ForkqError):

@@ -293,6 +293,7 @@ class Leases:
                 f"fork {claim.fork_id}: {what} refused ({text}); this worker (epoch {claim.epoch}) no longer "
                 "runs the fork",
                 fork_id=claim.fork_id,
+                refusal=text,
             )
 
     def append(self, claim: Claim, *entries: JournalEntry, events: Sequence[tuple[str, dict[str, Any]]] = ()) -> None:

@@ -156,8 +156,9 @@ class FencedChannel:
         return events
 
     def _stop_if_asked(self) -> None:
-        if self.lost.is_set():
-            raise Stopped("lease_lost")
+        if self.lost.is_set():  # the heartbeat found the lease gone, or the fork no longer running: which?
+            status = self.leases.emit(self.claim.fork_id, [])
+            raise Stopped("cancelled" if status == "cancelled" else "lease_lost")
         if self.stopping.is_set():
             raise Stopped("shutdown")
 
@@ -247,6 +248,9 @@ def run_fork_job(runtime: WorkerRuntime, job: RunForkJob, progress: Progress | N
     try:
         return run.ended(_run_claimed(runtime, job, claim, lost, observe=run.observe, first=first))
     except LeaseLost as exc:
+        if exc.refusal == "cancelled":  # cancelled mid-step: the write after it was fenced out, as it must be
+            log.info("fork %s: cancelled while it ran; stopped", job.fork_id)
+            return run.ended("cancelled")
         log.warning("%s", exc)
         return run.ended("lease_lost")
     finally:
