@@ -131,48 +131,26 @@ def test_sentinel_nodes_that_require_a_password_get_forkq_sentinel_password(
         client.ping()
 
 
-def test_a_fork_runs_through_a_broker_found_by_sentinel(
+@pytest.mark.parametrize("records_too", [False, True], ids=["broker", "broker-and-records"])
+def test_a_fork_runs_end_to_end_on_redis_found_by_sentinel(
+    *,
+    records_too: bool,
     redis_server: RedisServer,
     make_settings: Callable[..., Settings],
     start_sentinel: Callable[..., SentinelNode],
     start_live_worker: Callable[[Celery], WorkController],
     parent: dict[str, Any],
 ) -> None:
-    # Given a broker URL that lists Sentinel nodes instead of Redis (the second one down: nodes are
-    # asked in order, so a node that is down first costs each new connection its retries)
+    # Given a URL that lists Sentinel nodes instead of Redis (the second one down: nodes are asked in
+    # order, so a node that is down first costs each new connection its retries), for the broker and,
+    # in the second case, for forkq's own records too (one URL serves both, as in deploy/)
     node = start_sentinel(redis_server.port)
-    broker = f"sentinel://127.0.0.1:{node.port}/0;sentinel://127.0.0.1:{free_port()}/0"
-    settings = make_settings(broker_url=broker, sentinel_master=node.master)
+    url = f"sentinel://127.0.0.1:{node.port}/0;sentinel://127.0.0.1:{free_port()}/0"
+    records = {"redis_url": url} if records_too else {}
+    settings = make_settings(broker_url=url, sentinel_master=node.master, **records)
     app = make_app(settings)
 
-    # When a fork is launched and a worker consumes the queue
-    try:
-        with ForkClient(settings, app=app) as client:
-            handle = client.launch(parent, FORK)
-            start_live_worker(app)
-            status = handle.wait(timeout=15).status
-    finally:
-        app.close()
-
-    # Then the job went through the primary Sentinel named, and the fork ran
-    assert app.conf.broker_transport_options["master_name"] == node.master
-    assert status is Status.SUCCEEDED
-
-
-def test_records_and_broker_both_found_by_sentinel_run_a_fork_end_to_end(
-    redis_server: RedisServer,
-    make_settings: Callable[..., Settings],
-    start_sentinel: Callable[..., SentinelNode],
-    start_live_worker: Callable[[Celery], WorkController],
-    parent: dict[str, Any],
-) -> None:
-    # Given FORKQ_REDIS_URL and the broker both as Sentinel URLs (one URL serves both, as in deploy/)
-    node = start_sentinel(redis_server.port)
-    url = f"sentinel://127.0.0.1:{node.port}/0"
-    settings = make_settings(redis_url=url, broker_url=url, sentinel_master=node.master)
-    app = make_app(settings)
-
-    # When a fork is launched through the client and run by a worker, both on Sentinel-found clients
+    # When a fork is launched through the client and a worker consumes the queue
     try:
         with ForkClient(settings, app=app) as client:
             handle = client.launch(parent, FORK)
@@ -182,7 +160,8 @@ def test_records_and_broker_both_found_by_sentinel_run_a_fork_end_to_end(
     finally:
         app.close()
 
-    # Then the fork ran, and its records are on the primary that Sentinel names
+    # Then the job went through the primary Sentinel named, the fork ran, and its records are there
+    assert app.conf.broker_transport_options["master_name"] == node.master
     assert result.status is Status.SUCCEEDED, result.error
     assert record["fork_id"] == handle.fork_id
     with redis.Redis(port=redis_server.port) as primary:

@@ -32,7 +32,7 @@ from workers.policy import Gate, denied_by_policy, denied_by_user, effective_mod
 from workers.providers import ModelProvider, ModelRequest
 from workers.records import BootstrapRecord, ForkResult, Status, Usage
 from workers.structured import check_answer, feedback_text
-from workers.tools import Tool, ToolContext, ToolRegistry
+from workers.tools import Tool, ToolContext, ToolRegistry, never_cancelled
 
 
 class ForkIO(Protocol):
@@ -90,11 +90,6 @@ class Spawner(Protocol):
 NO_SPAWNER: Final = "Error: this worker cannot launch sub-agents. Complete this task directly with your own tools."
 
 
-def never() -> bool:
-    """A cancellation check that never fires."""
-    return False
-
-
 @dataclass
 class ChildLoop:
     """One fork's agent loop over its seed and journal."""
@@ -111,7 +106,7 @@ class ChildLoop:
     max_depth: int = 3
     schema_retries: int = 2
     spawner: Spawner | None = None
-    cancelled: Callable[[], bool] = never  # a tool polls it (cancel, lost lease) while it runs
+    cancelled: Callable[[], bool] = never_cancelled  # a tool polls it (cancel, lost lease) while it runs
     digests: RequestDigests = field(default_factory=RequestDigests)  # a worker passes its own, shared by its forks
     declarations: list[dict[str, Any]] = field(init=False)  # parsed once, sent with every request
     gate: Gate = field(init=False)

@@ -280,8 +280,7 @@ class ForkClient:
         """Re-enqueue a paused fork (after its missing tools were installed); False if it was not paused."""
         if not self.store.resume(fork_id):
             return False
-        state = self.store.state(fork_id)
-        enqueue_fork(self.app, self.settings.queue, fork_id, state.digest, attempt=state.attempt + 1)
+        self._enqueue_again(fork_id)
         return True
 
     def approve(self, fork_id: str, call_id: str) -> str:
@@ -301,10 +300,14 @@ class ForkClient:
     def _decide(self, fork_id: str, call_id: str, decision: str, reason: str | None) -> str:
         outcome = self.store.decide(fork_id, call_id, decision, reason)
         if outcome == "queued":
-            state = self.store.state(fork_id)
-            enqueue_fork(self.app, self.settings.queue, fork_id, state.digest, attempt=state.attempt + 1)
-            self._leases.enqueued(fork_id)
+            self._enqueue_again(fork_id)
         return outcome
+
+    def _enqueue_again(self, fork_id: str) -> None:
+        """Send the job of a fork put back in the queue state (resumed, decided), then confirm it enqueued."""
+        state = self.store.state(fork_id)
+        enqueue_fork(self.app, self.settings.queue, fork_id, state.digest, attempt=state.attempt + 1)
+        self._leases.enqueued(fork_id)  # out of the running index, where a decided fork waits until now
 
     def notification(self, fork_id: str) -> str:
         """The `<task-notification>` the parent's model reads once the fork has ended.

@@ -113,6 +113,6 @@ class SubagentSpawner:
 
 
 def _outcome(result: ForkResult) -> dict[str, Any]:
-    if result.status.value == "succeeded":
+    if result.status is Status.SUCCEEDED:
         return {"output": result.output or ""}
     return {"error": f"Error: the subagent {result.status.value}: {result.error or 'no reason given'}"}
