@@ -4,6 +4,10 @@ Run by the benchmark as `celery -A bench.bare_app worker -Q bench-bare ...`. The
 `broker_config.celery.celery_config(Settings())` (msgpack, acks_late, prefetch 1, events on), so the
 only difference from a forkq worker is the task body: `bench.noop` LPUSHes to the key it is given,
 which the caller BLPOPs (latency) or counts with EXISTS (throughput).
+
+`bench.bare_app_conn` is the same app with forkq's broker connection (`broker_config.connection`,
+one Redis client per channel instead of one per publish): the second baseline of the throughput
+figure, which shows how much of forkq's ratio that connection accounts for.
 """
 
 from __future__ import annotations
@@ -16,9 +20,11 @@ import redis
 from celery import Celery
 
 from broker_config.celery import celery_config
+from broker_config.connection import ForkqAMQP
 from broker_config.settings import Settings
 
 BARE_QUEUE = "bench-bare"
+CONN_QUEUE = "bench-bare-conn"
 NOOP_TASK = "bench.noop"
 
 
@@ -34,14 +40,16 @@ class _Runtime:
         return redis.Redis.from_url(self.url, health_check_interval=30)
 
 
-def make_bare_app(settings: Settings) -> Celery:
-    """A Celery app with forkq's configuration, routed to `BARE_QUEUE`, with the no-op task."""
-    app = Celery("bench-bare", set_as_current=False)
+def make_bare_app(settings: Settings, *, forkq_connection: bool = False) -> Celery:
+    """A Celery app with forkq's configuration and the no-op task, routed to `BARE_QUEUE` (stock kombu
+    connection) or, with `forkq_connection`, to `CONN_QUEUE` (forkq's `ForkqAMQP`)."""
+    queue = CONN_QUEUE if forkq_connection else BARE_QUEUE
+    app = Celery("bench-bare", set_as_current=False, amqp=ForkqAMQP if forkq_connection else None)
     app.conf.update(
         {
             **celery_config(settings),
-            "task_default_queue": BARE_QUEUE,
-            "task_routes": {NOOP_TASK: {"queue": BARE_QUEUE}},
+            "task_default_queue": queue,
+            "task_routes": {NOOP_TASK: {"queue": queue}},
         }
     )
     runtime = _Runtime(settings.redis_url)

@@ -1,12 +1,15 @@
 """Benchmark: dispatching forks through Celery and Redis, each figure beside a baseline from the same run.
 
-Run: `python bench/dispatch.py [--quick]`. Starts a private redis-server (TCP) and four worker
-processes on it: two forkq workers (`celery -A workers.app`) and two bare-Celery workers
-(`celery -A bench.bare_app`), all with the threads pool and forkq's broker settings. Measures:
+Run: `python bench/dispatch.py [--quick]`. Starts a private redis-server (TCP) and six worker
+processes on it: two forkq workers (`celery -A workers.app`), two bare-Celery workers
+(`celery -A bench.bare_app`) and two bare-Celery workers with forkq's broker connection
+(`celery -A bench.bare_app_conn`), all with the threads pool and forkq's broker settings. Measures:
 
 1. latency: launch → the fork's first model call has answered (scripted, delay 0; seen by the
    caller on the fork's event stream), vs send → a bare no-op task has run (seen by BLPOP);
-2. throughput: N one-step forks vs N bare no-op tasks, enqueued at once, until all are done;
+2. throughput: N one-step forks vs N bare no-op tasks, enqueued at once, until all are done; in
+   rounds (bare, bare with forkq's connection, forks, in a rotating order) so that a noisy machine's
+   drift hits all three alike, the ratio being the median of the rounds' ratios;
 3. Redis memory of 100 `all` forks of one ~5 MB parent (launch only) vs one copy of its history;
 4. the inline-seed trade-off behind FORKQ_INLINE_SEED_MAX_BYTES (inline vs read from Redis).
 """
@@ -14,6 +17,7 @@ processes on it: two forkq workers (`celery -A workers.app`) and two bare-Celery
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -36,7 +40,7 @@ import celery  # noqa: E402
 import msgpack  # noqa: E402
 import redis  # noqa: E402
 
-from bench.bare_app import BARE_QUEUE, NOOP_TASK, make_bare_app  # noqa: E402
+from bench.bare_app import BARE_QUEUE, CONN_QUEUE, NOOP_TASK, make_bare_app  # noqa: E402
 from bench.history import make_history  # noqa: E402
 from bench.procs import Proc as Worker  # noqa: E402
 from bench.procs import wait_ready, worker_env, workers  # noqa: E402
@@ -57,6 +61,7 @@ IDLE_NS = "bench-idle"
 SEED_TARGETS = (4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 3 << 20)  # under the 4 MiB job cap
 HUGE = 1 << 40
 TIMEOUT_S = 60.0
+SETTLE_S = 1.0  # idle time before each throughput burst
 T = TypeVar("T")
 # the worker's first event at the first model call: 'model_call' (published as the call starts); 'step'
 # (published once it answered) only as a fallback
@@ -69,14 +74,15 @@ class Plan:
 
     latency_n: int
     throughput_n: int
+    rounds: int
     memory_forks: int
     memory_messages: int
     inline_k: int
     warmup: int
 
 
-FULL = Plan(latency_n=300, throughput_n=500, memory_forks=100, memory_messages=1250, inline_k=25, warmup=20)
-QUICK = Plan(latency_n=200, throughput_n=200, memory_forks=100, memory_messages=1250, inline_k=3, warmup=5)
+FULL = Plan(latency_n=300, throughput_n=500, rounds=3, memory_forks=100, memory_messages=1250, inline_k=25, warmup=20)
+QUICK = Plan(latency_n=200, throughput_n=200, rounds=2, memory_forks=100, memory_messages=1250, inline_k=3, warmup=5)
 
 
 # ── measurements ──────────────────────────────────────────────────────────────────────────────
@@ -161,8 +167,16 @@ class Burst:
         return self.n / self.total_s
 
 
+def settle(seconds: float = SETTLE_S) -> None:
+    """Let the previous burst's tail (acks, event flushes) end and collect the caller's garbage, so that
+    each burst starts from an idle machine whichever kind ran before it."""
+    gc.collect()
+    time.sleep(seconds)
+
+
 def burst(n: int, group: Sequence[Worker], enqueue: Callable[[], list[str]], r: redis.Redis) -> Burst:
     """Run `enqueue` (which returns the keys that appear when each job is done) and wait for them all."""
+    settle()
     cmds0, cpu0, wcpu0 = redis_calls(r), time.process_time(), sum(w.cpu_ns() for w in group)
     start = time.perf_counter()
     keys = enqueue()
@@ -259,10 +273,12 @@ class Bench:
     r: redis.Redis
     plan: Plan
     bare_app: celery.Celery
+    conn_app: celery.Celery  # the bare app with forkq's broker connection
     fork_client: ForkClient
     parent: ParentSnapshot
     fork_workers: list[Worker]
     bare_workers: list[Worker]
+    conn_workers: list[Worker]
 
     def client(self, **overrides: Any) -> ForkClient:
         """A ForkClient on this Redis with some settings changed."""
@@ -282,13 +298,42 @@ def measure_latency(b: Bench) -> tuple[list[float], list[ForkSample]]:
     return bare, forks
 
 
-def measure_throughput(b: Bench) -> tuple[Burst, Burst]:
-    """One burst of bare no-ops, then one of forks (each after a small warm burst)."""
-    bare_burst(b.bare_app, b.r, 50, b.bare_workers)
-    bare = bare_burst(b.bare_app, b.r, b.plan.throughput_n, b.bare_workers)
-    fork_burst(b.fork_client, b.parent, 50, b.fork_workers)
-    forks = fork_burst(b.fork_client, b.parent, b.plan.throughput_n, b.fork_workers)
-    return bare, forks
+@dataclass(frozen=True)
+class Throughput:
+    """Rounds of three bursts: bare no-ops (stock Celery), bare no-ops with forkq's connection, forks."""
+
+    bare: list[Burst]
+    conn: list[Burst]
+    forks: list[Burst]
+
+    def ratios(self, base: Sequence[Burst]) -> list[float]:
+        """Each round's fork rate over the baseline's rate in the same round."""
+        return [f.rate / b.rate for f, b in zip(self.forks, base, strict=True)]
+
+    def ratio(self, base: Sequence[Burst]) -> float:
+        """The median of the rounds' ratios."""
+        return statistics.median(self.ratios(base))
+
+    def median(self, bursts: Sequence[Burst]) -> Burst:
+        """The burst of the median rate (the lower middle one for an even count)."""
+        return sorted(bursts, key=lambda x: x.rate)[(len(bursts) - 1) // 2]
+
+
+def measure_throughput(b: Bench) -> Throughput:
+    """A small warm burst of each kind, then rounds of the three bursts, the order rotating each round."""
+    n = b.plan.throughput_n
+    kinds: list[Callable[[int], Burst]] = [
+        lambda k: bare_burst(b.bare_app, b.r, k, b.bare_workers),
+        lambda k: bare_burst(b.conn_app, b.r, k, b.conn_workers),
+        lambda k: fork_burst(b.fork_client, b.parent, k, b.fork_workers),
+    ]
+    for kind in kinds:
+        kind(50)
+    results: list[list[Burst]] = [[], [], []]
+    for r in range(b.plan.rounds):
+        for i in (r % 3, (r + 1) % 3, (r + 2) % 3):
+            results[i].append(kinds[i](n))
+    return Throughput(*results)
 
 
 @dataclass(frozen=True)
@@ -302,6 +347,11 @@ class Memory:
     copy_delta: int
     copy_key_bytes: int
     launch_ms: float
+
+    @property
+    def ratio(self) -> float:
+        """The forks' memory over one copy's."""
+        return self.fork_delta / self.copy_delta
 
 
 def measure_memory(b: Bench) -> Memory:
@@ -453,31 +503,31 @@ def verdict(ratio: float, target: str) -> str:
     return f"{target} {'ok' if ok else 'MISS'}"
 
 
-def print_report(
-    b: Bench, latency: tuple[list[float], list[ForkSample]], bursts: tuple[Burst, Burst], mem: Memory
-) -> None:
+def print_report(b: Bench, latency: tuple[list[float], list[ForkSample]], tp: Throughput, mem: Memory) -> None:
     """The headline table: each figure, its baseline from this run, the ratio and the target."""
     bare_ms = [s * 1e3 for s in latency[0]]
     first = [s.first_call_s * 1e3 for s in latency[1]]
-    bare_b, fork_b = bursts
+    bare_b, conn_b, fork_b = tp.median(tp.bare), tp.median(tp.conn), tp.median(tp.forks)
     server = b.r.info("server")["redis_version"]
     print(
         f"\nforkq dispatch: {os.cpu_count()} CPUs, Python {platform.python_version()}, redis-server {server}, ", end=""
     )
-    print(f"Celery {celery.__version__}; 2 forkq + 2 bare-Celery workers, threads pool, concurrency {CONCURRENCY}")
+    print(f"Celery {celery.__version__}; 2 forkq + 2 + 2 bare-Celery workers, threads pool, concurrency {CONCURRENCY}")
     print("load average (1, 5, 15 min) at the end: {:.1f} {:.1f} {:.1f}".format(*os.getloadavg()))
+    p50, p99 = (pct(first, 50), pct(bare_ms, 50)), (pct(first, 99), pct(bare_ms, 99))
     rows = [
-        ("launch → first model call, p50 (ms)", pct(first, 50), pct(bare_ms, 50), "≤2×"),
-        ("launch → first model call, p99 (ms)", pct(first, 99), pct(bare_ms, 99), ""),
-        (f"throughput, {fork_b.n} at once (jobs/s)", fork_b.rate, bare_b.rate, "≥0.5×"),
-        (f"Redis memory, {mem.forks} forks (MB)", mem.fork_delta / 1e6, mem.copy_delta / 1e6, "≤1.3×"),
+        ("launch → first model call, p50 (ms)", *p50, p50[0] / p50[1], "≤2×"),
+        ("launch → first model call, p99 (ms)", *p99, p99[0] / p99[1], ""),
+        (f"throughput, {fork_b.n} at once (jobs/s)", fork_b.rate, bare_b.rate, tp.ratio(tp.bare), "≥0.5×"),
+        ("  vs bare Celery + forkq's connection", fork_b.rate, conn_b.rate, tp.ratio(tp.conn), ""),
+        (f"Redis memory, {mem.forks} forks (MB)", mem.fork_delta / 1e6, mem.copy_delta / 1e6, mem.ratio, "≤1.3×"),
     ]
     print(f"\n{'figure':<42} {'forkq':>9} {'baseline':>9} {'ratio':>7}  target")
-    for label, value, base, target in rows:
-        print(f"{label:<42} {value:>9.2f} {base:>9.2f} {value / base:>6.2f}×  {verdict(value / base, target)}")
+    for label, value, base, ratio, target in rows:
+        print(f"{label:<42} {value:>9.2f} {base:>9.2f} {ratio:>6.2f}×  {verdict(ratio, target)}")
 
 
-def print_details(latency: tuple[list[float], list[ForkSample]], bursts: tuple[Burst, Burst], mem: Memory) -> None:
+def print_details(latency: tuple[list[float], list[ForkSample]], tp: Throughput, mem: Memory) -> None:
     """What each figure measured, with the breakdowns that locate the time."""
     forks = latency[1]
     kinds = sorted({s.event for s in forks})
@@ -486,7 +536,11 @@ def print_details(latency: tuple[list[float], list[ForkSample]], bursts: tuple[B
     print("  bare = send_task → caller's BLPOP returns the no-op's LPUSH.")
     print(f"  fork p50: launch() returns at {pct([s.launch_s * 1e3 for s in forks], 50):.2f} ms, ", end="")
     print(f"'started' (claim; Redis clock, 1 ms steps) at {pct([s.started_ms for s in forks], 50):.0f} ms")
-    for name, x in zip(("bare", "forks"), bursts, strict=True):
+    rounds = " ".join(f"{r:.2f}×" for r in tp.ratios(tp.bare))
+    conn = " ".join(f"{r:.2f}×" for r in tp.ratios(tp.conn))
+    print(f"throughput: {len(tp.forks)} rounds, forks/bare per round {rounds}; forks/bare+connection {conn};")
+    print("  the table shows each kind's median-rate round and the median of the per-round ratios")
+    for name, x in (("bare", tp.median(tp.bare)), ("conn", tp.median(tp.conn)), ("forks", tp.median(tp.forks))):
         print(f"throughput {name:<5}: enqueue {x.enqueue_s:.2f} s, all done {x.total_s:.2f} s; per job: ", end="")
         print(
             f"caller CPU {x.caller_cpu_ms:.2f} ms, worker CPU {x.worker_cpu_ms:.2f} ms, "
@@ -541,20 +595,24 @@ def run(plan: Plan) -> None:
         bare_group = stack.enter_context(
             workers("bench.bare_app", BARE_QUEUE, ["bare1", "bare2"], env, tmp, concurrency=CONCURRENCY)
         )
+        conn_group = stack.enter_context(
+            workers("bench.bare_app_conn", CONN_QUEUE, ["conn1", "conn2"], env, tmp, concurrency=CONCURRENCY)
+        )
         r = stack.enter_context(redis.Redis.from_url(server.url))
         settings = Settings(redis_url=server.url, queue=FORK_QUEUE)
         bare_app = make_bare_app(settings)
+        conn_app = make_bare_app(settings, forkq_connection=True)
         fork_client = ForkClient(settings, redis_client=r)
-        wait_ready(bare_app, [*fork_group, *bare_group])
+        wait_ready(bare_app, [*fork_group, *bare_group, *conn_group])
         parent = parse_parent_snapshot(json.loads(EXAMPLE_PARENT.read_text()))
-        b = Bench(server.url, r, plan, bare_app, fork_client, parent, fork_group, bare_group)
+        b = Bench(server.url, r, plan, bare_app, conn_app, fork_client, parent, fork_group, bare_group, conn_group)
         print(f"redis-server {server.url}, workers ready after {time.monotonic() - started:.1f} s", flush=True)
         latency = timed("latency", measure_latency, b)
-        bursts = timed("throughput", measure_throughput, b)
+        throughput = timed("throughput", measure_throughput, b)
         mem = timed("memory", measure_memory, b)
         inline = timed("inline seed", measure_inline, b)
-        print_report(b, latency, bursts, mem)
-        print_details(latency, bursts, mem)
+        print_report(b, latency, throughput, mem)
+        print_details(latency, throughput, mem)
         print_inline(inline)
     print(f"\ntotal {time.monotonic() - started:.0f} s")
 

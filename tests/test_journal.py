@@ -396,3 +396,36 @@ def test_request_digests_equal_the_digest_of_the_whole_request_and_forget_dead_m
     del req, extra, odd
     messages.pop()
     assert len(digests._encoded) == len(messages)  # the dead messages' encodings went with them
+
+
+def test_request_digests_encode_shared_tools_once_and_never_confuse_two_tool_lists() -> None:
+    # Given requests built as a child loop builds them (one declarations object for every step)
+    digests = RequestDigests()
+    tools = [{"name": "grep", "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}]
+    system = {"parts": [{"text": "be brief"}]}
+
+    def request(step: int, declarations: list[dict[str, Any]]) -> ModelRequest:
+        return ModelRequest.model_construct(
+            fork_id=FORK_ID,
+            step=step,
+            model="m",
+            system_instruction=system,
+            tools=declarations,
+            messages=list(SEED.initial_messages),
+            generation={},
+            directive="d",
+        )
+
+    def whole(req: ModelRequest) -> str:
+        return request_digest(req.model_dump(mode="json", exclude={"directive"}))
+
+    # When the same objects come back at later steps, and then a different tool list with equal names
+    first = [digests.digest(request(step, tools)) for step in range(3)]
+    other_tools = [{"name": "grep", "parameters": {"type": "object"}}]
+    other = digests.digest(request(0, other_tools))
+
+    # Then every digest is the whole request's, the shared objects were encoded once, and the lists differ
+    assert first == [whole(request(step, tools)) for step in range(3)]
+    assert other == whole(request(0, other_tools)) != first[0]
+    assert sum(1 for value, _ in digests._static.values() if value is tools) == 1
+    assert sum(1 for value, _ in digests._static.values() if value is system) == 1

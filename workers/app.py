@@ -11,6 +11,7 @@ from typing import Any
 from celery import Celery, bootsteps
 
 from broker_config.celery import celery_config
+from broker_config.connection import ForkqAMQP
 from broker_config.settings import Settings
 from workers.errors import ConfigurationError
 from workers.health import check_redis
@@ -24,7 +25,8 @@ log = logging.getLogger("forkq.worker")
 
 def make_app(settings: Settings) -> Celery:
     """A Celery app configured for forkq, with its tasks registered and its worker hooks connected."""
-    app = Celery("forkq", set_as_current=False)
+    # ForkqAMQP: connections whose Redis channels reuse one client (broker_config/connection.py)
+    app = Celery("forkq", set_as_current=False, amqp=ForkqAMQP)
     app.conf.update(celery_config(settings))
     runtime = WorkerRuntime(settings)
     runtime.requeue = lambda fid, digest, attempt: enqueue_fork(app, settings.queue, fid, digest, attempt=attempt)

@@ -370,8 +370,12 @@ class ChildLoop:
 def model_request(
     record: BootstrapRecord, declarations: list[dict[str, Any]], step: int, messages: list[Content]
 ) -> ModelRequest:
-    """The model request of step `step` over `messages`."""
-    return ModelRequest(
+    """The model request of step `step` over `messages`.
+
+    Built without validation (every field comes from a validated record or is a Content), so the
+    request holds `declarations` itself: `RequestDigests` encodes it once per loop, not per step.
+    """
+    return ModelRequest.model_construct(
         fork_id=record.fork_id,
         step=step,
         model=record.model,

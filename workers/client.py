@@ -16,13 +16,13 @@ from broker_config.redis_client import redis_client as connect_redis
 from broker_config.settings import Settings
 from workers.app import make_app
 from workers.errors import ForkNotEnded, ForkTimeout, InvalidAgentParams
-from workers.history import build_fork_seed_wire
 from workers.keys import Keys
 from workers.lease import Leases
 from workers.notification import render_task_notification
 from workers.params import AgentParams, validate_agent_params
 from workers.policy import APPROVAL_POLICIES, ApprovalPolicy, depth_error
-from workers.records import BootstrapRecord, ForkResult, ForkState, Status, chunk_digest, split_wire
+from workers.records import BootstrapRecord, ForkResult, ForkState, Status
+from workers.seeds import SeedBuilder, SeedChunks
 from workers.snapshot import ParentSnapshot, parse_parent_snapshot
 from workers.store import ForkEvent, ForkStore
 from workers.structured import check_schema
@@ -120,6 +120,7 @@ class ForkClient:
         self.redis = redis_client or connect_redis(self.settings)
         self.store = ForkStore(self.redis, Keys(self.settings.namespace), ttl_s=self.settings.record_ttl_s)
         self.app = app or make_app(self.settings)
+        self._seeds = SeedBuilder()  # sibling forks of one snapshot share their selection and chunks
         self._leases = Leases(
             self.redis,
             Keys(self.settings.namespace),
@@ -176,13 +177,11 @@ class ForkClient:
         )
         fid = fork_id or new_fork_id()
         if agent.is_fork:
-            wire, task_prompt = build_fork_seed_wire(
-                snapshot.history, fork_turns=agent.fork_turns, directive=agent.prompt
-            )
+            seed = self._seeds.build(snapshot, fork_turns=agent.fork_turns, directive=agent.prompt)
         else:  # regular subagents and named teammates inherit no history
-            wire, task_prompt = [], agent.prompt
-        chunks = split_wire(wire)
-        record = self._record(fid, snapshot, agent, chunks, count=len(wire), task_prompt=task_prompt, options=options)
+            seed = SeedChunks(chunks=[], digests=[], count=0, task_prompt=agent.prompt)
+        chunks = seed.chunks
+        record = self._record(fid, snapshot, agent, seed, options=options)
         record_bytes, digest = record.encode()
         self.store.put_launch(record, record_bytes, digest, chunks)
         inline: list[bytes] | None = [record.context_blob(), *chunks]
@@ -205,19 +204,17 @@ class ForkClient:
         fid: str,
         parent: ParentSnapshot,
         agent: AgentParams,
-        chunks: list[bytes],
+        seed: SeedChunks,
         *,
-        count: int,
-        task_prompt: str,
         options: dict[str, Any],
     ) -> BootstrapRecord:
         return BootstrapRecord(
             fork_id=fid,
             parent_session=parent.session_id,
             kind="fork" if agent.is_fork else "spawn",
-            seed_chunks=[chunk_digest(c) for c in chunks],
-            message_count=count,
-            task_prompt=task_prompt,
+            seed_chunks=seed.digests,
+            message_count=seed.count,
+            task_prompt=seed.task_prompt,
             directive=agent.prompt,
             description=agent.description,
             subagent_type=agent.subagent_type,

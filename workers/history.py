@@ -33,7 +33,9 @@ __all__ = [
     "is_system_reminder_content",
     "is_system_reminder_text",
     "normalize_fork_turns",
+    "repair_fork_end",
     "select_fork_history",
+    "select_fork_parts",
     "startup_context_length",
 ]
 
@@ -366,9 +368,30 @@ def build_fork_seed_wire(
     For callers that only store or send the seed (the launching client): it skips building
     Content objects for a copy that would only be dumped again.
     """
-    prefix, body = _select(_as_contents(parent_history), fork_turns)
-    repaired, task_prompt = _repair_end(body, directive)
+    prefix, body = select_fork_parts(parent_history, fork_turns)
+    repaired, task_prompt = repair_fork_end(body, directive)
     return dump_contents([*prefix, *repaired]), task_prompt
+
+
+def select_fork_parts(
+    parent_history: Sequence[Content | Mapping[str, Any]], fork_turns: object = None
+) -> tuple[list[Content], list[Content]]:
+    """The selection step alone: (startup prefix kept as is, body whose end `repair_fork_end` repairs).
+
+    Neither depends on the directive, so a launcher may keep them for sibling forks of one parent.
+    The Contents are shared with `parent_history` (or new where curation merged some): never change
+    them in place.
+
+    Raises:
+        InvalidAgentParams: `fork_turns` is invalid.
+    """
+    return _select(_as_contents(parent_history), fork_turns)
+
+
+def repair_fork_end(body: list[Content], directive: str) -> tuple[list[Content], str]:
+    """The boundary repair: (messages, task prompt); `body`'s Contents before the repaired end are kept as
+    the same objects, and only the repaired end (at most the last three messages) depends on `directive`."""
+    return _repair_end(body, directive)
 
 
 def _as_contents(history: Iterable[Content | Mapping[str, Any]]) -> list[Content]:

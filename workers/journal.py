@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict
+from pydantic_core import to_jsonable_python
 
 from workers import codec
 from workers.errors import RecordDecodeError
@@ -187,6 +188,10 @@ def request_digest(wire: dict[str, Any]) -> str:
     return codec.digest(codec.encode(wire))
 
 
+STATIC_REQUEST_FIELDS: Final = ("tools", "system_instruction")  # the same objects at every step of a loop
+STATIC_ENCODINGS_MAX: Final = 256
+
+
 class RequestDigests:
     """`request_digest` of model requests, each message encoded once while it lives.
 
@@ -194,18 +199,34 @@ class RequestDigests:
     encoding of each message kept by identity (weakly: an entry goes with its Content), so a step
     encodes only its new messages, and forks sharing seed Contents (`workers.records.ChunkCache`)
     share their encodings. Relies on what the chunk cache relies on: a Content is never changed in
-    place. Thread-safe without a lock: an entry is used only if its reference still points at the
-    Content asked for, so a race between threads costs at most a cache miss.
+    place. The tool declarations and system instruction, which a child loop passes to every request
+    as the same objects, are encoded once per object too (kept, with a strong reference so that their
+    id stays theirs, for the last `STATIC_ENCODINGS_MAX` objects); they are never changed in place
+    either. Thread-safe without a lock: an entry is used only if its reference still points at the
+    object asked for, so a race between threads costs at most a cache miss.
     """
 
     def __init__(self) -> None:
         self._encoded: dict[int, tuple[weakref.ref[Content], bytes]] = {}
+        self._static: dict[int, tuple[object, bytes]] = {}
 
     def digest(self, request: ModelRequest) -> str:
         """The request's digest, equal to `request_digest(request.model_dump(mode="json", exclude={"directive"}))`."""
-        fields = request.model_dump(mode="json", exclude={"directive", "messages"})
-        messages = codec.encode_array([self._encoding(m) for m in request.messages])
-        return codec.digest(codec.encode_map(fields, {"messages": messages}))
+        fields = request.model_dump(mode="json", exclude={"directive", "messages", *STATIC_REQUEST_FIELDS})
+        encoded = {name: self._static_encoding(getattr(request, name)) for name in STATIC_REQUEST_FIELDS}
+        encoded["messages"] = codec.encode_array([self._encoding(m) for m in request.messages])
+        return codec.digest(codec.encode_map(fields, encoded))
+
+    def _static_encoding(self, value: object) -> bytes:
+        key = id(value)
+        entry = self._static.get(key)
+        if entry is not None and entry[0] is value:
+            return entry[1]
+        data = codec.encode(to_jsonable_python(value))
+        if len(self._static) >= STATIC_ENCODINGS_MAX:
+            self._static.clear()  # a worker runs far fewer distinct loops at once; start over
+        self._static[key] = (value, data)
+        return data
 
     def _encoding(self, content: Content) -> bytes:
         key = id(content)

@@ -246,22 +246,29 @@ def split_wire(messages: Sequence[dict[str, Any]]) -> list[bytes]:
     """
     encoded = [codec.encode(m) for m in messages]
     tail_start = max(0, len(encoded) - TAIL_MESSAGES)
+    return [*split_body(encoded[:tail_start]), *tail_chunk(encoded[tail_start:])]
+
+
+def split_body(encoded: Sequence[bytes]) -> list[bytes]:
+    """The chunks of the encoded messages before a seed's last three (`split_wire`'s content-defined part)."""
     chunks: list[bytes] = []
     current: list[bytes] = []
     size = 0
-    for i, item in enumerate(encoded):
-        if i == tail_start and current:
-            chunks.append(codec.encode_array(current))
-            current, size = [], 0
+    for item in encoded:
         current.append(item)
         size += len(item)
         boundary = zlib.crc32(item) % CHUNK_BOUNDARY_MODULUS == 0
-        if i < tail_start and (boundary or len(current) >= CHUNK_MAX_MESSAGES or size >= CHUNK_MAX_BYTES):
+        if boundary or len(current) >= CHUNK_MAX_MESSAGES or size >= CHUNK_MAX_BYTES:
             chunks.append(codec.encode_array(current))
             current, size = [], 0
     if current:
         chunks.append(codec.encode_array(current))
     return chunks
+
+
+def tail_chunk(encoded: Sequence[bytes]) -> list[bytes]:
+    """The chunk of a seed's last three encoded messages (none for no messages)."""
+    return [codec.encode_array(list(encoded))] if encoded else []
 
 
 def chunk_digest(chunk: bytes) -> bytes:

@@ -1,0 +1,89 @@
+"""forkq's broker connection: kombu's Redis transports, one Redis client per channel, URLs unchanged."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import redis
+from celery import Celery
+from kombu import Exchange, Producer, Queue
+from kombu.transport import redis as kombu_redis
+
+from broker_config.connection import ForkqConnection, RedisTransport, SentinelTransport
+from broker_config.settings import Settings
+from workers.app import make_app
+
+SENTINELS = "sentinel://:pw@s1:26379;sentinel://s2:26379"
+
+
+@pytest.mark.parametrize(
+    ("url", "transport", "uri", "pooled"),
+    [
+        ("redis://:pw@broker.internal:6380/2", RedisTransport, "redis://:**@broker.internal:6380/2", RedisTransport),
+        ("rediss://:pw@broker.internal:6380/2", RedisTransport, "rediss://:**@broker.internal:6380/2", RedisTransport),
+        # kombu rebuilds a pooled `redis+socket://` connection from its URL prefix: kombu's own transport there
+        ("redis+socket:///run/redis.sock", RedisTransport, "redis+socket:///run/redis.sock", kombu_redis.Transport),
+        (SENTINELS, SentinelTransport, "sentinel://:**@s1:26379//", SentinelTransport),
+    ],
+)
+def test_every_connection_of_the_app_uses_forkqs_transport_and_names_the_urls_scheme(
+    make_settings: Callable[..., Settings], url: str, transport: type, uri: str, pooled: type
+) -> None:
+    # Given forkq's app on each broker URL form
+    app = make_app(make_settings(broker_url=url))
+
+    # When Celery makes its connections: the worker's, the events', and the producer pool's
+    connections = [app.connection_for_read(), app.connection_for_write()]
+    from_pool = app.pool.acquire(block=False)
+
+    # Then each one runs forkq's subclass of kombu's transport for the scheme
+    assert issubclass(transport, kombu_redis.Transport)
+    assert [c.get_transport_cls() for c in connections] == [transport, transport]
+    assert from_pool.get_transport_cls() is pooled
+    # and the URL Flower and the worker banner read still has the scheme the operator gave
+    assert app.connection_for_write().as_uri() == uri
+    from_pool.release()
+
+
+def test_rediss_keeps_kombus_tls_defaults(make_settings: Callable[..., Settings]) -> None:
+    app = make_app(make_settings(broker_url="rediss://:pw@broker.internal:6380/0"))
+
+    connection = app.connection_for_write()
+
+    assert connection.ssl  # kombu's default for rediss:// without options: TLS, unverified (it warns)
+    assert connection.as_uri(include_password=True) == "rediss://:pw@broker.internal:6380/0"
+
+
+def test_a_channel_publishes_through_one_client_until_its_pool_is_replaced(settings: Settings) -> None:
+    # Given a channel of forkq's connection to a real Redis
+    connection = ForkqConnection(settings.effective_broker_url)
+    channel = connection.channel()
+    queue = Queue("forkq-test-conn", Exchange("forkq-test-conn", type="direct"), routing_key="k")
+    producer = Producer(channel, exchange=queue.exchange, routing_key="k", serializer="json")
+    queue(channel).declare()
+    try:
+        # When it publishes 50 messages
+        first = channel._create_client()
+        for i in range(50):
+            producer.publish({"n": i})
+
+        # Then all arrive, through the one client the channel built
+        assert channel._create_client() is first
+        assert redis.Redis.from_url(settings.redis_url).llen("forkq-test-conn") == 50
+
+        # and a channel whose pool was replaced (a reconnect) builds a client on the new pool
+        channel._pool = None
+        assert channel._create_client() is not first
+        assert channel._create_client().connection_pool is channel.pool
+    finally:
+        redis.Redis.from_url(settings.redis_url).delete("forkq-test-conn")
+        connection.release()
+
+
+def test_a_bare_celery_app_in_the_same_process_keeps_kombus_own_transport(settings: Settings) -> None:
+    # forkq's transport is the app's choice, not a change to kombu: another app is untouched
+    other = Celery("other", broker=settings.effective_broker_url, set_as_current=False)
+    make_app(settings)
+
+    assert other.connection_for_write().get_transport_cls() is kombu_redis.Transport

@@ -1,0 +1,118 @@
+"""The launcher's seed builder: a fork's seed as stored chunks, reusing what sibling forks share.
+
+A parent often launches several forks from one snapshot, with different directives. The selected
+history (`workers.history.select_fork_parts`) and the chunks of every message before the repaired
+end (`workers.records.split_body`) do not depend on the directive, so `SeedBuilder` keeps them per
+snapshot object and `fork_turns`, and each launch only repairs, encodes and hashes the last three
+messages. A kept chunk is used only when the messages of this launch before its repaired end are the
+very Content objects it was built from (Contents are never changed in place), so the chunks are
+always byte-identical to `split_wire(build_fork_seed_wire(...))`; `tests/test_seeds.py` checks it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from workers import codec
+from workers.history import repair_fork_end, select_fork_parts
+from workers.messages import Content, dump_contents
+from workers.params import normalize_fork_turns
+from workers.records import TAIL_MESSAGES, chunk_digest, split_body, tail_chunk
+from workers.snapshot import ParentSnapshot
+
+SNAPSHOTS_KEPT = 4  # snapshots whose selections a builder keeps (the last ones used)
+
+
+@dataclass(frozen=True)
+class SeedChunks:
+    """A fork's seed as the launcher stores it: chunk bytes, their digests, message count, task prompt."""
+
+    chunks: list[bytes]
+    digests: list[bytes]
+    count: int
+    task_prompt: str
+
+
+@dataclass
+class _Selection:
+    """One snapshot's selection for one `fork_turns`, and the body chunks built from it (by message count)."""
+
+    snapshot: ParentSnapshot  # held, so that its id (the cache key) stays its own while kept
+    prefix: list[Content]
+    body: list[Content]
+    bodies: dict[int, tuple[list[bytes], list[bytes]]] = field(default_factory=dict)
+
+    @property
+    def messages(self) -> list[Content]:
+        """The selected messages before repair."""
+        return [*self.prefix, *self.body]
+
+
+class SeedBuilder:
+    """Fork seeds as chunks, sharing the directive-independent work between launches of one snapshot.
+
+    Thread-safe: the cache is guarded by a lock; the work is done outside it.
+    """
+
+    def __init__(self, kept: int = SNAPSHOTS_KEPT) -> None:
+        self._kept = kept
+        self._selections: OrderedDict[tuple[int, str], _Selection] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def build(self, snapshot: ParentSnapshot, *, fork_turns: object, directive: str) -> SeedChunks:
+        """The seed of a fork of `snapshot`: the chunks of `build_fork_seed_wire(snapshot.history, ...)`.
+
+        Raises:
+            InvalidAgentParams: `fork_turns` is invalid.
+        """
+        selection = self._selection(snapshot, fork_turns)
+        repaired, task_prompt = repair_fork_end(selection.body, directive)
+        messages = [*selection.prefix, *repaired]
+        body_end = max(0, len(messages) - TAIL_MESSAGES)
+        chunks, digests = self._body(selection, messages, body_end)
+        tail = tail_chunk([codec.encode(m) for m in dump_contents(messages[body_end:])])
+        return SeedChunks(
+            chunks=[*chunks, *tail],
+            digests=[*digests, *map(chunk_digest, tail)],
+            count=len(messages),
+            task_prompt=task_prompt,
+        )
+
+    def _selection(self, snapshot: ParentSnapshot, fork_turns: object) -> _Selection:
+        key = (id(snapshot), str(normalize_fork_turns(fork_turns)))
+        with self._lock:
+            found = self._selections.get(key)
+            if found is not None and found.snapshot is snapshot:
+                self._selections.move_to_end(key)
+                return found
+        prefix, body = select_fork_parts(snapshot.history, fork_turns)
+        selection = _Selection(snapshot, prefix, body)
+        with self._lock:
+            self._selections[key] = selection
+            self._selections.move_to_end(key)
+            snapshots = {k[0] for k in self._selections}
+            while len(snapshots) > self._kept:
+                oldest = next(iter(self._selections))[0]
+                for k in [k for k in self._selections if k[0] == oldest]:
+                    del self._selections[k]
+                snapshots.discard(oldest)
+        return selection
+
+    @staticmethod
+    def _body(selection: _Selection, messages: Sequence[Content], end: int) -> tuple[list[bytes], list[bytes]]:
+        """The chunks (and digests) of `messages[:end]`: kept ones if they are the selection's own objects."""
+        selected = selection.messages
+        if end > len(selected) or any(a is not b for a, b in zip(messages[:end], selected, strict=False)):
+            return _split(messages[:end])  # the repair changed an earlier message: nothing to share
+        kept = selection.bodies.get(end)
+        if kept is None:
+            kept = selection.bodies[end] = _split(messages[:end])
+        return kept
+
+
+def _split(messages: Sequence[Content]) -> tuple[list[bytes], list[bytes]]:
+    chunks = split_body([codec.encode(m) for m in dump_contents(messages)])
+    return chunks, [chunk_digest(c) for c in chunks]
