@@ -81,7 +81,7 @@ class Plan:
     warmup: int
 
 
-FULL = Plan(latency_n=300, throughput_n=500, rounds=3, memory_forks=100, memory_messages=1250, inline_k=25, warmup=20)
+FULL = Plan(latency_n=300, throughput_n=500, rounds=5, memory_forks=100, memory_messages=1250, inline_k=25, warmup=20)
 QUICK = Plan(latency_n=200, throughput_n=200, rounds=2, memory_forks=100, memory_messages=1250, inline_k=3, warmup=5)
 
 

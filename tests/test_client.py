@@ -14,7 +14,14 @@ from live import MILESTONES, wait_until
 
 from workers import codec
 from workers.client import ForkClient
-from workers.errors import ForkNotFound, ForkTimeout, InvalidAgentParams, InvalidParentSnapshot, RecordExistsError
+from workers.errors import (
+    ForkNotFound,
+    ForkTimeout,
+    InvalidAgentParams,
+    InvalidParentSnapshot,
+    RecordExistsError,
+    RecordIntegrityError,
+)
 from workers.history import build_fork_seed
 from workers.params import MSG_FORK_TURNS_NOT_FORK, MSG_FORK_TURNS_TEAMMATE, MSG_FORK_TURNS_VALUE, MSG_MODEL_FORK
 from workers.records import Status, split_seed
@@ -286,3 +293,32 @@ def test_the_event_stream_has_queued_started_step_finished_in_order(
     assert milestones[3].data["status"] == "succeeded"
     assert [e.at_ms for e in followed] == sorted(e.at_ms for e in followed)
     assert [e.id for e in handle.events()] == [e.id for e in followed]
+
+
+def test_launches_from_alternating_snapshot_objects_record_each_ones_own_tools_and_history(
+    client: ForkClient, parent: dict[str, Any]
+) -> None:
+    # Given two snapshot objects of different parents (other tools, one message less), reused across launches
+    first = parse_parent_snapshot(parent)
+    other_raw = {**copy.deepcopy(parent), "tools": [{"name": "only_tool"}], "session_id": "other-session"}
+    other_raw["history"] = other_raw["history"][1:]
+    other = parse_parent_snapshot(other_raw)
+
+    # When forks are launched from them in turn (the client reuses what it built for the same object)
+    handles = [client.launch(snapshot, FORK) for snapshot in (first, other, first, other)]
+
+    # Then each record holds its own parent's tools and seed, exactly as the history pipeline builds it
+    for handle, snapshot in zip(handles, (first, other, first, other), strict=True):
+        record = client.inspect(handle.fork_id)
+        seed = build_fork_seed(snapshot.history, fork_turns=None, directive=FORK["prompt"])
+        assert record["tools"] == snapshot.tools
+        assert record["initial_messages"] == seed.to_wire()["initial_messages"]
+
+
+def test_put_launch_refuses_seed_chunks_the_record_does_not_name(client: ForkClient, parent: dict[str, Any]) -> None:
+    handle = client.launch(parent, FORK)
+    record = client.store.get_record(handle.fork_id, handle.digest)
+    data, digest = record.model_copy(update={"fork_id": "f-other"}).encode()
+
+    with pytest.raises(RecordIntegrityError, match="seed chunks given, the record names"):
+        client.store.put_launch(record.model_copy(update={"fork_id": "f-other"}), data, digest, [b"one chunk"])

@@ -19,6 +19,7 @@ from workers.records import (
     TAIL_MESSAGES,
     BootstrapRecord,
     ChunkCache,
+    Declarations,
     ForkResult,
     ForkState,
     Status,
@@ -323,3 +324,22 @@ def test_state_is_read_from_the_hash_with_empty_fields_as_none() -> None:
 
     assert (state.status, state.kind, state.attempt) == (Status.RUNNING, "spawn", 2)
     assert (state.owner, state.error, state.created_ms, state.started_ms) == (None, None, 17, None)
+
+
+def test_declarations_are_parsed_once_per_parent_and_shared_by_its_forks() -> None:
+    # Given two forks of one parent (equal tools_json) and a fork of another parent
+    tools = '[{"name":"grep","parameters":{"type":"object"}},{"name":"edit"}]'
+    first, _ = record_for(conversation(3), "f-1", tools_json=tools)
+    second, _ = record_for(conversation(3), "f-2", tools_json=tools)
+    other, _ = record_for(conversation(3), "f-3", tools_json='[{"name":"read_file"}]')
+    declarations = Declarations(max_entries=2)
+
+    # When a worker asks for each fork's declarations
+    a, b, c = declarations.of(first), declarations.of(second), declarations.of(other)
+
+    # Then they are the records' declarations, and the siblings share one parsed list
+    assert (a, c) == (first.tools, other.tools)
+    assert a is b and a is not c
+    # and past its bound the cache starts over instead of growing
+    declarations.of(record_for(conversation(3), "f-4", tools_json="[]")[0])
+    assert len(declarations._parsed) == 1

@@ -108,12 +108,13 @@ class ChildLoop:
     spawner: Spawner | None = None
     cancelled: Callable[[], bool] = never_cancelled  # a tool polls it (cancel, lost lease) while it runs
     digests: RequestDigests = field(default_factory=RequestDigests)  # a worker passes its own, shared by its forks
+    tool_declarations: list[dict[str, Any]] | None = None  # `record.tools` parsed (a worker shares it)
     declarations: list[dict[str, Any]] = field(init=False)  # parsed once, sent with every request
     gate: Gate = field(init=False)
 
     def __post_init__(self) -> None:
         record = self.record
-        self.declarations = record.tools
+        self.declarations = record.tools if self.tool_declarations is None else self.tool_declarations
         self._by_name = {str(d.get("name")): d for d in self.declarations}
         options = record.options
         allowlist = options.get("fork_tools")
@@ -392,11 +393,14 @@ def model_call_event(step: int, digest: str) -> dict[str, Any]:
     return {"step": step + 1, "request_digest": digest}
 
 
-def first_model_call(record: BootstrapRecord, seed: ForkSeed, digests: RequestDigests) -> dict[str, Any]:
+def first_model_call(
+    record: BootstrapRecord, seed: ForkSeed, digests: RequestDigests, declarations: list[dict[str, Any]]
+) -> dict[str, Any]:
     """The `model_call` event data of a fork's first model call, which a run over an empty journal
-    (or one holding only the tool surface) makes before anything else: the request `ChildLoop` builds."""
+    (or one holding only the tool surface) makes before anything else: the request `ChildLoop` builds
+    (`declarations` being `record.tools`)."""
     state = replay(seed, [])
-    return model_call_event(state.step, digests.digest(model_request(record, record.tools, state.step, state.messages)))
+    return model_call_event(state.step, digests.digest(model_request(record, declarations, state.step, state.messages)))
 
 
 def approval_id(step: int, pending: PendingCall) -> str:

@@ -121,6 +121,7 @@ class ForkClient:
         self.store = ForkStore(self.redis, Keys(self.settings.namespace), ttl_s=self.settings.record_ttl_s)
         self.app = app or make_app(self.settings)
         self._seeds = SeedBuilder()  # sibling forks of one snapshot share their selection and chunks
+        self._tools_json: tuple[ParentSnapshot, str] | None = None  # the last snapshot's declarations as JSON
         self._leases = Leases(
             self.redis,
             Keys(self.settings.namespace),
@@ -181,7 +182,7 @@ class ForkClient:
         else:  # regular subagents and named teammates inherit no history
             seed = SeedChunks(chunks=[], digests=[], count=0, task_prompt=agent.prompt)
         chunks = seed.chunks
-        record = self._record(fid, snapshot, agent, seed, options=options)
+        record = self._record(fid, snapshot, agent, seed, tools_json=self._declarations_json(snapshot), options=options)
         record_bytes, digest = record.encode()
         self.store.put_launch(record, record_bytes, digest, chunks)
         inline: list[bytes] | None = [record.context_blob(), *chunks]
@@ -199,6 +200,16 @@ class ForkClient:
         )
         return ForkHandle(fork_id=fid, digest=digest, kind=record.kind, client=self)
 
+    def _declarations_json(self, snapshot: ParentSnapshot) -> str:
+        """The snapshot's tool declarations as the record keeps them (key order kept); sibling launches
+        from one snapshot object reuse the last one's."""
+        last = self._tools_json
+        if last is not None and last[0] is snapshot:
+            return last[1]
+        text = json.dumps(snapshot.tools, ensure_ascii=False, separators=(",", ":"))
+        self._tools_json = (snapshot, text)
+        return text
+
     @staticmethod
     def _record(
         fid: str,
@@ -206,6 +217,7 @@ class ForkClient:
         agent: AgentParams,
         seed: SeedChunks,
         *,
+        tools_json: str,
         options: dict[str, Any],
     ) -> BootstrapRecord:
         return BootstrapRecord(
@@ -220,7 +232,7 @@ class ForkClient:
             subagent_type=agent.subagent_type,
             name=agent.name,
             system_instruction=parent.system_instruction,
-            tools_json=json.dumps(parent.tools, ensure_ascii=False, separators=(",", ":")),
+            tools_json=tools_json,
             model=parent.model if agent.is_fork else (agent.model or parent.model),
             approval_mode=parent.approval_mode,
             cwd=parent.cwd,

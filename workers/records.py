@@ -329,6 +329,27 @@ def _seed_chunk(fork_id: str, index: int, expected: bytes, chunk: bytes) -> tupl
         ) from exc
 
 
+class Declarations:
+    """Parsed tool declarations by the record's `tools_json`, shared by the forks of one parent that a worker
+    runs: each parent's declarations are parsed once, and a child loop's requests all carry the same list,
+    whose encoding `journal.RequestDigests` then keeps. Nothing changes a declarations list in place.
+    Thread-safe (a race costs at most a second parse)."""
+
+    def __init__(self, max_entries: int = 64) -> None:
+        self.max_entries = max_entries
+        self._parsed: dict[str, list[dict[str, Any]]] = {}
+
+    def of(self, record: BootstrapRecord) -> list[dict[str, Any]]:
+        """`record.tools`, parsed once per distinct `tools_json`."""
+        found = self._parsed.get(record.tools_json)
+        if found is None:
+            found = record.tools
+            if len(self._parsed) >= self.max_entries:
+                self._parsed.clear()  # a worker runs forks of far fewer parents at once; start over
+            self._parsed[record.tools_json] = found
+        return found
+
+
 class ChunkCache:
     """Decoded chunks by digest, shared by the forks one worker process runs: an LRU bounded by chunk bytes.
 

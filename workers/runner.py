@@ -28,7 +28,7 @@ from workers.metrics import Metrics
 from workers.progress import Progress, RunObserver
 from workers.providers import ModelProvider
 from workers.providers.routing import ProviderRouter
-from workers.records import BootstrapRecord, ChunkCache, ForkResult, Status
+from workers.records import BootstrapRecord, ChunkCache, Declarations, ForkResult, Status
 from workers.spawn import SubagentSpawner
 from workers.store import ForkStore
 from workers.tools import ToolRegistry, load_tools
@@ -98,6 +98,11 @@ class WorkerRuntime:
     def digests(self) -> RequestDigests:
         """Model request digests, each message encoded once per process (forks share their seed's)."""
         return RequestDigests()
+
+    @cached_property
+    def declarations(self) -> Declarations:
+        """Parsed tool declarations, once per parent (forks of one parent share them and their encoding)."""
+        return Declarations()
 
     @cached_property
     def keeper(self) -> LeaseKeeper:
@@ -272,8 +277,9 @@ def _first_step(runtime: WorkerRuntime, job: RunForkJob) -> FirstStep | None:
         return None
     try:
         record, seed = _load_inputs(runtime, job, job.record)
-        surface = JournalEntry(seq=0, step=0, kind="surface", tools=_surface(runtime, record.tools))
-        return record, seed, (job.record, surface, first_model_call(record, seed, runtime.digests))
+        declared = runtime.declarations.of(record)
+        surface = JournalEntry(seq=0, step=0, kind="surface", tools=_surface(runtime, declared))
+        return record, seed, (job.record, surface, first_model_call(record, seed, runtime.digests, declared))
     except Exception as exc:  # nothing is claimed yet: the usual path reports it (as the fork's failure)
         log.warning("fork %s: inputs not prepared before the claim (%s); reading them after it", job.fork_id, exc)
         return None
@@ -297,7 +303,8 @@ def _run_claimed(
         channel = FencedChannel(runtime.leases, claim, lost, runtime.stopping, observe=observe)
         if claim.primed and first is not None:
             channel.published = [("model_call", first[2][2])]
-        missing = _check_tool_surface(runtime, record.tools, entries, channel)
+        declared = runtime.declarations.of(record)
+        missing = _check_tool_surface(runtime, declared, entries, channel)
         provider, spawner = runtime.provider, runtime.spawner
     except (ForkqError, redis.RedisError) as exc:
         runtime.leases.finish(claim, ForkResult(fork_id=fid, status=Status.FAILED, error=str(exc)))
@@ -320,6 +327,7 @@ def _run_claimed(
         seed=seed,
         provider=provider,
         tools=runtime.tools,
+        tool_declarations=declared,
         io=channel,
         entries=entries,
         max_turns=settings.max_turns,

@@ -19,7 +19,7 @@ from typing import Any, Final, cast
 import redis
 from redis.commands.core import Script
 
-from workers.errors import ForkNotFound, InvalidApproval, RecordExistsError
+from workers.errors import ForkNotFound, InvalidApproval, RecordExistsError, RecordIntegrityError
 from workers.history import ForkSeed
 from workers.journal import JournalEntry
 from workers.keys import Keys
@@ -207,16 +207,27 @@ class ForkStore:
         state and the first event: one round trip (two when a chunk this store wrote before is gone).
 
         A chunk this store wrote before is not sent again: its TTL is refreshed, and if it is gone
-        (expired, deleted) it is written again, before the caller enqueues the job.
+        (expired, deleted) it is written again, before the caller enqueues the job. `seed_chunks` are
+        the chunks the record names (`record.seed_chunks` holds their digests, which name their keys).
 
         Raises:
             RecordExistsError: a different record already exists under this fork id.
+            RecordIntegrityError: the number of seed chunks is not the number the record names.
         """
         fid = record.fork_id
         session = record.parent_session
         data = json.dumps({"kind": record.kind, "digest": digest_hex, "messages": record.message_count})
-        chunks = [record.context_blob(), *seed_chunks]
-        chunk_keys = [self.keys.chunk(session, chunk_digest(c).hex()) for c in chunks]
+        context = record.context_blob()
+        chunks = [context, *seed_chunks]
+        if seed_chunks and len(seed_chunks) != len(record.seed_chunks):
+            raise RecordIntegrityError(
+                f"fork {fid}: {len(seed_chunks)} seed chunks given, the record names {len(record.seed_chunks)}; "
+                "pass the chunks the record was built from, in its order",
+                fork_id=fid,
+            )
+        # the record names its seed chunks by their digests (`ForkClient.launch` built both): no second hash
+        digests = [chunk_digest(context), *(record.seed_chunks if seed_chunks else ())]
+        chunk_keys = [self.keys.chunk(session, d.hex()) for d in digests]
         sent = [b"" if self._known_chunk(key) else chunk for key, chunk in zip(chunk_keys, chunks, strict=True)]
         keys = [self.keys.bootstrap(fid), self.keys.state(fid), self.keys.events(fid)]
         args = [record_bytes, self.ttl_s, record.kind, record.description, digest_hex, data]
