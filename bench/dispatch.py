@@ -160,6 +160,7 @@ class Burst:
     caller_cpu_ms: float
     worker_cpu_ms: float
     redis_cmds: float
+    redis_cpu_ms: float
 
     @property
     def rate(self) -> float:
@@ -177,21 +178,28 @@ def settle(seconds: float = SETTLE_S) -> None:
 def burst(n: int, group: Sequence[Worker], enqueue: Callable[[], list[str]], r: redis.Redis) -> Burst:
     """Run `enqueue` (which returns the keys that appear when each job is done) and wait for them all."""
     settle()
-    cmds0, cpu0, wcpu0 = redis_calls(r), time.process_time(), sum(w.cpu_ns() for w in group)
+    cmds0, rcpu0 = redis_calls(r), redis_cpu_s(r)
+    cpu0, wcpu0 = time.process_time(), sum(w.cpu_ns() for w in group)
     start = time.perf_counter()
     keys = enqueue()
     enqueued, caller_cpu = time.perf_counter(), time.process_time() - cpu0
     wait_all(r, keys)
     end = time.perf_counter()
     worker_cpu = (sum(w.cpu_ns() for w in group) - wcpu0) / 1e6
-    cmds = redis_calls(r) - cmds0
-    return Burst(n, enqueued - start, end - start, caller_cpu * 1e3 / n, worker_cpu / n, cmds / n)
+    cmds, rcpu = redis_calls(r) - cmds0, redis_cpu_s(r) - rcpu0
+    return Burst(n, enqueued - start, end - start, caller_cpu * 1e3 / n, worker_cpu / n, cmds / n, rcpu * 1e3 / n)
 
 
 def redis_calls(r: redis.Redis) -> int:
     """Commands Redis has run so far (INFO commandstats), minus this benchmark's own EXISTS polls and INFOs."""
     stats = r.info("commandstats")
     return sum(int(v["calls"]) for k, v in stats.items() if k not in ("cmdstat_exists", "cmdstat_info"))
+
+
+def redis_cpu_s(r: redis.Redis) -> float:
+    """CPU seconds redis-server has used so far (INFO cpu, user + system, main thread included)."""
+    cpu = r.info("cpu")
+    return float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"])
 
 
 def fork_burst(client: ForkClient, parent: ParentSnapshot, n: int, group: Sequence[Worker]) -> Burst:
@@ -544,7 +552,7 @@ def print_details(latency: tuple[list[float], list[ForkSample]], tp: Throughput,
         print(f"throughput {name:<5}: enqueue {x.enqueue_s:.2f} s, all done {x.total_s:.2f} s; per job: ", end="")
         print(
             f"caller CPU {x.caller_cpu_ms:.2f} ms, worker CPU {x.worker_cpu_ms:.2f} ms, "
-            f"{x.redis_cmds:.1f} Redis commands"
+            f"Redis CPU {x.redis_cpu_ms:.2f} ms, {x.redis_cmds:.1f} Redis commands"
         )
     total = sum(size for _, size in mem.fork_kinds.values())
     print(f"memory: parent history {mem.history_bytes / 1e6:.2f} MB as msgpack; {mem.forks} launches ", end="")
