@@ -8,19 +8,22 @@ is 13% of a forkq worker's CPU per fork and 26% of a bare Celery worker's per no
 pool and gives it back), so one client per pool serves every publish of a channel; a channel whose
 pool was replaced (a reconnect) builds a new one.
 
-Only forkq's app uses this (`Celery(amqp=ForkqAMQP)`), and only through the connection's transport
-lookup: the broker URL, its scheme (`redis`, `rediss`, `redis+socket`, `sentinel`), TLS options,
-failover and `as_uri` (Flower's broker page) are kombu's own.
+Only forkq's app uses this (`Celery(amqp=ForkqAMQP)`; nothing in kombu is patched): its connections,
+their copies and its producer pool's connections resolve the transport as kombu does and then use
+forkq's subclass of it. URL parsing (`redis`, `rediss`, `redis+socket`, `sentinel`), TLS options and
+failover are kombu's own; `as_uri()` and `info()` name the scheme (Flower's broker page, the banner).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import kombu
 import redis
 from celery.app.amqp import AMQP
+from kombu.connection import ConnectionPool, PooledConnection
 from kombu.transport import redis as kombu_redis
+from kombu.utils.collections import HashedSeq
 
 
 class _OneClientPerPool:
@@ -65,32 +68,62 @@ TRANSPORTS: dict[type[Any], type[Any]] = {
 }
 
 
-class ForkqConnection(kombu.Connection):
-    """A kombu connection that resolves its transport as kombu does, then uses forkq's subclass of it.
+class _SwapsTransport:
+    """Connection mixin: resolve the transport as kombu does, then use forkq's subclass of it.
 
     The transport is swapped after kombu has read the URL (so `rediss://` gets its TLS defaults and
-    `redis+socket://` its socket) and it is stored as the class, so the connection pools Celery builds
-    from this connection (`_info(resolve=False)`) use it too. `info()` and `as_uri()` still name the
-    scheme the URL gave, which is what Flower's broker page and the worker's banner read.
+    `redis+socket://` its socket) and it is stored as the class, so the connections copied from this
+    one (`clone`, the producer pool's) use it too. `info()` and `as_uri()` name the scheme, not the
+    class: `rediss` when TLS is on, else `redis`, or `sentinel`; what Flower and the worker banner read.
     """
 
-    _forkq_transport_name: Any = None
+    ssl: Any
 
     # kombu calls it from __init__ and switch(), always with keywords (the stubs spell out each one)
-    def _init_params(self, **params: Any) -> None:  # type: ignore[override]
-        super()._init_params(**params)
-        self._forkq_transport_name = self.transport_cls
-        swapped = TRANSPORTS.get(self.get_transport_cls())
+    def _init_params(self, **params: Any) -> None:
+        super()._init_params(**params)  # type: ignore[misc]
+        swapped = TRANSPORTS.get(self.get_transport_cls())  # type: ignore[attr-defined]
         if swapped is not None:
-            self.transport_cls = swapped  # type: ignore[assignment]  # kombu accepts a class here too
+            self.transport_cls = swapped
 
     # kombu's `_info` returns (key, value) pairs, not the dict its stubs declare
     def _info(self, resolve: bool = True) -> Any:
-        info: tuple[tuple[str, Any], ...] = super()._info(resolve)  # type: ignore[assignment]
-        if not resolve or self._forkq_transport_name is self.transport_cls:
+        info: tuple[tuple[str, Any], ...] = super()._info(resolve)  # type: ignore[misc]
+        if not resolve:  # `clone` and pools: keep the class
             return info
-        name = self.resolve_aliases.get(self._forkq_transport_name, self._forkq_transport_name)
-        return tuple((key, name if key == "transport" else value) for key, value in info)
+        return tuple((key, self._scheme(value) if key == "transport" else value) for key, value in info)
+
+    def __eqhash__(self) -> Any:
+        # kombu keys its process-wide connection pools by this; with the transport stored as a class,
+        # `redis://` and `rediss://` to one host would share a pool: tell them apart by the TLS options
+        return HashedSeq(super().__eqhash__(), repr(self.ssl))  # type: ignore[misc]
+
+    def _scheme(self, transport: Any) -> Any:
+        if transport is RedisTransport:
+            return "rediss" if self.ssl else "redis"
+        if transport is SentinelTransport:
+            return "sentinel"
+        return transport
+
+
+class ForkqConnection(_SwapsTransport, kombu.Connection):  # type: ignore[misc]
+    """A kombu connection with forkq's Redis transports; its pool's connections have them too."""
+
+    def Pool(self, limit: int | None = None, **kwargs: Any) -> ConnectionPool:  # noqa: N802  # kombu's name
+        """kombu's pool of connections, whose connections are `_PooledConnection`s."""
+        return _ConnectionPool(self, limit=limit, **kwargs)
+
+
+class _PooledConnection(_SwapsTransport, PooledConnection):
+    """kombu's pooled connection with forkq's Redis transports."""
+
+
+class _ConnectionPool(ConnectionPool):
+    """kombu's connection pool, building `_PooledConnection`s."""
+
+    def new(self) -> kombu.Connection:
+        """A pooled connection to the pool's connection's broker, with forkq's transport."""
+        return cast(kombu.Connection, _PooledConnection(self, **dict(self.connection._info(resolve=False))))
 
 
 class ForkqAMQP(AMQP):

@@ -315,6 +315,22 @@ def test_launches_from_alternating_snapshot_objects_record_each_ones_own_tools_a
         assert record["initial_messages"] == seed.to_wire()["initial_messages"]
 
 
+def test_a_snapshot_whose_declarations_list_changed_records_the_new_declarations(
+    client: ForkClient, parent: dict[str, Any]
+) -> None:
+    # Given a snapshot launched from once, whose tools list then gets one more declaration
+    snapshot = parse_parent_snapshot(parent)
+    client.launch(snapshot, FORK)
+    snapshot.tools.append({"name": "added_later"})
+
+    # When it is launched from again
+    handle = client.launch(snapshot, FORK)
+
+    # Then the new record holds the declarations as they are now
+    assert client.inspect(handle.fork_id)["tools"] == snapshot.tools
+    assert snapshot.tools[-1] == {"name": "added_later"}
+
+
 def test_put_launch_refuses_seed_chunks_the_record_does_not_name(client: ForkClient, parent: dict[str, Any]) -> None:
     handle = client.launch(parent, FORK)
     record = client.store.get_record(handle.fork_id, handle.digest)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import json
 from collections.abc import Callable
 
 import pytest
@@ -18,31 +20,32 @@ SENTINELS = "sentinel://:pw@s1:26379;sentinel://s2:26379"
 
 
 @pytest.mark.parametrize(
-    ("url", "transport", "uri", "pooled"),
+    ("url", "transport", "uri"),
     [
-        ("redis://:pw@broker.internal:6380/2", RedisTransport, "redis://:**@broker.internal:6380/2", RedisTransport),
-        ("rediss://:pw@broker.internal:6380/2", RedisTransport, "rediss://:**@broker.internal:6380/2", RedisTransport),
-        # kombu rebuilds a pooled `redis+socket://` connection from its URL prefix: kombu's own transport there
-        ("redis+socket:///run/redis.sock", RedisTransport, "redis+socket:///run/redis.sock", kombu_redis.Transport),
-        (SENTINELS, SentinelTransport, "sentinel://:**@s1:26379//", SentinelTransport),
+        ("redis://:pw@broker.internal:6380/2", RedisTransport, "redis://:**@broker.internal:6380/2"),
+        ("rediss://:pw@broker.internal:6380/2", RedisTransport, "rediss://:**@broker.internal:6380/2"),
+        ("redis+socket:///run/redis.sock", RedisTransport, "redis+socket:///run/redis.sock"),
+        (SENTINELS, SentinelTransport, "sentinel://:**@s1:26379//"),
     ],
 )
 def test_every_connection_of_the_app_uses_forkqs_transport_and_names_the_urls_scheme(
-    make_settings: Callable[..., Settings], url: str, transport: type, uri: str, pooled: type
+    make_settings: Callable[..., Settings], url: str, transport: type, uri: str
 ) -> None:
     # Given forkq's app on each broker URL form
     app = make_app(make_settings(broker_url=url))
 
-    # When Celery makes its connections: the worker's, the events', and the producer pool's
-    connections = [app.connection_for_read(), app.connection_for_write()]
+    # When Celery makes its connections: the worker's, the events', the producer pool's, and copies of them
+    read, write = app.connection_for_read(), app.connection_for_write()
     from_pool = app.pool.acquire(block=False)
+    connections = [read, write, from_pool, write.clone(), copy.copy(write)]
 
     # Then each one runs forkq's subclass of kombu's transport for the scheme
     assert issubclass(transport, kombu_redis.Transport)
-    assert [c.get_transport_cls() for c in connections] == [transport, transport]
-    assert from_pool.get_transport_cls() is pooled
-    # and the URL Flower and the worker banner read still has the scheme the operator gave
-    assert app.connection_for_write().as_uri() == uri
+    assert [c.get_transport_cls() for c in connections] == [transport] * len(connections)
+    # and names the scheme the operator gave where Flower, the worker banner and logs read it
+    for connection in connections:
+        assert connection.as_uri() == uri
+        assert json.loads(json.dumps(connection.info()))["transport"] == uri.split(":", 1)[0].split("+", maxsplit=1)[0]
     from_pool.release()
 
 
@@ -87,3 +90,21 @@ def test_a_bare_celery_app_in_the_same_process_keeps_kombus_own_transport(settin
     make_app(settings)
 
     assert other.connection_for_write().get_transport_cls() is kombu_redis.Transport
+
+
+def test_a_tls_app_and_a_plain_app_on_one_host_never_share_a_connection_pool(
+    make_settings: Callable[..., Settings],
+) -> None:
+    # Given two apps in one process on the same host and port, one of them over TLS
+    plain = make_app(make_settings(broker_url="redis://:pw@broker.internal:6380/2"))
+    tls = make_app(make_settings(broker_url="rediss://:pw@broker.internal:6380/2"))
+
+    # When each takes a connection from kombu's process-wide pools (plain first)
+    plain_conn, tls_conn = plain.pool.acquire(block=False), tls.pool.acquire(block=False)
+
+    # Then the TLS app's pooled connection is its own, with TLS on
+    assert plain.pool is not tls.pool
+    assert (plain_conn.ssl, bool(tls_conn.ssl)) == (False, True)
+    assert tls_conn.as_uri().startswith("rediss://")
+    plain_conn.release()
+    tls_conn.release()

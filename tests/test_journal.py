@@ -429,3 +429,26 @@ def test_request_digests_encode_shared_tools_once_and_never_confuse_two_tool_lis
     assert other == whole(request(0, other_tools)) != first[0]
     assert sum(1 for value, _ in digests._static.values() if value is tools) == 1
     assert sum(1 for value, _ in digests._static.values() if value is system) == 1
+
+
+@pytest.mark.parametrize("system", [None, "be brief", {"parts": [{"text": "be brief"}]}])
+def test_request_digests_match_the_whole_request_for_any_system_instruction_and_non_finite_numbers(
+    system: str | dict[str, Any] | None,
+) -> None:
+    # Given declarations with values JSON has no literal for (a parent's json.dumps writes Infinity/NaN)
+    tools = [{"name": "t", "parameters": {"type": "number", "maximum": float("inf"), "default": float("nan")}}]
+    built = ModelRequest.model_construct(
+        fork_id=FORK_ID,
+        step=0,
+        model=None,
+        system_instruction=system,
+        tools=tools,
+        messages=list(SEED.initial_messages),
+        generation={},
+        directive="",
+    )
+    validated = ModelRequest.model_validate(built.model_dump())
+
+    # Then the digest is the whole request's dump's, for a constructed and a validated request alike
+    for req in (built, validated):
+        assert RequestDigests().digest(req) == request_digest(req.model_dump(mode="json", exclude={"directive"}))

@@ -91,7 +91,7 @@ def test_body_chunks_are_reused_only_for_the_selections_own_messages() -> None:
     # Given a selection whose body chunks for its first two messages were built and kept
     snapshot = snapshot_of([{"role": "user", "parts": [{"text": "task"}]}])
     prefix, body = [user("a")], [model("b"), user("c")]
-    selection = _Selection(snapshot, prefix, body)
+    selection = _Selection(snapshot, tuple(snapshot.history), prefix, body)
     kept = SeedBuilder._body(selection, [*prefix, *body], 2)
     assert selection.bodies == {2: kept}
 
@@ -102,3 +102,30 @@ def test_body_chunks_are_reused_only_for_the_selections_own_messages() -> None:
     # Then their own chunks are built, and the kept ones are reused only for the same objects
     assert (chunks, digests) == _split(other[:2]) != kept
     assert SeedBuilder._body(selection, [*prefix, *body], 2) is kept
+
+
+def test_a_snapshot_whose_history_list_changed_is_selected_again() -> None:
+    # Given the example parent's snapshot, launched from once
+    snapshot = parse_parent_snapshot(json.loads(EXAMPLE.read_text()))
+    builder = SeedBuilder()
+    builder.build(snapshot, fork_turns="all", directive="first")
+
+    # When its history list gets a message inserted, the seed is built again from the list as it is
+    snapshot.history.insert(1, user("an extra turn"))
+    inserted = builder.build(snapshot, fork_turns="all", directive="second")
+    assert inserted.chunks == expected(snapshot, "all", "second")[0]
+
+    # and when a message is replaced by another object, again
+    snapshot.history[2] = user("a replaced turn")
+    replaced = builder.build(snapshot, fork_turns="all", directive="third")
+    assert replaced.chunks == expected(snapshot, "all", "third")[0]
+
+
+def test_a_snapshot_built_with_keep_false_leaves_nothing_in_the_builder() -> None:
+    snapshot = parse_parent_snapshot(json.loads(EXAMPLE.read_text()))
+    builder = SeedBuilder()
+
+    seed = builder.build(snapshot, fork_turns="all", directive="go", keep=False)
+
+    assert seed.chunks == expected(snapshot, "all", "go")[0]
+    assert len(builder._selections) == 0

@@ -121,7 +121,8 @@ class ForkClient:
         self.store = ForkStore(self.redis, Keys(self.settings.namespace), ttl_s=self.settings.record_ttl_s)
         self.app = app or make_app(self.settings)
         self._seeds = SeedBuilder()  # sibling forks of one snapshot share their selection and chunks
-        self._tools_json: tuple[ParentSnapshot, str] | None = None  # the last snapshot's declarations as JSON
+        # the last snapshot's declarations: (snapshot, JSON, the JSON read back, to see an edited list)
+        self._tools_json: tuple[ParentSnapshot, str, Any] | None = None
         self._leases = Leases(
             self.redis,
             Keys(self.settings.namespace),
@@ -152,7 +153,9 @@ class ForkClient:
     ) -> ForkHandle:
         """Validate, build the seed, write the bootstrap record, then enqueue the fork.
 
-        Nothing reaches Redis or the broker when the parameters or the snapshot are invalid.
+        Nothing reaches Redis or the broker when the parameters or the snapshot are invalid. Sibling
+        launches from one `ParentSnapshot` object share its history selection (`workers.seeds`); add
+        messages to a snapshot's history list as you like, but never change a Content in place.
 
         Args:
             approval_policy: what a call that needs approval does: `deny` answers it with a denial
@@ -168,6 +171,7 @@ class ForkClient:
         """
         agent = params if isinstance(params, AgentParams) else validate_agent_params(params)
         snapshot = parent if isinstance(parent, ParentSnapshot) else parse_parent_snapshot(dict(parent))
+        reused = snapshot is parent  # one parsed here from a dict cannot be passed again: keep nothing of it
         check_nesting(agent, snapshot.depth, self.settings.max_subagent_depth)
         options = launch_options(
             agent,
@@ -178,11 +182,13 @@ class ForkClient:
         )
         fid = fork_id or new_fork_id()
         if agent.is_fork:
-            seed = self._seeds.build(snapshot, fork_turns=agent.fork_turns, directive=agent.prompt)
+            seed = self._seeds.build(snapshot, fork_turns=agent.fork_turns, directive=agent.prompt, keep=reused)
         else:  # regular subagents and named teammates inherit no history
             seed = SeedChunks(chunks=[], digests=[], count=0, task_prompt=agent.prompt)
         chunks = seed.chunks
-        record = self._record(fid, snapshot, agent, seed, tools_json=self._declarations_json(snapshot), options=options)
+        record = self._record(
+            fid, snapshot, agent, seed, tools_json=self._declarations_json(snapshot, keep=reused), options=options
+        )
         record_bytes, digest = record.encode()
         self.store.put_launch(record, record_bytes, digest, chunks)
         inline: list[bytes] | None = [record.context_blob(), *chunks]
@@ -200,14 +206,15 @@ class ForkClient:
         )
         return ForkHandle(fork_id=fid, digest=digest, kind=record.kind, client=self)
 
-    def _declarations_json(self, snapshot: ParentSnapshot) -> str:
+    def _declarations_json(self, snapshot: ParentSnapshot, *, keep: bool = True) -> str:
         """The snapshot's tool declarations as the record keeps them (key order kept); sibling launches
-        from one snapshot object reuse the last one's."""
+        from one snapshot object reuse the last one's while its declarations still equal what was encoded."""
         last = self._tools_json
-        if last is not None and last[0] is snapshot:
+        if last is not None and last[0] is snapshot and last[2] == snapshot.tools:
             return last[1]
         text = json.dumps(snapshot.tools, ensure_ascii=False, separators=(",", ":"))
-        self._tools_json = (snapshot, text)
+        if keep:
+            self._tools_json = (snapshot, text, json.loads(text))
         return text
 
     @staticmethod

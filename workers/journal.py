@@ -222,7 +222,7 @@ class RequestDigests:
         entry = self._static.get(key)
         if entry is not None and entry[0] is value:
             return entry[1]
-        data = codec.encode(to_jsonable_python(value))
+        data = codec.encode(to_jsonable_python(value, inf_nan_mode="null"))  # as model_dump(mode="json") does
         if len(self._static) >= STATIC_ENCODINGS_MAX:
             self._static.clear()  # a worker runs far fewer distinct loops at once; start over
         self._static[key] = (value, data)

@@ -41,6 +41,7 @@ class _Selection:
     """One snapshot's selection for one `fork_turns`, and the body chunks built from it (by message count)."""
 
     snapshot: ParentSnapshot  # held, so that its id (the cache key) stays its own while kept
+    history: tuple[Content, ...]  # the snapshot's messages when selected: a list edited since is not served
     prefix: list[Content]
     body: list[Content]
     bodies: dict[int, tuple[list[bytes], list[bytes]]] = field(default_factory=dict)
@@ -62,13 +63,15 @@ class SeedBuilder:
         self._selections: OrderedDict[tuple[int, str], _Selection] = OrderedDict()
         self._lock = threading.Lock()
 
-    def build(self, snapshot: ParentSnapshot, *, fork_turns: object, directive: str) -> SeedChunks:
+    def build(self, snapshot: ParentSnapshot, *, fork_turns: object, directive: str, keep: bool = True) -> SeedChunks:
         """The seed of a fork of `snapshot`: the chunks of `build_fork_seed_wire(snapshot.history, ...)`.
+
+        `keep=False` for a snapshot nobody can pass again (the client parsed it from a dict): nothing is kept.
 
         Raises:
             InvalidAgentParams: `fork_turns` is invalid.
         """
-        selection = self._selection(snapshot, fork_turns)
+        selection = self._selection(snapshot, fork_turns, keep)
         repaired, task_prompt = repair_fork_end(selection.body, directive)
         messages = [*selection.prefix, *repaired]
         body_end = max(0, len(messages) - TAIL_MESSAGES)
@@ -81,15 +84,18 @@ class SeedBuilder:
             task_prompt=task_prompt,
         )
 
-    def _selection(self, snapshot: ParentSnapshot, fork_turns: object) -> _Selection:
+    def _selection(self, snapshot: ParentSnapshot, fork_turns: object, keep: bool) -> _Selection:
         key = (id(snapshot), str(normalize_fork_turns(fork_turns)))
         with self._lock:
             found = self._selections.get(key)
-            if found is not None and found.snapshot is snapshot:
+            if found is not None and found.snapshot is snapshot and _same_messages(snapshot.history, found.history):
                 self._selections.move_to_end(key)
                 return found
-        prefix, body = select_fork_parts(snapshot.history, fork_turns)
-        selection = _Selection(snapshot, prefix, body)
+        history = tuple(snapshot.history)
+        prefix, body = select_fork_parts(history, fork_turns)
+        selection = _Selection(snapshot, history, prefix, body)
+        if not keep:
+            return selection
         with self._lock:
             self._selections[key] = selection
             self._selections.move_to_end(key)
@@ -111,6 +117,12 @@ class SeedBuilder:
         if kept is None:
             kept = selection.bodies[end] = _split(messages[:end])
         return kept
+
+
+def _same_messages(current: Sequence[Content], kept: Sequence[Content]) -> bool:
+    """True if `current` holds the very Content objects `kept` does (a message added, removed or replaced
+    in the snapshot's list since shows); Contents themselves are never changed in place."""
+    return len(current) == len(kept) and all(a is b for a, b in zip(current, kept, strict=True))
 
 
 def _split(messages: Sequence[Content]) -> tuple[list[bytes], list[bytes]]:
