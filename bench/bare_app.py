@@ -5,7 +5,7 @@ Run by the benchmark as `celery -A bench.bare_app worker -Q bench-bare ...`. The
 only difference from a forkq worker is the task body: `bench.noop` LPUSHes to the key it is given,
 which the caller BLPOPs (latency) or counts with EXISTS (throughput).
 
-`bench.bare_app_conn` is the same app with forkq's broker connection (`broker_config.connection`,
+`bench.bare_app:conn_app` is the same app with forkq's broker connection (`broker_config.connection`,
 one Redis client per channel instead of one per publish): the second baseline of the throughput
 figure, which shows how much of forkq's ratio that connection accounts for.
 """
@@ -63,13 +63,15 @@ def make_bare_app(settings: Settings, *, forkq_connection: bool = False) -> Cele
 
 
 @cache
-def default_app() -> Celery:
-    """The app from the environment's settings, for `celery -A bench.bare_app`."""
-    return make_bare_app(Settings())
+def default_app(forkq_connection: bool = False) -> Celery:
+    """The app from the environment's settings, for `celery -A bench.bare_app` (`:conn_app` with forkq's connection)."""
+    return make_bare_app(Settings(), forkq_connection=forkq_connection)
 
 
 def __getattr__(name: str) -> Any:
-    # `celery -A bench.bare_app` looks up `bench.bare_app.app`; build it then, not at import time
+    # `celery -A bench.bare_app[:conn_app]` looks up the app; build it then, not at import time
     if name in ("app", "celery"):
         return default_app()
+    if name == "conn_app":
+        return default_app(forkq_connection=True)
     raise AttributeError(f"module 'bench.bare_app' has no attribute {name!r}")

@@ -3,7 +3,7 @@
 Run: `python bench/dispatch.py [--quick]`. Starts a private redis-server (TCP) and six worker
 processes on it: two forkq workers (`celery -A workers.app`), two bare-Celery workers
 (`celery -A bench.bare_app`) and two bare-Celery workers with forkq's broker connection
-(`celery -A bench.bare_app_conn`), all with the threads pool and forkq's broker settings. Measures:
+(`celery -A bench.bare_app:conn_app`), all with the threads pool and forkq's broker settings. Measures:
 
 1. latency: launch → the fork's first model call has answered (scripted, delay 0; seen by the
    caller on the fork's event stream), vs send → a bare no-op task has run (seen by BLPOP);
@@ -604,7 +604,7 @@ def run(plan: Plan) -> None:
             workers("bench.bare_app", BARE_QUEUE, ["bare1", "bare2"], env, tmp, concurrency=CONCURRENCY)
         )
         conn_group = stack.enter_context(
-            workers("bench.bare_app_conn", CONN_QUEUE, ["conn1", "conn2"], env, tmp, concurrency=CONCURRENCY)
+            workers("bench.bare_app:conn_app", CONN_QUEUE, ["conn1", "conn2"], env, tmp, concurrency=CONCURRENCY)
         )
         r = stack.enter_context(redis.Redis.from_url(server.url))
         settings = Settings(redis_url=server.url, queue=FORK_QUEUE)
