@@ -608,6 +608,23 @@ def test_provider_routes_send_each_model_to_the_server_its_glob_names(
     assert [r.path for r in gemini_api.received] == [GEMINI_PATH]
 
 
+def test_a_model_no_setting_routes_fails_its_fork_instead_of_meeting_the_scripted_provider(
+    forkq: Callable[..., ForkClient], openai_api: FakeAPI, make_parent: Callable[[str], dict[str, Any]]
+) -> None:
+    # Given a worker that routes gpt-* to the Chat Completions server and names no default provider
+    client = forkq(**openai_settings(openai_api, provider=None), provider_routes={"gpt-*": "openai"})
+
+    # When a parent on a model no route names forks
+    result = wait_result(client.launch(make_parent("local-7b"), FORK))
+
+    # Then the fork failed with the fix, rather than "succeeding" with the scripted provider's fake answer
+    assert result.status is Status.FAILED, result.output
+    error = result.error or ""
+    assert "model 'local-7b' matches no FORKQ_PROVIDER_ROUTES glob and FORKQ_PROVIDER is unset" in error, error
+    assert "set FORKQ_PROVIDER to one of scripted, openai, gemini" in error
+    assert openai_api.received == []
+
+
 # ── no API key ever reaches Redis ─────────────────────────────────────────────────────────────
 
 
