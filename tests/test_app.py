@@ -209,5 +209,6 @@ def test_a_celery_worker_of_the_forkq_app_with_no_provider_configured_refuses_to
             process.wait()
     log = out.decode(errors="replace")
 
-    # Then the reason names FORKQ_PROVIDER and its choices (the exit status is Celery's own: see `forkq worker`)
+    # Then it exits non-zero, and the reason names FORKQ_PROVIDER and its choices
+    assert process.returncode != 0, log[-3000:]
     assert NO_PROVIDER in log, log[-3000:]

@@ -200,10 +200,10 @@ class RequestDigests:
     encodes only its new messages, and forks sharing seed Contents (`workers.records.ChunkCache`)
     share their encodings. Relies on what the chunk cache relies on: a Content is never changed in
     place. The tool declarations, system instruction and output schema, which a child loop passes to
-    every request as the same objects, are encoded once per object too (kept, with a strong reference so that their
-    id stays theirs, for the last `STATIC_ENCODINGS_MAX` objects); they are never changed in place
-    either. Thread-safe without a lock: an entry is used only if its reference still points at the
-    object asked for, so a race between threads costs at most a cache miss.
+    every request as the same objects, are encoded once per object too (kept, with a strong reference
+    so that their id stays theirs, for the last `STATIC_ENCODINGS_MAX` objects); they are never
+    changed in place either. Thread-safe without a lock: an entry is used only if its reference still
+    points at the object asked for, so a race between threads costs at most a cache miss.
     """
 
     def __init__(self) -> None:
