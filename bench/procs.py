@@ -104,10 +104,12 @@ def fleet(logdir: Path) -> Iterator[Fleet]:
 
 
 def worker_env(redis_url: str, script: Path) -> dict[str, str]:
-    """This environment without its FORKQ_* variables, plus the repo on PYTHONPATH, the Redis URL and the script."""
+    """This environment without its FORKQ_* variables, plus the repo on PYTHONPATH, the Redis URL and the
+    scripted provider with its script."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("FORKQ_")}
     path = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
-    return {**env, "PYTHONPATH": path, "FORKQ_REDIS_URL": redis_url, "FORKQ_SCRIPT": str(script)}
+    scripted = {"FORKQ_PROVIDER": "scripted", "FORKQ_SCRIPT": str(script)}
+    return {**env, "PYTHONPATH": path, "FORKQ_REDIS_URL": redis_url, **scripted}
 
 
 @contextmanager

@@ -139,7 +139,8 @@ def control_script(plan: Plan) -> dict[str, Any]:
 
 
 def base_env(redis_url: str, plan: Plan, tool_dir: Path, effects: Path) -> dict[str, str]:
-    """The environment of every subprocess: no inherited FORKQ_*, the plan's timings, the tool plugin."""
+    """The environment of every subprocess: no inherited FORKQ_*, the plan's timings, the tool plugin, the
+    scripted provider."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("FORKQ_")}
     path = os.pathsep.join(p for p in (str(ROOT), str(tool_dir), env.get("PYTHONPATH", "")) if p)
     return {
@@ -147,6 +148,7 @@ def base_env(redis_url: str, plan: Plan, tool_dir: Path, effects: Path) -> dict[
         "PYTHONPATH": path,
         EFFECTS_ENV: str(effects),
         "FORKQ_REDIS_URL": redis_url,
+        "FORKQ_PROVIDER": "scripted",
         "FORKQ_LEASE_TTL_S": str(plan.lease_ttl_s),
         "FORKQ_HEARTBEAT_S": str(plan.heartbeat_s),
         "FORKQ_SWEEP_S": str(plan.sweep_s),

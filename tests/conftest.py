@@ -94,10 +94,15 @@ def _no_forkq_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture
 def make_settings(redis_url: str) -> Callable[..., Settings]:
-    """Build `Settings` for the private Redis, test namespace and queue, with overrides."""
+    """Build `Settings` for the private Redis, test namespace and queue, the scripted provider, with overrides."""
 
     def build(**overrides: Any) -> Settings:
-        values: dict[str, Any] = {"redis_url": redis_url, "namespace": TEST_NAMESPACE, "queue": TEST_QUEUE}
+        values: dict[str, Any] = {
+            "redis_url": redis_url,
+            "namespace": TEST_NAMESPACE,
+            "queue": TEST_QUEUE,
+            "provider": "scripted",  # named explicitly: a worker has no default provider
+        }
         return Settings(**{**values, **overrides})
 
     return build
@@ -198,18 +203,20 @@ class WorkerProcess:
 
 @pytest.fixture
 def worker_process(settings: Settings, tmp_path: Path) -> Iterator[Callable[..., WorkerProcess]]:
-    """Start `python -m workers.cli worker` subprocesses for `settings`; each is stopped after the test."""
+    """Start `python -m workers.cli worker` subprocesses for `settings` (scripted provider; a variable given
+    as None is left unset); each is stopped after the test."""
     started: list[WorkerProcess] = []
 
-    def start(concurrency: int = 2, **env: str) -> WorkerProcess:
+    def start(concurrency: int = 2, **env: str | None) -> WorkerProcess:
         log_path = tmp_path / f"worker-{len(started)}.log"
-        environment = {
-            **os.environ,
+        variables = {
             "FORKQ_REDIS_URL": settings.redis_url,
             "FORKQ_NAMESPACE": settings.namespace,
             "FORKQ_QUEUE": settings.queue,
+            "FORKQ_PROVIDER": "scripted",
             **env,
         }
+        environment = {**os.environ, **{k: v for k, v in variables.items() if v is not None}}
         argv = [sys.executable, "-m", "workers.cli", "worker", "--concurrency", str(concurrency)]
         with log_path.open("wb") as log:
             process = subprocess.Popen(

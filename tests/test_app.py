@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -164,3 +165,50 @@ def test_a_worker_process_hides_its_environment_from_same_uid_processes() -> Non
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO_ROOT)
     assert out.stdout.split() == ["1", "True", "0"]
+
+
+NO_PROVIDER = "no model provider is configured: set FORKQ_PROVIDER to one of scripted, openai, gemini"
+
+
+def test_a_forkq_worker_with_no_provider_configured_refuses_to_start_naming_forkq_provider(
+    worker_process: Callable[..., Any],
+) -> None:
+    # Given no FORKQ_PROVIDER and no FORKQ_PROVIDER_ROUTES (the scripted model is no longer a silent default)
+    # When `forkq worker` starts
+    worker = worker_process(FORKQ_PROVIDER=None)
+    code = worker.process.wait(timeout=30)
+
+    # Then it exits non-zero before Celery starts, saying which variable to set and to what
+    assert code != 0, worker.log()
+    assert NO_PROVIDER in worker.log()
+    assert "celery@" not in worker.log()  # Celery's banner: the worker never came up
+
+
+@pytest.mark.slow
+def test_a_celery_worker_of_the_forkq_app_with_no_provider_configured_refuses_to_start(
+    settings: Settings, tmp_path: Path
+) -> None:
+    # Given `celery -A workers.app worker` (not `forkq worker`) with no provider configured
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("FORKQ_")},
+        "FORKQ_REDIS_URL": settings.redis_url,
+        "FORKQ_NAMESPACE": settings.namespace,
+        "FORKQ_QUEUE": settings.queue,
+        "FORKQ_HEARTBEAT_FILE": str(tmp_path / "heartbeat"),
+    }
+    argv = [sys.executable, "-m", "celery", "-A", "workers.app", "worker", "-Q", settings.queue, "-P", "threads"]
+    argv += ["-c", "1", "--without-mingle", "--without-gossip", "-l", "WARNING"]
+
+    # When it starts, the app's worker step refuses before the worker serves anything
+    process = subprocess.Popen(argv, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        out, _ = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    log = out.decode(errors="replace")
+
+    # Then it exits non-zero, and the reason names FORKQ_PROVIDER and its choices
+    assert process.returncode != 0, log[-3000:]
+    assert NO_PROVIDER in log, log[-3000:]

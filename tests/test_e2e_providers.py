@@ -32,7 +32,7 @@ from test_provider_gemini import api_error, generated
 from test_provider_openai import completion, error_body, tool_call
 
 from broker_config.settings import Settings
-from workers.app import make_app
+from workers.app import make_app, runtime_of
 from workers.client import ForkClient, ForkHandle
 from workers.messages import load_contents
 from workers.providers.openai_compat import to_messages
@@ -581,6 +581,122 @@ def test_a_gemini_answer_the_sdk_cannot_parse_fails_the_fork_with_a_provider_err
     assert len(gemini_api.received) == 1
 
 
+# ── the output schema reaches the model ───────────────────────────────────────────────────────
+
+LISTING_SCHEMA = {
+    "title": "listing",
+    "type": "object",
+    "properties": {"files": {"type": "array", "items": {"type": "string"}}},
+    "required": ["files"],
+    "additionalProperties": False,
+}
+LISTING_ANSWER = '{"files": ["notes.txt", "src/"]}'
+NATIVE_REFUSALS = {
+    "openai": {
+        "error": {
+            "message": "'response_format.type' json_schema is not supported by this server",
+            "type": "invalid_request_error",
+            "param": "response_format",
+            "code": None,
+        }
+    },
+    "gemini": api_error(
+        400, "INVALID_ARGUMENT", "Function calling with a response mime type: 'application/json' is unsupported"
+    ),
+}
+
+
+def list_call(kind: str) -> dict[str, Any]:
+    if kind == "openai":
+        call = tool_call("c-ls", "list_directory", '{"path": "."}')
+        return completion({"content": None, "tool_calls": [call]}, finish_reason="tool_calls")
+    return generated([{"functionCall": {"id": "c-ls", "name": "list_directory", "args": {"path": "."}}}])
+
+
+def native_schema(kind: str, received: Received) -> Any:
+    """The output schema a request carries in its API's native form, if any."""
+    if kind == "openai":
+        return received.json.get("response_format", {}).get("json_schema", {}).get("schema")
+    config = received.json.get("generationConfig", {})
+    assert ("responseJsonSchema" in config) == (config.get("responseMimeType") == "application/json"), config
+    return config.get("responseJsonSchema")
+
+
+def system_text_of(kind: str, received: Received) -> str:
+    if kind == "openai":
+        first = received.json["messages"][0]
+        assert first["role"] == "system"
+        return str(first["content"])
+    return "".join(p["text"] for p in received.json["systemInstruction"]["parts"])
+
+
+@pytest.mark.parametrize("kind", ["openai", "gemini"])
+def test_the_output_schema_goes_to_the_model_natively_at_every_step(
+    kind: str, forkq: Callable[..., ForkClient], apis: dict[str, FakeAPI], make_parent: Callable[[str], dict[str, Any]]
+) -> None:
+    # Given a worker on a server that takes native structured output, and a model that lists, then answers
+    api = apis[kind]
+    client = forkq(**provider_settings(kind, api))
+    api.reply(list_call(kind))
+    api.reply(text_answer(kind, LISTING_ANSWER))
+    parent = make_parent(model_of(kind))
+
+    # When a fork is launched with an output schema
+    handle = client.launch(parent, FORK, output_schema=LISTING_SCHEMA)
+    result = wait_result(handle)
+
+    # Then every request carried the launch's schema in the API's own form, before any answer was checked,
+    # and the system instruction is the parent's alone
+    assert result.status is Status.SUCCEEDED, result.error
+    assert json.loads(result.output or "") == {"files": ["notes.txt", "src/"]}
+    assert len(api.received) == 2
+    for sent in api.received:
+        assert native_schema(kind, sent) == LISTING_SCHEMA
+        assert system_text_of(kind, sent) == parent["system_instruction"]
+    if kind == "openai":
+        assert api.received[0].json["response_format"]["json_schema"]["strict"] is True
+
+    # and the request digests cover the schema alike where they are computed: before the claim (the first
+    # model_call event, published by the claim) and by the loop (the journal), one model_call per step
+    journal = runtime_of(client.app).leases.journal(handle.fork_id)
+    announced = [e.data["request_digest"] for e in client.events(handle.fork_id) if e.type == "model_call"]
+    assert announced == [e.request_digest for e in journal if e.kind == "model"]
+
+
+@pytest.mark.parametrize("kind", ["openai", "gemini"])
+def test_a_server_that_refuses_native_mode_gets_the_schema_as_text_and_the_fork_succeeds(
+    kind: str, forkq: Callable[..., ForkClient], apis: dict[str, FakeAPI], make_parent: Callable[[str], dict[str, Any]]
+) -> None:
+    # Given a server that refuses native structured output with a 400, then answers the same request without it
+    api = apis[kind]
+    client = forkq(**provider_settings(kind, api))
+    api.reply(NATIVE_REFUSALS[kind], status=400)
+    api.reply(list_call(kind))
+    api.reply(text_answer(kind, LISTING_ANSWER))
+    parent = make_parent(model_of(kind))
+
+    # When a fork with an output schema runs two steps
+    result = wait_result(client.launch(parent, FORK, output_schema=LISTING_SCHEMA))
+
+    # Then the refused request was sent again with the schema stated in the system instruction, the next
+    # step went straight to that form, and the fork succeeded; the refusal was not a model call
+    assert result.status is Status.SUCCEEDED, result.error
+    assert json.loads(result.output or "") == {"files": ["notes.txt", "src/"]}
+    assert result.usage.model_calls == 2
+    refused, *text = api.received
+    assert native_schema(kind, refused) == LISTING_SCHEMA
+    assert len(text) == 2
+    for sent in text:
+        assert native_schema(kind, sent) is None
+        system = system_text_of(kind, sent)
+        assert system.startswith(parent["system_instruction"])
+        assert json.dumps(LISTING_SCHEMA, sort_keys=True) in system and "only a JSON value" in system
+    # and the resent request is the refused one otherwise: the same conversation and tools
+    conversation = (lambda r: r.json["messages"][1:]) if kind == "openai" else (lambda r: r.json["contents"])
+    assert conversation(text[0]) == conversation(refused)
+    assert text[0].json["tools"] == refused.json["tools"]
+
+
 # ── routing ───────────────────────────────────────────────────────────────────────────────────
 
 
@@ -606,6 +722,23 @@ def test_provider_routes_send_each_model_to_the_server_its_glob_names(
     assert (results["local-7b"].output or "").startswith("[scripted provider]")
     assert [r.json["model"] for r in openai_api.received] == [OPENAI_MODEL]
     assert [r.path for r in gemini_api.received] == [GEMINI_PATH]
+
+
+def test_a_model_no_setting_routes_fails_its_fork_instead_of_meeting_the_scripted_provider(
+    forkq: Callable[..., ForkClient], openai_api: FakeAPI, make_parent: Callable[[str], dict[str, Any]]
+) -> None:
+    # Given a worker that routes gpt-* to the Chat Completions server and names no default provider
+    client = forkq(**openai_settings(openai_api, provider=None), provider_routes={"gpt-*": "openai"})
+
+    # When a parent on a model no route names forks
+    result = wait_result(client.launch(make_parent("local-7b"), FORK))
+
+    # Then the fork failed with the fix, rather than "succeeding" with the scripted provider's fake answer
+    assert result.status is Status.FAILED, result.output
+    error = result.error or ""
+    assert "model 'local-7b' matches no FORKQ_PROVIDER_ROUTES glob and FORKQ_PROVIDER is unset" in error, error
+    assert "set FORKQ_PROVIDER to one of scripted, openai, gemini" in error
+    assert openai_api.received == []
 
 
 # ── no API key ever reaches Redis ─────────────────────────────────────────────────────────────

@@ -452,3 +452,31 @@ def test_request_digests_match_the_whole_request_for_any_system_instruction_and_
     # Then the digest is the whole request's dump's, for a constructed and a validated request alike
     for req in (built, validated):
         assert RequestDigests().digest(req) == request_digest(req.model_dump(mode="json", exclude={"directive"}))
+
+
+def test_request_digests_cover_the_output_schema_encoded_once_per_loop() -> None:
+    # Given requests built as a child loop builds them, with the launch's output schema
+    digests = RequestDigests()
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "maximum": float("inf")}}}
+
+    def request(step: int, output_schema: dict[str, Any] | None) -> ModelRequest:
+        return ModelRequest.model_construct(
+            fork_id=FORK_ID,
+            step=step,
+            model="m",
+            system_instruction="be brief",
+            tools=[],
+            messages=list(SEED.initial_messages),
+            generation={},
+            directive="d",
+            output_schema=output_schema,
+        )
+
+    def whole(req: ModelRequest) -> str:
+        return request_digest(req.model_dump(mode="json", exclude={"directive"}))
+
+    # Then the digest is the whole request's, with the schema in it, and the schema was encoded once
+    with_schema = [digests.digest(request(step, schema)) for step in range(3)]
+    assert with_schema == [whole(request(step, schema)) for step in range(3)]
+    assert digests.digest(request(0, None)) == whole(request(0, None)) != with_schema[0]
+    assert sum(1 for value, _ in digests._static.values() if value is schema) == 1

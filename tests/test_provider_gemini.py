@@ -13,6 +13,7 @@ from workers.errors import ConfigurationError, ProviderError
 from workers.messages import load_contents
 from workers.providers import ModelRequest
 from workers.providers.gemini import GeminiProvider, fit, generation_config, to_contents, transport_failure
+from workers.providers.output_schema import schema_note
 from workers.providers.retry import RetryPolicy
 
 KEY = "AIzaSy-test-0123456789"
@@ -307,3 +308,66 @@ def test_transport_failures_are_recognised_for_either_httpx_flavour():
     assert transport_failure(refused("refused")) == "connection"
     assert transport_failure(ConnectionResetError()) == "connection"
     assert transport_failure(ValueError("a bug")) is None
+
+
+# ── the output schema on the wire ─────────────────────────────────────────────────────────────
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"summary": {"type": "string"}, "risk": {"oneOf": [{"type": "integer"}, {"type": "null"}]}},
+    "required": ["summary"],
+}
+NATIVE_REFUSED = "Function calling with a response mime type: 'application/json' is unsupported"
+
+
+def test_an_output_schema_goes_as_response_json_schema_with_a_json_mime_type(api: FakeAPI, provider: GeminiProvider):
+    api.reply(generated([{"text": '{"summary": "ok"}'}]))
+
+    # a responseSchema in the parent's generation settings gives way to the launch's schema
+    stale = {"responseSchema": {"type": "STRING"}, "temperature": 0.1}
+    provider.generate(request([user("audit")], output_schema=SCHEMA, generation=stale))
+
+    config = api.received[0].json["generationConfig"]
+    assert config == {"temperature": 0.1, "responseMimeType": "application/json", "responseJsonSchema": SCHEMA}
+    assert api.received[0].json["systemInstruction"] == {"parts": [{"text": "You are a coding agent."}], "role": "user"}
+    assert generation_config(request([user("no schema")])).response_json_schema is None
+
+
+def test_a_model_that_refuses_json_mode_gets_the_schema_in_the_system_instruction_from_then_on(
+    api: FakeAPI, provider: GeminiProvider, caplog: pytest.LogCaptureFixture
+):
+    # Given a model that does not combine function calling with a JSON response (an INVALID_ARGUMENT 400)
+    api.reply(api_error(400, "INVALID_ARGUMENT", NATIVE_REFUSED), status=400)
+    api.reply(generated([{"text": '{"summary": "ok"}'}]))
+    api.reply(generated([{"text": '{"summary": "again"}'}]))
+
+    # When two steps of a fork with an output schema call it
+    first = provider.generate(request([user("audit")], output_schema=SCHEMA))
+    second = provider.generate(request([user("audit")], step=1, output_schema=SCHEMA))
+
+    # Then the refused call was sent again at once with the schema stated in the system instruction, and
+    # the next step went straight to that form
+    assert (first.content.parts[0].text, second.content.parts[0].text) == ('{"summary": "ok"}', '{"summary": "again"}')
+    native, *text = (r.json for r in api.received)
+    assert native["generationConfig"]["responseJsonSchema"] == SCHEMA
+    assert len(text) == 2
+    for sent in text:
+        assert "responseJsonSchema" not in sent.get("generationConfig", {})
+        assert "responseMimeType" not in sent.get("generationConfig", {})
+        assert sent["systemInstruction"] == {
+            "parts": [{"text": f"You are a coding agent.\n\n{schema_note(SCHEMA)}"}],
+            "role": "user",
+        }
+    refusals = [r.getMessage() for r in caplog.records if "refused the output schema" in r.getMessage()]
+    assert len(refusals) == 1 and NATIVE_REFUSED in refusals[0], refusals
+
+
+def test_a_content_system_instruction_gets_the_schema_as_one_more_part():
+    config = generation_config(
+        request([], system_instruction={"parts": [{"text": "a"}]}, output_schema=SCHEMA), native=False
+    )
+
+    assert [p.text for p in config.system_instruction.parts] == ["a", schema_note(SCHEMA)]
+    assert config.response_json_schema is None
+    none = generation_config(request([], system_instruction=None, output_schema=SCHEMA), native=False)
+    assert none.system_instruction == schema_note(SCHEMA)

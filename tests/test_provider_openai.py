@@ -13,7 +13,14 @@ from openai.types.chat import ChatCompletion
 from workers.errors import ConfigurationError, ProviderError
 from workers.messages import Content, load_contents
 from workers.providers import ModelRequest
-from workers.providers.openai_compat import OpenAICompatProvider, to_messages, to_tools
+from workers.providers.openai_compat import (
+    OpenAICompatProvider,
+    response_format,
+    strict_compatible,
+    to_messages,
+    to_tools,
+)
+from workers.providers.output_schema import schema_note
 from workers.providers.retry import RetryPolicy
 
 KEY = "sk-test-0123456789abcdef"
@@ -415,3 +422,129 @@ def test_tool_message_content_is_json_for_structured_output():
 
     assert json.loads(messages[0]["tool_calls"][0]["function"]["arguments"]) == {"a": [1]}
     assert messages[1] == {"role": "tool", "tool_call_id": "c", "content": '{"output": [1, 2]}'}
+
+
+# ── the output schema on the wire ─────────────────────────────────────────────────────────────
+
+STRICT_SCHEMA = {
+    "title": "audit_report",
+    "type": "object",
+    "properties": {
+        "summary": {"type": "string"},
+        "findings": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {"line": {"type": "integer"}, "note": {"type": ["string", "null"]}},
+                "required": ["line", "note"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    "required": ["summary", "findings"],
+    "additionalProperties": False,
+}
+LOOSE_SCHEMA = {"type": "object", "properties": {"summary": {"type": "string"}}, "required": ["summary"]}
+NATIVE_REFUSED = "response_format of type json_schema is not supported by this model"
+
+
+def test_an_output_schema_goes_as_response_format_json_schema(api: FakeAPI, provider: OpenAICompatProvider):
+    api.reply(completion({"content": '{"summary": "ok", "findings": []}'}))
+    api.reply(completion({"content": '{"summary": "ok"}'}))
+
+    provider.generate(request([user("audit")], output_schema=STRICT_SCHEMA))
+    provider.generate(request([user("audit")], output_schema=LOOSE_SCHEMA))
+
+    # strict where strict mode takes the schema (every object closed, every property required), named by its title
+    strict, loose = (r.json for r in api.received)
+    assert strict["response_format"] == {
+        "type": "json_schema",
+        "json_schema": {"name": "audit_report", "schema": STRICT_SCHEMA, "strict": True},
+    }
+    # else best effort: strict mode would refuse a schema with an open object
+    assert loose["response_format"] == {
+        "type": "json_schema",
+        "json_schema": {"name": "output", "schema": LOOSE_SCHEMA, "strict": False},
+    }
+    assert strict["messages"][0] == {"role": "system", "content": "You are a coding agent."}
+    assert "response_format" not in provider.params(request([user("no schema")]))
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": "array", "items": {"type": "string"}},  # not an object at the root
+        {**STRICT_SCHEMA, "required": ["summary"]},  # a property not required
+        {**STRICT_SCHEMA, "additionalProperties": {"type": "string"}},
+        {**STRICT_SCHEMA, "$schema": "https://json-schema.org/draft/2020-12/schema"},  # a keyword strict mode lacks
+        {**STRICT_SCHEMA, "properties": {**STRICT_SCHEMA["properties"], "summary": {"oneOf": [{"type": "string"}]}}},
+        {"type": "object", "properties": {"a": {"type": "object"}}, "required": ["a"], "additionalProperties": False},
+    ],
+)
+def test_a_schema_strict_mode_would_refuse_is_sent_non_strict(schema: dict[str, Any]):
+    assert strict_compatible(schema) is False
+    assert response_format(schema)["json_schema"]["strict"] is False
+
+
+def test_strict_mode_takes_definitions_refs_and_any_of():
+    item = {
+        "type": "object",
+        "properties": {"n": {"type": "integer"}},
+        "required": ["n"],
+        "additionalProperties": False,
+    }
+    schema = {
+        "type": "object",
+        "$defs": {"item": item},
+        "properties": {"value": {"anyOf": [{"$ref": "#/$defs/item"}, {"type": "null"}]}},
+        "required": ["value"],
+        "additionalProperties": False,
+    }
+    assert strict_compatible(schema) is True
+
+
+def test_a_server_that_refuses_response_format_gets_the_schema_in_the_system_message_from_then_on(
+    api: FakeAPI, provider: OpenAICompatProvider, caplog: pytest.LogCaptureFixture
+):
+    # Given a server that answers 400 to response_format (e.g. an OpenAI-compatible server without json_schema)
+    api.reply(
+        {"error": {"message": NATIVE_REFUSED, "type": "invalid_request_error", "param": "response_format"}}, status=400
+    )
+    api.reply(completion({"content": '{"summary": "ok"}'}))
+    api.reply(completion({"content": '{"summary": "again"}'}))
+
+    # When two steps of a fork with an output schema call it
+    first = provider.generate(request([user("audit")], output_schema=LOOSE_SCHEMA))
+    second = provider.generate(request([user("audit")], step=1, output_schema=LOOSE_SCHEMA))
+
+    # Then the refused call was sent again at once with the schema stated in the system message, and the
+    # next step went straight to that form: three requests, one refusal
+    assert (first.content.parts[0].text, second.content.parts[0].text) == ('{"summary": "ok"}', '{"summary": "again"}')
+    native, *text = (r.json for r in api.received)
+    assert native["response_format"]["type"] == "json_schema"
+    assert len(text) == 2
+    for sent in text:
+        assert "response_format" not in sent
+        system = sent["messages"][0]
+        assert system["role"] == "system" and system["content"].startswith("You are a coding agent.\n\n")
+        assert schema_note(LOOSE_SCHEMA) in system["content"]
+        assert json.dumps(LOOSE_SCHEMA, sort_keys=True) in system["content"]
+    refusals = [r.getMessage() for r in caplog.records if "refused the output schema" in r.getMessage()]
+    assert len(refusals) == 1 and NATIVE_REFUSED in refusals[0], refusals
+
+
+def test_a_400_the_text_form_does_not_cure_fails_the_call_and_keeps_native_mode(
+    api: FakeAPI, provider: OpenAICompatProvider
+):
+    # Given a request the server refuses for another reason, with or without response_format
+    for _ in range(2):
+        api.reply(error_body("messages: too many tokens", code="context_length_exceeded"), status=400)
+    api.reply(completion({"content": '{"summary": "ok"}'}))
+
+    with pytest.raises(ProviderError, match="too many tokens") as caught:
+        provider.generate(request([user("audit")], output_schema=LOOSE_SCHEMA))
+
+    # Then the call failed with the server's reason, and the model keeps native mode for the next call
+    assert caught.value.status == 400
+    provider.generate(request([user("audit")], output_schema=LOOSE_SCHEMA))
+    assert ["response_format" in r.json for r in api.received] == [True, False, True]

@@ -13,7 +13,7 @@ from workers.messages import Content, Part
 from workers.providers import ModelRequest, ModelResponse
 from workers.providers.gemini import GeminiProvider
 from workers.providers.openai_compat import OpenAICompatProvider
-from workers.providers.routing import ProviderRouter, make_provider, provider_kind
+from workers.providers.routing import ProviderRouter, make_provider, provider_kind, provider_problems
 from workers.providers.scripted import ScriptedProvider
 from workers.runner import WorkerRuntime
 
@@ -40,8 +40,35 @@ def test_the_first_matching_glob_wins_in_insertion_order(monkeypatch: pytest.Mon
     assert provider_kind(settings, None) == "openai"
 
 
-def test_the_scripted_provider_is_the_default():
-    assert isinstance(make_provider(Settings(), "gemini-2.5-pro"), ScriptedProvider)
+def test_no_model_gets_the_scripted_provider_unless_a_setting_names_it():
+    # Given no FORKQ_PROVIDER: no model has a provider, and the error names the variable and its choices
+    with pytest.raises(ConfigurationError, match=r"FORKQ_PROVIDER is unset; set FORKQ_PROVIDER to one of scripted, "):
+        make_provider(Settings(), "gemini-2.5-pro")
+    # a route serves only the models it names
+    routed = Settings(provider_routes={"gpt-*": "openai"})
+    with pytest.raises(ConfigurationError, match="model 'local-7b' matches no FORKQ_PROVIDER_ROUTES glob"):
+        provider_kind(routed, "local-7b")
+
+    # Then the scripted provider runs where FORKQ_PROVIDER or a route names it, and only there
+    assert isinstance(make_provider(Settings(provider="scripted"), "gemini-2.5-pro"), ScriptedProvider)
+    assert isinstance(make_provider(Settings(provider_routes={"fake-*": "scripted"}), "fake-1"), ScriptedProvider)
+
+
+def test_the_worker_start_up_check_wants_a_named_provider_with_its_key():
+    [problem] = provider_problems(Settings())
+    assert "no model provider is configured: set FORKQ_PROVIDER to one of scripted, openai, gemini" in problem
+    assert "FORKQ_PROVIDER_ROUTES" in problem
+
+    assert provider_problems(Settings(provider="scripted")) == []
+    assert provider_problems(Settings(provider_routes={"fake-*": "scripted"})) == []
+    assert provider_problems(Settings(provider="openai", openai_api_key="sk-o")) == []
+    missing = provider_problems(Settings(provider="openai", provider_routes={"gemini-*": "gemini"}))
+    assert [p.split(";")[0] for p in missing] == [
+        "the gemini provider is configured but has no API key",
+        "the openai provider is configured but has no API key",
+    ]
+    assert "FORKQ_GEMINI_API_KEY (or GEMINI_API_KEY)" in missing[0]
+    assert "FORKQ_OPENAI_API_KEY (or OPENAI_API_KEY)" in missing[1]
 
 
 def test_a_bad_route_is_rejected_by_settings(monkeypatch: pytest.MonkeyPatch):
@@ -123,7 +150,8 @@ def test_the_router_dispatches_by_model_and_builds_one_provider_per_kind():
             built.append(kind)
         return Recording(kind)
 
-    router = ProviderRouter(Settings(provider_routes={"gpt-*": "openai", "gemini-*": "gemini"}), build=build)
+    routes = {"gpt-*": "openai", "gemini-*": "gemini"}
+    router = ProviderRouter(Settings(provider="scripted", provider_routes=routes), build=build)
     models = ["gpt-4.1", "gemini-2.5-pro", "other", None] * 8
     answers: dict[int, str] = {}
 
@@ -148,15 +176,15 @@ def test_closing_the_router_closes_the_providers_that_hold_pools():
         def close(self) -> None:
             closed.append(self.name)
 
-    router = ProviderRouter(Settings(), build=lambda settings, kind: Closable(kind))
+    router = ProviderRouter(Settings(provider="scripted"), build=lambda settings, kind: Closable(kind))
     router.generate(request("m"))
     router.close()
 
     assert closed == ["scripted"]
 
 
-def test_the_worker_runtime_provider_is_a_router_defaulting_to_the_scripted_provider():
-    runtime = WorkerRuntime(Settings())
+def test_the_worker_runtime_provider_is_a_router_to_the_configured_provider():
+    runtime = WorkerRuntime(Settings(provider="scripted"))
 
     assert isinstance(runtime.provider, ProviderRouter)
     response = runtime.provider.generate(request("gemini-2.5-pro").model_copy(update={"directive": "d"}))

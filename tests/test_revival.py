@@ -217,6 +217,7 @@ class Cluster:
             "FORKQ_REDIS_URL": self.redis_url,
             "FORKQ_NAMESPACE": TEST_NAMESPACE,
             "FORKQ_QUEUE": TEST_QUEUE,
+            "FORKQ_PROVIDER": "scripted",
             "FORKQ_SCRIPT": str(self.directory / "script.json"),
             "FORKQ_LEASE_TTL_S": str(LEASE_TTL_S),
             "FORKQ_HEARTBEAT_S": str(HEARTBEAT_S),

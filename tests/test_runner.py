@@ -8,6 +8,7 @@ import pytest
 
 from broker_config.settings import Settings
 from workers.client import ForkClient
+from workers.journal import RequestDigests
 from workers.lease import Leases
 from workers.messages import Content, FunctionCall, Part
 from workers.providers import ModelRequest, ModelResponse
@@ -25,8 +26,9 @@ class CallsThenAnswers:
 
     name = "test"
 
-    def __init__(self, die_at: int | None = None) -> None:
+    def __init__(self, die_at: int | None = None, answer: str = "done") -> None:
         self.die_at = die_at
+        self.answer = answer
         self.requests: list[ModelRequest] = []
 
     def generate(self, request: ModelRequest) -> ModelResponse:
@@ -36,7 +38,7 @@ class CallsThenAnswers:
         if request.step == 0:
             call = FunctionCall(id="c1", name="count", args={})
             return ModelResponse(content=Content(role="model", parts=[Part(function_call=call)]))
-        return ModelResponse(content=Content(role="model", parts=[Part(text="done")]))
+        return ModelResponse(content=Content(role="model", parts=[Part(text=self.answer)]))
 
 
 def counting_tools(effects: list[str]) -> ToolRegistry:
@@ -56,10 +58,10 @@ def runtime_with(settings: Settings, provider: Any, tools: ToolRegistry) -> Work
     return runtime
 
 
-def launch(client: ForkClient, parent: dict[str, Any]) -> tuple[str, RunForkJob]:
+def launch(client: ForkClient, parent: dict[str, Any], **options: Any) -> tuple[str, RunForkJob]:
     # yolo: the parent's mode carries over, so the counted side effect runs without approval
     parent = {**parent, "approval_mode": "yolo", "tools": [{"name": "count", "parameters": {"type": "object"}}]}
-    handle = client.launch(parent, {"description": "t", "prompt": "count once", "subagent_type": "fork"})
+    handle = client.launch(parent, {"description": "t", "prompt": "count once", "subagent_type": "fork"}, **options)
     return handle.fork_id, RunForkJob(fork_id=handle.fork_id, digest=handle.digest)
 
 
@@ -124,6 +126,29 @@ def test_a_revived_fork_replays_its_journal_and_makes_the_same_request(
     assert [r.step for r in second.requests] == [1]
     assert second.requests[0].model_dump() == first.requests[1].model_dump()
     assert client.status(fork_id).attempt == 2
+
+
+def test_every_request_carries_the_launch_output_schema_and_a_revival_rebuilds_it_identically(
+    settings: Settings, client: ForkClient, parent: dict[str, Any]
+) -> None:
+    # Given a fork launched with an output schema whose first run died during its second model call
+    schema = {"type": "object", "properties": {"counted": {"type": "boolean"}}, "required": ["counted"]}
+    fork_id, job = launch(client, parent, output_schema=schema)
+    first = CallsThenAnswers(die_at=1, answer='{"counted": true}')
+    with pytest.raises(Died):
+        run_fork_job(runtime_with(settings, first, counting_tools([])), job)
+
+    # When another worker revives it
+    expire(settings, fork_id)
+    second = CallsThenAnswers(answer='{"counted": true}')
+    assert run_fork_job(runtime_with(settings, second, counting_tools([])), job) == "succeeded"
+
+    # Then every request the model saw carried the schema, and the revived step-1 request is the same
+    assert [r.output_schema for r in [*first.requests, *second.requests]] == [schema] * 3
+    assert second.requests[0].model_dump() == first.requests[1].model_dump()
+    recorded = [e.request_digest for e in runtime_with(settings, second, ToolRegistry()).leases.journal(fork_id)]
+    digests = RequestDigests()
+    assert [d for d in recorded if d] == [digests.digest(first.requests[0]), digests.digest(second.requests[0])]
 
 
 def test_a_revived_fork_pauses_when_a_tool_it_started_with_is_missing(

@@ -37,12 +37,7 @@ def test_the_defaults_are_those_of_the_readme() -> None:
     assert settings.redis_url == "redis://127.0.0.1:6379/0"
     assert settings.broker_url is None
     assert settings.effective_broker_url == settings.redis_url
-    assert (settings.namespace, settings.queue, settings.provider, settings.script) == (
-        "forkq",
-        "forks",
-        "scripted",
-        None,
-    )
+    assert (settings.namespace, settings.queue, settings.provider, settings.script) == ("forkq", "forks", None, None)
     assert settings.inline_seed_max_bytes > 0
     assert settings.record_ttl_s > 0
 
@@ -211,7 +206,7 @@ def run_one_fork(settings: Settings, start: Callable[[Celery], WorkController], 
 def test_a_unix_socket_redis_url_serves_both_the_records_and_the_broker(
     fresh_redis: RedisServer, start_live_worker: Callable[[Celery], WorkController], parent: dict[str, Any]
 ) -> None:
-    settings = Settings(redis_url=fresh_redis.url, namespace="sock", queue="sock-forks")
+    settings = Settings(redis_url=fresh_redis.url, namespace="sock", queue="sock-forks", provider="scripted")
 
     assert settings.redis_url.startswith("unix://")
     assert run_one_fork(settings, start_live_worker, parent) is Status.SUCCEEDED
@@ -224,7 +219,7 @@ def test_a_redis_url_with_a_password_serves_both_the_records_and_the_broker(
     with redis.Redis.from_url(fresh_redis.url) as admin:
         admin.config_set("requirepass", "pa55-word")
     url = f"redis://:pa55-word@127.0.0.1:{fresh_redis.port}/0"
-    settings = Settings(redis_url=url, namespace="auth", queue="auth-forks")
+    settings = Settings(redis_url=url, namespace="auth", queue="auth-forks", provider="scripted")
 
     # Then forks launch and run through it, and the password never reaches the broker URL shown to users
     assert run_one_fork(settings, start_live_worker, parent) is Status.SUCCEEDED

@@ -17,6 +17,7 @@ from workers.errors import ConfigurationError
 from workers.health import check_redis
 from workers.heartbeat import Heartbeat
 from workers.metrics import MetricsServer, serve_metrics
+from workers.providers.routing import provider_problems
 from workers.runner import WorkerRuntime
 from workers.tasks import enqueue_fork, register_tasks
 
@@ -37,7 +38,7 @@ def make_app(settings: Settings) -> Celery:
 
 
 class ForkqWorkerStep(bootsteps.StartStopStep):
-    """The app's own worker step: refuse an unfit Redis at start; stop forks at a boundary on shutdown.
+    """The app's own worker step: refuse an unfit Redis or no provider at start; stop forks at a boundary on shutdown.
 
     A bootstep belongs to one app (unlike Celery's global signals), and it starts after the pool
     and stops before it, so forks are told to stop while the pool still waits for them. It also
@@ -57,8 +58,9 @@ class ForkqWorkerStep(bootsteps.StartStopStep):
         health = check_redis(self.runtime.settings)
         for warning in health.warnings:
             log.warning("%s", warning)
-        if health.problems:
-            raise ConfigurationError("worker refuses to start: " + "; ".join(health.problems))
+        problems = provider_problems(self.runtime.settings) + health.problems
+        if problems:
+            raise ConfigurationError("worker refuses to start: " + "; ".join(problems))
         self.metrics_server = _serve_worker_metrics(self.runtime, parent.pool_cls)
         self.heartbeat.start(parent.timer)
         hide_process_environment()

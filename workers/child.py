@@ -385,6 +385,7 @@ def model_request(
         messages=list(messages),
         generation=record.generation,
         directive=record.directive,
+        output_schema=record.options.get("output_schema"),
     )
 
 

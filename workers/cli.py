@@ -194,13 +194,15 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    """Run a Celery worker for forkq's queue; refuses a Redis that may evict records."""
+    """Run a Celery worker for forkq's queue; refuses to start without a provider or on a Redis that may evict."""
     from workers.app import make_app
+    from workers.providers.routing import provider_problems
 
     settings = _settings()
-    health = check_redis(settings)
-    if health.problems:
-        raise ConfigurationError("worker refuses to start: " + "; ".join(health.problems))
+    problems = provider_problems(settings)  # before Redis: naming no provider is the first thing to fix
+    problems += check_redis(settings).problems
+    if problems:
+        raise ConfigurationError("worker refuses to start: " + "; ".join(problems))
     # --pool/--concurrency go through the settings: Celery's CLI would let app.conf override a "prefork"
     settings = settings.model_copy(
         update={

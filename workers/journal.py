@@ -188,7 +188,7 @@ def request_digest(wire: dict[str, Any]) -> str:
     return codec.digest(codec.encode(wire))
 
 
-STATIC_REQUEST_FIELDS: Final = ("tools", "system_instruction")  # the same objects at every step of a loop
+STATIC_REQUEST_FIELDS: Final = ("tools", "system_instruction", "output_schema")  # the same objects at every step
 STATIC_ENCODINGS_MAX: Final = 256
 
 
@@ -199,11 +199,11 @@ class RequestDigests:
     encoding of each message kept by identity (weakly: an entry goes with its Content), so a step
     encodes only its new messages, and forks sharing seed Contents (`workers.records.ChunkCache`)
     share their encodings. Relies on what the chunk cache relies on: a Content is never changed in
-    place. The tool declarations and system instruction, which a child loop passes to every request
-    as the same objects, are encoded once per object too (kept, with a strong reference so that their
-    id stays theirs, for the last `STATIC_ENCODINGS_MAX` objects); they are never changed in place
-    either. Thread-safe without a lock: an entry is used only if its reference still points at the
-    object asked for, so a race between threads costs at most a cache miss.
+    place. The tool declarations, system instruction and output schema, which a child loop passes to
+    every request as the same objects, are encoded once per object too (kept, with a strong reference
+    so that their id stays theirs, for the last `STATIC_ENCODINGS_MAX` objects); they are never
+    changed in place either. Thread-safe without a lock: an entry is used only if its reference still
+    points at the object asked for, so a race between threads costs at most a cache miss.
     """
 
     def __init__(self) -> None:

@@ -1,4 +1,4 @@
-"""Model providers: one request in (system instruction, tools, messages, settings), one response out."""
+"""Model providers: one request in (system instruction, tools, messages, settings, output schema), one response out."""
 
 from __future__ import annotations
 
@@ -23,6 +23,8 @@ class ModelRequest(BaseModel):
     messages: list[Content]
     generation: dict[str, Any] = Field(default_factory=dict)
     directive: str = ""
+    # the launch's JSON schema of the final answer: adapters send it natively (else as text in the request)
+    output_schema: dict[str, Any] | None = None
 
 
 class TokenUsage(BaseModel):

@@ -3,11 +3,15 @@
 Our Contents are already Gemini's, so they go over the wire as they are, minus the keys the Gemini
 API does not know (unknown keys round-trip through forkq, but the API rejects them). Declarations
 send their JSON schema as `parametersJsonSchema`: forkq's declarations are JSON Schema, while
-Gemini's `parameters` is an OpenAPI subset that the SDK would rewrite or reject (`oneOf`).
+Gemini's `parameters` is an OpenAPI subset that the SDK would rewrite or reject (`oneOf`). For the
+same reason an output schema goes as `responseJsonSchema` (with `responseMimeType`
+`application/json`); a model that refuses it (e.g. one that does not combine function calling with a
+JSON response) gets the schema as text in the system instruction (`workers/providers/output_schema.py`).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 from typing import Any, get_args
@@ -22,6 +26,7 @@ from workers.errors import ConfigurationError, ProviderError
 from workers.messages import Content
 from workers.providers import ModelRequest, ModelResponse, TokenUsage, require_model
 from workers.providers.declarations import function_declarations, parameters_schema
+from workers.providers.output_schema import SchemaModes, generate_with_schema, schema_note
 from workers.providers.retry import Failure, RetryPolicy, call_with_retries, is_retryable_status, parse_retry_after
 
 log = logging.getLogger("forkq.provider")
@@ -59,6 +64,7 @@ class GeminiProvider:
         self._timeout_s = timeout_s
         self._base_url = base_url
         self.retry = retry
+        self.schemas = SchemaModes()  # the models that refused `responseJsonSchema`
 
     def __repr__(self) -> str:
         return f"GeminiProvider(base_url={self._base_url!r})"
@@ -76,7 +82,13 @@ class GeminiProvider:
         """
         model = require_model(request, self.name)
         contents = to_contents(request.messages)
-        config = generation_config(request)
+        send = functools.partial(self._generate, request, model, contents)
+        return generate_with_schema(request, self.schemas, send, provider=self.name, model=model)
+
+    def _generate(
+        self, request: ModelRequest, model: str, contents: list[types.Content], native: bool
+    ) -> ModelResponse:
+        config = generation_config(request, native=native)
         response = call_with_retries(
             lambda: self._client.models.generate_content(model=model, contents=contents, config=config),
             provider=self.name,
@@ -192,8 +204,16 @@ def system_instruction(value: str | dict[str, Any] | None) -> str | types.Conten
     return types.Content.model_validate(fit(value, types.Content))
 
 
-def generation_config(request: ModelRequest) -> types.GenerateContentConfig:
-    """The request's GenerateContentConfig: system instruction, tools and the fork's generation settings.
+def with_note(instruction: str | types.Content | None, note: str) -> str | types.Content:
+    """A system instruction with `note` after it: a string joined, a Content given one more text part."""
+    if isinstance(instruction, types.Content):
+        return instruction.model_copy(update={"parts": [*(instruction.parts or []), types.Part(text=note)]})
+    return f"{instruction}\n\n{note}" if instruction else note
+
+
+def generation_config(request: ModelRequest, *, native: bool = True) -> types.GenerateContentConfig:
+    """The request's GenerateContentConfig: system instruction, tools, the fork's generation settings,
+    and its output schema as `responseJsonSchema` or (not `native`) stated in the system instruction.
 
     Raises:
         ConfigurationError: a generation setting has a value Gemini does not accept.
@@ -205,9 +225,16 @@ def generation_config(request: ModelRequest) -> types.GenerateContentConfig:
             settings[name] = value
         else:
             log.debug("gemini: generation setting %r has no GenerateContentConfig equivalent; ignored", key)
+    instruction = system_instruction(request.system_instruction)
+    schema = request.output_schema
+    if schema is not None and native:  # the launch's schema wins over one in the parent's generation settings
+        settings.pop("response_schema", None)
+        settings |= {"response_mime_type": "application/json", "response_json_schema": schema}
+    elif schema is not None:
+        instruction = with_note(instruction, schema_note(schema))
     try:
         return types.GenerateContentConfig(
-            system_instruction=system_instruction(request.system_instruction),
+            system_instruction=instruction,
             tools=to_tools(request.tools) or None,
             # the fork's loop runs the tools; the SDK must never call anything itself
             automatic_function_calling=types.AutomaticFunctionCallingConfig(disable=True),

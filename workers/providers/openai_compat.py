@@ -13,12 +13,17 @@ just before them. Deliberate choices (spec §6):
   messages are merged, since several chat templates (vLLM, Ollama) require alternating roles.
 - Answers: tool calls whose arguments are not a JSON object stay function calls (args `{}`) and are
   listed in `ModelResponse.invalid_calls`, so the loop answers them with an error, not a crash.
+- An output schema goes as `response_format` `json_schema`, `strict` only when the schema meets
+  strict mode's rules (else the server would refuse it); a server that refuses `response_format`
+  gets the schema as text in the system message (`workers/providers/output_schema.py`).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,6 +34,7 @@ from workers.errors import ProviderError
 from workers.messages import Content, FunctionCall, Part
 from workers.providers import ModelRequest, ModelResponse, TokenUsage, require_model
 from workers.providers.declarations import function_declarations, parameters_schema
+from workers.providers.output_schema import SchemaModes, generate_with_schema, schema_note
 from workers.providers.retry import Failure, RetryPolicy, call_with_retries, is_retryable_status, parse_retry_after
 
 log = logging.getLogger("forkq.provider")
@@ -52,6 +58,16 @@ GENERATION_KEYS = {
 }
 AUDIO_FORMATS = {"audio/wav": "wav", "audio/x-wav": "wav", "audio/mpeg": "mp3", "audio/mp3": "mp3"}
 FINISH_REASONS = {"stop": "stop", "tool_calls": "tool_calls", "function_call": "tool_calls", "length": "length"}
+# the keywords strict structured outputs accept (a subset of JSON Schema); a schema using others goes non-strict
+STRICT_KEYWORDS = frozenset(
+    {
+        "type", "properties", "required", "additionalProperties", "items", "anyOf", "enum", "const",
+        "description", "title", "$defs", "definitions", "$ref", "pattern", "format", "minimum", "maximum",
+        "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "minItems", "maxItems",
+    }
+)  # fmt: skip
+STRICT_MAX_DEPTH = 64
+_FORMAT_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
 class OpenAICompatProvider:
@@ -74,6 +90,7 @@ class OpenAICompatProvider:
         self._timeout_s = timeout_s
         self.retry = retry
         self.merge_user_turns = merge_user_turns
+        self.schemas = SchemaModes()  # the models whose server refused `response_format`
 
     def __repr__(self) -> str:
         return f"OpenAICompatProvider(base_url={str(self._client.base_url)!r})"
@@ -90,7 +107,11 @@ class OpenAICompatProvider:
             ProviderError: the endpoint failed for good, or answered without a choice.
         """
         model = require_model(request, self.name)
-        params = self.params(request)
+        send = functools.partial(self._generate, request, model)
+        return generate_with_schema(request, self.schemas, send, provider=self.name, model=model)
+
+    def _generate(self, request: ModelRequest, model: str, native: bool) -> ModelResponse:
+        params = self.params(request, native=native)
         completion = call_with_retries(
             lambda: self._client.chat.completions.create(**params),
             provider=self.name,
@@ -110,17 +131,21 @@ class OpenAICompatProvider:
             )
         return from_completion(completion, step=request.step)
 
-    def params(self, request: ModelRequest) -> dict[str, Any]:
-        """The keyword arguments of `chat.completions.create` for `request`."""
+    def params(self, request: ModelRequest, *, native: bool = True) -> dict[str, Any]:
+        """The keyword arguments of `chat.completions.create` for `request`; its output schema as
+        `response_format`, or (not `native`) stated in the system message."""
+        schema, system = request.output_schema, request.system_instruction
+        if schema is not None and not native:
+            system = "\n\n".join(t for t in (system_text(system), schema_note(schema)) if t)
         params: dict[str, Any] = {
             "model": request.model,
-            "messages": to_messages(
-                request.system_instruction, request.messages, merge_user_turns=self.merge_user_turns
-            ),
+            "messages": to_messages(system, request.messages, merge_user_turns=self.merge_user_turns),
         }
         tools = to_tools(request.tools)
         if tools:
             params["tools"] = tools
+        if schema is not None and native:
+            params["response_format"] = response_format(schema)
         for key, value in request.generation.items():
             if key in GENERATION_KEYS and value is not None:
                 params[GENERATION_KEYS[key]] = value
@@ -151,6 +176,37 @@ def _error_detail(exc: openai.APIStatusError) -> str:
 
 
 # --- request conversion ------------------------------------------------------------------------------
+
+
+def response_format(schema: dict[str, Any]) -> dict[str, Any]:
+    """`response_format` for an output schema: `json_schema`, named by its title if that fits the API's rule."""
+    title = schema.get("title")
+    name = title if isinstance(title, str) and _FORMAT_NAME.match(title) else "output"
+    return {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": strict_compatible(schema)}}
+
+
+def strict_compatible(schema: dict[str, Any]) -> bool:
+    """Whether strict structured outputs accept `schema`: an object at the root; in every object,
+    `additionalProperties: false` and every property required; only the keywords strict mode knows."""
+    return schema.get("type") == "object" and _strict(schema, 0)
+
+
+def _strict(node: Any, depth: int) -> bool:
+    if depth > STRICT_MAX_DEPTH or not isinstance(node, dict) or not set(node) <= STRICT_KEYWORDS:
+        return False
+    kinds = node.get("type")
+    properties, any_of = node.get("properties", {}), node.get("anyOf", [])
+    maps = [properties, node.get("$defs", {}), node.get("definitions", {})]  # name → subschema
+    if not all(isinstance(m, dict) for m in maps) or not isinstance(any_of, list):
+        return False
+    if kinds == "object" or (isinstance(kinds, list) and "object" in kinds) or "properties" in node:
+        required = node.get("required", [])
+        if node.get("additionalProperties") is not False or not isinstance(required, list):
+            return False
+        if set(map(str, required)) != set(properties):
+            return False
+    children = [*(v for m in maps for v in m.values()), *any_of, *([node["items"]] if "items" in node else [])]
+    return all(_strict(child, depth + 1) for child in children)
 
 
 def to_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:

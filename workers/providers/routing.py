@@ -2,7 +2,8 @@
 
 `make_provider` builds a provider for one model name; `ProviderRouter` is the worker's provider: it
 dispatches each request by `request.model` and keeps one provider per kind (one HTTP connection pool
-each) for the life of the worker process that owns it.
+each) for the life of the worker process that owns it. There is no default provider: the scripted
+one runs only where a setting names it, and `provider_problems` is the worker's start-up check.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import fnmatch
 import threading
 from collections.abc import Callable
-from typing import Literal
+from typing import Final, Literal, get_args
 
 from pydantic import SecretStr
 
@@ -21,15 +22,45 @@ from workers.providers.retry import RetryPolicy
 from workers.providers.scripted import ScriptedProvider, load_script
 
 ProviderKind = Literal["scripted", "openai", "gemini"]
+PROVIDER_CHOICES: Final = ", ".join(get_args(ProviderKind))
+KEYED: Final[dict[str, str]] = {"openai": "OPENAI", "gemini": "GEMINI"}  # kind → its API key's variable infix
 
 
 def provider_kind(settings: Settings, model_name: str | None) -> ProviderKind:
-    """The provider for a model: the first matching glob of `provider_routes` (in order), else `provider`."""
+    """The provider for a model: the first matching glob of `provider_routes` (in order), else `provider`.
+
+    Raises:
+        ConfigurationError: no route matches and `FORKQ_PROVIDER` is unset.
+    """
     if model_name:
         for pattern, kind in settings.provider_routes.items():
             if fnmatch.fnmatchcase(model_name, pattern):
                 return kind
+    if settings.provider is None:
+        raise ConfigurationError(
+            f"model {model_name!r} matches no FORKQ_PROVIDER_ROUTES glob and FORKQ_PROVIDER is unset; "
+            f"set FORKQ_PROVIDER to one of {PROVIDER_CHOICES}, or add a route for this model",
+            field="FORKQ_PROVIDER",
+        )
     return settings.provider
+
+
+def provider_problems(settings: Settings) -> list[str]:
+    """Why a worker with these settings cannot serve forks: no provider named, or a named one without its key."""
+    if settings.provider is None and not settings.provider_routes:
+        return [
+            f"no model provider is configured: set FORKQ_PROVIDER to one of {PROVIDER_CHOICES} "
+            "(openai: any OpenAI-compatible server; scripted: the fake model of demos and tests), "
+            'or route models with FORKQ_PROVIDER_ROUTES (e.g. {"gpt-*": "openai"})'
+        ]
+    keys = {"openai": settings.openai_api_key, "gemini": settings.gemini_api_key}
+    named = {settings.provider, *settings.provider_routes.values()}
+    keyless = sorted(kind for kind, key in keys.items() if kind in named and not (key and key.get_secret_value()))
+    return [
+        f"the {kind} provider is configured but has no API key; set FORKQ_{KEYED[kind]}_API_KEY "
+        f"(or {KEYED[kind]}_API_KEY) in the worker's environment (servers that need no key accept any value)"
+        for kind in keyless
+    ]
 
 
 def make_provider(settings: Settings, model_name: str | None) -> ModelProvider:
