@@ -32,8 +32,9 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         # Flower: task events from workers, and "sent" events from the parent's side
         "worker_send_task_events": True,
         "task_send_sent_event": True,
-        # on a broker connection loss the unacked job will be redelivered; stop the local copy
-        "worker_cancel_long_running_tasks_on_connection_loss": True,
+        # a broker connection loss (a Redis restart) must not stop a running fork: its run holds the fork by
+        # its lease, not by the message, and rides the outage out; a redelivered copy is a no-op meanwhile
+        "worker_cancel_long_running_tasks_on_connection_loss": False,
         "broker_connection_retry_on_startup": True,
         # all fork jobs go to one named queue, so operators can scale and autoscale on its length
         "task_default_queue": settings.queue,

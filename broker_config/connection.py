@@ -34,6 +34,11 @@ class _OneClientPerPool:
     def _create_client(self, asynchronous: bool = False) -> Any:
         if asynchronous:  # the consumer's BRPOP client: kombu builds it once per channel already
             return super()._create_client(asynchronous=True)  # type: ignore[misc]
+        if self._pool is None and self.connection.client is None:  # type: ignore[attr-defined]
+            # Celery detaches the transport when the broker connection is lost, then closes the channel,
+            # whose restore of unacked messages lands here: kombu's AttributeError would stop the worker
+            # ("Unrecoverable error"), a connection error is one Celery expects and reconnects after
+            raise redis.ConnectionError("the broker connection was lost and closed; Celery reconnects")
         pool = self.pool  # type: ignore[attr-defined]
         client = self._forkq_client
         if client is None or client.connection_pool is not pool:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import base64
 import json
+import os
+import signal
 import time
 import uuid
 from collections.abc import Callable
@@ -15,6 +17,7 @@ import redis
 
 from broker_config.celery import RUN_FORK_TASK
 from workers.client import ForkClient
+from workers.redis_server import RedisServer
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float = 15.0, what: str = "condition") -> None:
@@ -96,3 +99,18 @@ MILESTONES = ("queued", "started", "step", "tool", "finished")
 def event_types(client: ForkClient, fork_id: str) -> list[str]:
     """The fork's lifecycle events in order (finer progress events such as `model_call` left out)."""
     return [event.type for event in client.events(fork_id) if event.type in MILESTONES]
+
+
+def stop_redis(server: RedisServer) -> None:
+    """Stop Redis as an upgrade or a moved pod does: SIGTERM (it writes its AOF and exits), files kept.
+
+    `server.restart()` starts it again on the same port, from those files.
+    """
+    pid = server.pid
+    assert pid is not None, "redis-server is not running"
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    while server.pid is not None:
+        if time.monotonic() > deadline:
+            pytest.fail("redis-server did not exit within 10 s of SIGTERM")
+        time.sleep(0.01)

@@ -6,21 +6,28 @@ Redis drops the key) or the epoch is bumped, and every fenced write must then fa
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import socket
 import threading
 import time
 from collections.abc import Callable
+from typing import Any, cast
 
 import pytest
 import redis
 from conftest import TEST_NAMESPACE
+from live import stop_redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from workers import lease_scripts as lua
 from workers.errors import LeaseLost
 from workers.journal import JournalEntry
 from workers.keys import Keys
-from workers.lease import Claim, LeaseKeeper, Leases
-from workers.records import ForkResult, Status
+from workers.lease import LAPSE_MARGIN_S, Claim, LeaseKeeper, Leases
+from workers.records import BootstrapRecord, ForkResult, Status
+from workers.redis_server import RedisServer
 from workers.store import ForkStore
 
 KEYS = Keys(TEST_NAMESPACE)
@@ -544,3 +551,269 @@ def test_releases_at_shutdown_do_not_count_toward_the_worker_lost_limit(
     # Then one worker death out of three allowed revives it; it is not failed as "died 3 times"
     outcome = leases.revive(fid, max_attempts=3)
     assert outcome == "revive", (outcome, fork_store.state(fid).error)
+
+
+# ── Redis outages: retried writes, written once ───────────────────────────────────────────────
+
+
+class LossyProxy:
+    """A TCP proxy in front of Redis that loses one reply: a command reaches Redis and runs, then the
+    connection is cut before its reply reaches the client (as when Redis restarts at that moment)."""
+
+    def __init__(self, port: int) -> None:
+        self.upstream = ("127.0.0.1", port)
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port: int = self.listener.getsockname()[1]
+        self.marker: bytes | None = None  # the next command containing it loses its reply
+        self.lost = 0
+        self._lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def lose_reply_to(self, marker: bytes) -> None:
+        """Cut the connection of the next command containing `marker` once Redis has answered it."""
+        with self._lock:
+            self.marker = marker
+
+    def close(self) -> None:
+        self.listener.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:  # closed
+                return
+            server = socket.create_connection(self.upstream)
+            doomed = threading.Event()  # set once this connection carried the marked command
+            threading.Thread(target=self._up, args=(client, server, doomed), daemon=True).start()
+            threading.Thread(target=self._down, args=(server, client, doomed), daemon=True).start()
+
+    def _up(self, client: socket.socket, server: socket.socket, doomed: threading.Event) -> None:
+        with contextlib.suppress(OSError):
+            while data := client.recv(65536):
+                with self._lock:
+                    if self.marker is not None and self.marker in data:
+                        self.marker = None
+                        doomed.set()  # before the command is sent: its reply cannot come back first
+                server.sendall(data)
+
+    def _down(self, server: socket.socket, client: socket.socket, doomed: threading.Event) -> None:
+        with contextlib.suppress(OSError):
+            while data := server.recv(65536):
+                if doomed.is_set():  # the marked command ran; its reply is lost with the connection
+                    self.lost += 1
+                    break
+                client.sendall(data)
+        for end in (client, server):
+            with contextlib.suppress(OSError):
+                end.shutdown(socket.SHUT_RDWR)
+            end.close()
+
+
+def sha(script: str) -> bytes:
+    return hashlib.sha1(script.encode()).hexdigest().encode()
+
+
+def park_calls() -> list[dict[str, Any]]:
+    return [{"call_id": "c1", "name": "write_file", "args": {}}]
+
+
+def surface_entry() -> JournalEntry:
+    return JournalEntry(seq=0, step=0, kind="surface", tools=["read_file"])
+
+
+# each write: (its script, what it does under `claim` through `leases`, the events it publishes)
+LOSSY_WRITES: dict[str, tuple[str, Callable[[Leases, Claim], object], list[str]]] = {
+    "append": (lua.APPEND, lambda ls, c: ls.append(c, model_entry(0), events=[("step", {"step": 1})]), ["step"]),
+    "emit": (lua.EMIT, lambda ls, c: ls.emit(c, [("model_call", {"step": 1})]), ["model_call"]),
+    "finish": (lua.FINISH, lambda ls, c: ls.finish(c, result_of(c.fork_id), model_entry(0)), ["finished"]),
+    "release": (lua.RELEASE, lambda ls, c: ls.release(c, "worker shutdown"), ["released"]),
+    "pause": (lua.PAUSE, lambda ls, c: ls.pause(c, "a tool is missing"), ["paused"]),
+    "park": (lua.PAUSE, lambda ls, c: ls.park(c, park_calls()), ["awaiting_approval"]),
+}
+
+
+@pytest.mark.parametrize("write", list(LOSSY_WRITES))
+def test_a_fenced_write_whose_reply_was_lost_is_retried_and_written_once(
+    write: str,
+    redis_server: RedisServer,
+    redis_client: redis.Redis,
+    fork_store: ForkStore,
+    make_queued_fork: Callable[..., tuple[str, str]],
+) -> None:
+    # Given a claimed fork, and a client whose connection loses the reply of the write (no retries of its own)
+    script, do, published = LOSSY_WRITES[write]
+    fid, _ = make_queued_fork()
+    claim = claimed(make_leases(redis_client), fid)
+    redis_client.script_load(script)
+    proxy = LossyProxy(cast(int, redis_server.port))
+    lossy = redis.Redis(port=proxy.port, retry=Retry(NoBackoff(), 0))
+    try:
+        proxy.lose_reply_to(sha(script))
+
+        # When the write runs in Redis but its reply never arrives
+        outcome = do(make_leases(lossy), claim)
+    finally:
+        lossy.close()
+        proxy.close()
+
+    # Then the run retried it, found its own effect, and nothing was written twice
+    assert proxy.lost == 1
+    assert outcome in (None, "running")
+    assert event_types(fork_store, fid) == ["queued", "started", *published]
+    entries = redis_client.lrange(KEYS.journal(fid), 0, -1)
+    assert entries == ([model_entry(0).encode()] if write in ("append", "finish") else [])
+    assert state_field(redis_client, fid, "epoch") == "1"
+
+
+def test_a_claim_whose_reply_was_lost_is_handed_back_as_granted_and_claims_nothing_twice(
+    redis_server: RedisServer,
+    redis_client: redis.Redis,
+    fork_store: ForkStore,
+    make_queued_fork: Callable[..., tuple[str, str]],
+) -> None:
+    # Given a queued fork whose first claim also records the surface and publishes the first model call
+    fid, digest = make_queued_fork()
+    record = cast(bytes, redis_client.get(KEYS.bootstrap(fid)))
+    redis_client.script_load(lua.CLAIM)
+    proxy = LossyProxy(cast(int, redis_server.port))
+    lossy = redis.Redis(port=proxy.port, retry=Retry(NoBackoff(), 0))
+    try:
+        proxy.lose_reply_to(sha(lua.CLAIM))
+
+        # When the claim runs in Redis but its reply never arrives
+        claim = make_leases(lossy).claim(fid, "worker-a", digest, first=(record, surface_entry(), {"step": 1}))
+    finally:
+        lossy.close()
+        proxy.close()
+
+    # Then the retry gets the same claim back: one epoch, one attempt, one surface entry, one of each event
+    assert proxy.lost == 1
+    assert isinstance(claim, Claim), claim
+    assert (claim.epoch, claim.attempt, claim.primed, claim.record) == (1, 1, True, record)
+    assert claim.journal == (surface_entry().encode(),)
+    assert event_types(fork_store, fid) == ["queued", "started", "model_call"]
+    assert redis_client.lrange(KEYS.journal(fid), 0, -1) == [surface_entry().encode()]
+    assert (state_field(redis_client, fid, "epoch"), state_field(redis_client, fid, "attempt")) == ("1", "1")
+
+
+def queue_fork(client: redis.Redis) -> str:
+    """A queued fork on `client`'s Redis (a server of the test's own)."""
+    fid = "f-outage"
+    record = BootstrapRecord(
+        fork_id=fid,
+        parent_session="s-unit",
+        kind="fork",
+        seed_chunks=[],
+        message_count=0,
+        task_prompt="Begin.",
+        directive="Do the task.",
+        description="unit fork",
+    )
+    data, digest = record.encode()
+    ForkStore(client, KEYS, ttl_s=3600).put_launch(record, data, digest)
+    return fid
+
+
+@pytest.mark.parametrize("fresh_redis", [{"appendonly": True}], indirect=True)
+def test_a_fenced_write_waits_out_a_redis_restart_shorter_than_the_lease(fresh_redis: RedisServer) -> None:
+    # Given a fork claimed under a 10 s lease
+    with redis.Redis.from_url(fresh_redis.url) as client:
+        leases = make_leases(client, ttl_ms=10_000)
+        claim = claimed(leases, queue_fork(client))
+
+        # When Redis stops (its AOF kept) and starts again 1.5 s later while the run appends a journal entry
+        stop_redis(fresh_redis)
+        restarter = threading.Timer(1.5, fresh_redis.restart)
+        restarter.start()
+        started = time.monotonic()
+        try:
+            leases.append(claim, model_entry(0), events=[("step", {"step": 1})])
+            waited = time.monotonic() - started
+        finally:
+            restarter.join()  # the server is restarted while the fixture still owns it
+
+        # Then the append was retried until Redis answered, and written once
+        assert waited >= 1.0
+        assert client.lrange(KEYS.journal(claim.fork_id), 0, -1) == [model_entry(0).encode()]
+        assert [e.type for e in ForkStore(client, KEYS, ttl_s=3600).events(claim.fork_id)] == [
+            "queued",
+            "started",
+            "step",
+        ]
+        assert leases.revive(claim.fork_id, max_attempts=3) == "alive"  # the lease kept its TTL across the restart
+
+
+@pytest.mark.parametrize("fresh_redis", [{"appendonly": True}], indirect=True)
+def test_a_fenced_write_stops_as_lease_lost_once_redis_was_down_past_the_lease(fresh_redis: RedisServer) -> None:
+    # Given a fork claimed under a 1.5 s lease
+    with redis.Redis.from_url(fresh_redis.url) as client:
+        leases = make_leases(client, ttl_ms=1500)
+        claim = claimed(leases, queue_fork(client))
+
+        # When Redis is down for longer than the lease while the run appends
+        stop_redis(fresh_redis)
+        started = time.monotonic()
+        with pytest.raises(LeaseLost, match="Redis did not answer") as lost:
+            leases.append(claim, model_entry(0))
+        gave_up = time.monotonic() - started
+
+        # Then the run retried for the lease TTL (and a margin), then stopped as having lost its lease
+        assert lost.value.refusal == "unreachable"
+        assert 1.5 <= gave_up < 1.5 + LAPSE_MARGIN_S + 3
+        # and the lease had indeed lapsed: the sweeper revives the fork once Redis is back
+        fresh_redis.restart()
+        assert not client.exists(KEYS.lease(claim.fork_id))
+        assert leases.revive(claim.fork_id, max_attempts=3) == "revive"
+        assert client.llen(KEYS.journal(claim.fork_id)) == 0
+
+
+@pytest.mark.parametrize("fresh_redis", [{"appendonly": True}], indirect=True)
+def test_the_heartbeat_renews_as_soon_as_redis_is_back_not_a_beat_later(fresh_redis: RedisServer) -> None:
+    # Given a held 6 s lease renewed every 3 s
+    with redis.Redis.from_url(fresh_redis.url) as client:
+        leases = make_leases(client, ttl_ms=6000)
+        claim = claimed(leases, queue_fork(client))
+        keeper = LeaseKeeper(leases, interval_s=3.0)
+        lost = keeper.hold(claim)
+        held = time.monotonic()
+        try:
+            # When Redis is down from 1.5 s to 4 s, across the beat due at 3 s
+            time.sleep(1.5)
+            stop_redis(fresh_redis)
+            time.sleep(max(0.0, 4.0 - (time.monotonic() - held)))
+            fresh_redis.restart()
+
+            # Then the lease is renewed within about a second of Redis answering, long before the next beat (6 s)
+            time.sleep(max(0.0, 5.5 - (time.monotonic() - held)))
+            assert client.pttl(KEYS.lease(claim.fork_id)) > 3000
+            assert claim.clock.until > held + 4.0 + 6.0
+            assert not lost.is_set()
+        finally:
+            keeper.stop()
+            keeper.drop(claim)
+
+
+def test_a_stale_runs_checkpoint_publishes_nothing_once_the_fork_moved_on(
+    redis_client: redis.Redis, fork_store: ForkStore, make_queued_fork: Callable[..., tuple[str, str]]
+) -> None:
+    # Given a run whose lease expired, and the fork revived and claimed by another worker
+    fid, _ = make_queued_fork()
+    leases = make_leases(redis_client, ttl_ms=SHORT_TTL_MS)
+    stale = claimed(leases, fid, "worker-a")
+    expire(redis_client, fid)
+    assert leases.revive(fid, max_attempts=3) == "revive"
+    fresh = claimed(make_leases(redis_client), fid, "worker-b")
+    events = fork_store.events(fid)
+
+    # When the stale run reaches a checkpoint while the fork runs elsewhere, and again after it finished
+    running = leases.emit(stale, [("model_call", {"step": 2, "request_digest": "stale"})])
+    assert fork_store.events(fid) == events
+    leases.finish(fresh, result_of(fid))
+    events = fork_store.events(fid)
+    finished = leases.emit(stale, [("model_call", {"step": 3, "request_digest": "stale"})])
+
+    # Then it published nothing and learnt why: the fork is no longer its own
+    assert (running, finished) == ("stale", "succeeded")
+    assert fork_store.events(fid) == events
+    assert leases.emit(fresh, []) == "succeeded"

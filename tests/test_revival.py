@@ -32,7 +32,7 @@ import pytest
 import redis
 from celery.exceptions import Reject
 from conftest import PARENT_PATH, REPO_ROOT, TEST_NAMESPACE, TEST_QUEUE
-from live import kombu_envelope
+from live import kombu_envelope, stop_redis
 
 from broker_config.settings import Settings
 from workers.app import make_app
@@ -666,6 +666,112 @@ def test_a_fork_completes_after_redis_is_killed_and_restarted_from_its_aof(
     assert [e.seq for e in entries] == list(range(len(entries)))
     assert {e.call_id for e in entries if e.kind == "tool_result"} == {"e1", "e2", "e3"}
     cluster.assert_requests_replayed_exactly(fid)
+
+
+def long_fork_script(steps: int, delay_s: float) -> list[dict[str, Any]]:
+    """A fork of `steps` model calls, each calling the (non-idempotent) counted tool, then an answer."""
+    return [*(step(delay_s, call(f"c{i}")) for i in range(steps)), step(delay_s, text("done"))]
+
+
+def assert_one_clean_attempt(cluster: Cluster, fid: str, steps: int) -> None:
+    """The fork succeeded once, on its first attempt, never revived, every side effect once."""
+    cluster.assert_ended_once(fid)
+    assert [d["attempt"] for d in cluster.started(fid)] == [1], cluster.diagnostics(fid)
+    assert cluster.of_type(fid, "revived") == [], cluster.diagnostics(fid)
+    effects = cluster.assert_effects_at_most_once(fid)
+    assert effects == Counter({effect_key(fid, i, f"c{i}"): 1 for i in range(steps)})
+    entries = cluster.leases.journal(fid)
+    assert [e.seq for e in entries] == list(range(len(entries)))
+    cluster.assert_requests_replayed_exactly(fid)
+
+
+@pytest.mark.parametrize("fresh_redis", [{"appendonly": True}], indirect=True)
+def test_three_redis_restarts_of_a_second_cost_four_long_forks_no_attempt_and_no_revival(
+    make_cluster: Callable[..., Cluster], fresh_redis: RedisServer
+) -> None:
+    # Given four long forks on two workers of two forks each, one per pool, with the default 15 s lease
+    # renewed every 5 s, and AOF on
+    cluster = make_cluster(fresh_redis.url, FORKQ_LEASE_TTL_S="15", FORKQ_HEARTBEAT_S="5")
+    steps = 24
+    cluster.script(*long_fork_script(steps, 0.4))
+    [threads] = cluster.start("w1", concurrency=2, sweepers=1)
+    [prefork] = cluster.start("p1", pool="prefork", concurrency=2)
+    forks = [cluster.launch() for _ in range(4)]
+    cluster.wait_for(lambda: all(cluster.has_event(f, "model_call", step=2) for f in forks), 20, "the forks to run")
+    owners = [cluster.owner_pid(f, attempt=1) for f in forks]
+    assert sorted(pid if pid == threads.pid else parent_pid(pid) for pid in owners) == sorted(
+        [threads.pid] * 2 + [prefork.pid] * 2
+    )
+
+    # When Redis is stopped and started again three times, down about a second each time
+    for _ in range(3):
+        stop_redis(fresh_redis)
+        time.sleep(1.0)
+        fresh_redis.restart()
+        time.sleep(2.0)
+
+    # Then every fork succeeds on its first attempt, without a revival or a repeated side effect
+    for fid in forks:
+        cluster.result(fid, timeout=60)
+    for fid in forks:
+        assert_one_clean_attempt(cluster, fid, steps)
+    assert all(proc.alive() for proc in cluster.procs)
+
+
+@pytest.mark.parametrize("fresh_redis", [{"appendonly": True}], indirect=True)
+def test_a_redis_outage_longer_than_a_heartbeat_and_shorter_than_the_lease_costs_no_attempt(
+    make_cluster: Callable[..., Cluster], fresh_redis: RedisServer
+) -> None:
+    # Given two long forks with the default 15 s lease renewed every 5 s
+    cluster = make_cluster(fresh_redis.url, FORKQ_LEASE_TTL_S="15", FORKQ_HEARTBEAT_S="5")
+    steps = 20
+    cluster.script(*long_fork_script(steps, 0.4))
+    cluster.start("w1", sweepers=1)
+    forks = [cluster.launch() for _ in range(2)]
+    cluster.wait_for(lambda: all(cluster.has_event(f, "model_call", step=2) for f in forks), 20, "the forks to run")
+
+    # When Redis is down for 7 s: at least one heartbeat and many writes fail, the leases (10 s or more left) hold
+    stop_redis(fresh_redis)
+    time.sleep(7.0)
+    fresh_redis.restart()
+
+    # Then both forks succeed on their first attempt, without a revival or a repeated side effect
+    for fid in forks:
+        cluster.result(fid, timeout=60)
+    for fid in forks:
+        assert_one_clean_attempt(cluster, fid, steps)
+
+
+@pytest.mark.parametrize("fresh_redis", [{"appendonly": True}], indirect=True)
+def test_after_a_redis_outage_longer_than_the_lease_every_fork_still_succeeds(
+    make_cluster: Callable[..., Cluster], fresh_redis: RedisServer
+) -> None:
+    # Given four long forks on two workers with the default 15 s lease
+    cluster = make_cluster(fresh_redis.url, FORKQ_LEASE_TTL_S="15", FORKQ_HEARTBEAT_S="5")
+    steps = 16
+    cluster.script(*long_fork_script(steps, 0.4))
+    cluster.start("w1", "w2", sweepers=1)
+    forks = [cluster.launch() for _ in range(4)]
+    cluster.wait_for(lambda: all(cluster.has_event(f, "model_call", step=2) for f in forks), 20, "the forks to run")
+
+    # When Redis is down for 20 s, past every lease
+    stop_redis(fresh_redis)
+    time.sleep(20.0)
+    fresh_redis.restart()
+
+    # Then every fork succeeds: its run gave up once its lease had lapsed, and the sweeper revived it
+    for fid in forks:
+        cluster.result(fid, timeout=90)
+    for fid in forks:
+        cluster.assert_ended_once(fid)
+        assert [d["attempt"] for d in cluster.started(fid)] == [1, 2], cluster.diagnostics(fid)
+        assert len(cluster.of_type(fid, "revived")) == 1
+        effects = cluster.assert_effects_at_most_once(fid)
+        assert effects == Counter({effect_key(fid, i, f"c{i}"): 1 for i in range(steps)})
+        cluster.assert_requests_replayed_exactly(fid)
+    assert all(proc.alive() for proc in cluster.procs)
+    gave_up = [r for proc in cluster.procs for f in forks for r in proc.task_returns(f"{f}.1")]
+    assert gave_up == ["lease_lost"] * 4
 
 
 # ── poison forks and hostile messages ─────────────────────────────────────────────────────────

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from typing import Any
@@ -269,7 +270,7 @@ def test_cancelling_a_running_fork_marks_it_for_the_worker_to_stop(store: ForkSt
     assert store.cancel("f-1") is Status.CANCELLED
     assert store.state("f-1").status is Status.CANCELLED
     # the worker's next checkpoint reads the status and stops
-    assert leases.emit("f-1", []) == "cancelled"
+    assert leases.emit(claim, []) == "cancelled"
 
 
 @pytest.mark.parametrize("status", [Status.SUCCEEDED, Status.FAILED])
@@ -294,8 +295,8 @@ def test_cancelling_or_reading_an_unknown_fork_raises_fork_not_found(store: Fork
 
 
 def emit(store: ForkStore, kind: str, data: dict[str, Any]) -> None:
-    """Publish an event the way a worker does (workers.lease.Leases.emit)."""
-    Leases(store.client, store.keys, ttl_ms=10_000, retention_s=TTL_S).emit("f-1", [(kind, data)])
+    """Publish an event in the form a worker's fenced scripts write it (workers.lease_scripts: type, data JSON)."""
+    store.client.xadd(store.keys.events("f-1"), {"type": kind, "data": json.dumps(data)})
 
 
 # ── events ────────────────────────────────────────────────────────────────────────────────────

@@ -5,10 +5,12 @@ from __future__ import annotations
 import ctypes
 import logging
 import sys
+import warnings
 from functools import cache
 from typing import Any
 
 from celery import Celery, bootsteps
+from celery.exceptions import CPendingDeprecationWarning
 
 from broker_config.celery import celery_config
 from broker_config.connection import ForkqAMQP
@@ -22,6 +24,10 @@ from workers.runner import WorkerRuntime
 from workers.tasks import enqueue_fork, register_tasks
 
 log = logging.getLogger("forkq.worker")
+
+# the start of the warning Celery logs at every broker reconnect while
+# worker_cancel_long_running_tasks_on_connection_loss is off
+CANCEL_ADVICE = r"\s*In Celery 5\.1 we introduced an optional breaking change"
 
 
 def make_app(settings: Settings) -> Celery:
@@ -64,6 +70,9 @@ class ForkqWorkerStep(bootsteps.StartStopStep):
         self.metrics_server = _serve_worker_metrics(self.runtime, parent.pool_cls)
         self.heartbeat.start(parent.timer)
         hide_process_environment()
+        # forks keep running through a broker connection loss on purpose (broker_config/celery.py); Celery
+        # would advise otherwise in a warning at every reconnect
+        warnings.filterwarnings("ignore", CANCEL_ADVICE, CPendingDeprecationWarning)
 
     def stop(self, parent: Any) -> None:
         # forks stop at their next step boundary, are released and re-enqueued for another worker

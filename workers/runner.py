@@ -23,7 +23,7 @@ from workers.errors import ForkNotFound, ForkqError, LeaseLost, RecordDecodeErro
 from workers.history import ForkSeed
 from workers.journal import JournalEntry, RequestDigests
 from workers.keys import Keys
-from workers.lease import Claim, LeaseKeeper, Leases
+from workers.lease import Claim, LeaseKeeper, Leases, ride_out
 from workers.metrics import Metrics
 from workers.progress import Progress, RunObserver
 from workers.providers import ModelProvider
@@ -162,7 +162,7 @@ class FencedChannel:
 
     def _stop_if_asked(self) -> None:
         if self.lost.is_set():  # the heartbeat found the lease gone, or the fork no longer running: which?
-            status = self.leases.emit(self.claim.fork_id, [])
+            status = self.leases.emit(self.claim, [])
             raise Stopped("cancelled" if status == "cancelled" else "lease_lost")
         if self.stopping.is_set():
             raise Stopped("shutdown")
@@ -182,7 +182,7 @@ class FencedChannel:
             entries, self.pending_entries = self.pending_entries, []
             self.leases.append(self.claim, *entries, events=self._take_events())
             return
-        status = self.leases.emit(self.claim.fork_id, self._take_events())
+        status = self.leases.emit(self.claim, self._take_events())
         if status != "running":
             raise Stopped("cancelled" if status == "cancelled" else "lease_lost")
 
@@ -298,7 +298,15 @@ def _run_claimed(
     try:
         # the job's record stands for the stored one only if they are the same bytes (else it is verified below)
         same = first is not None and claim.record == first[2][0]
-        record, seed = first[:2] if first is not None and same else _load_inputs(runtime, job, claim.record)
+        if first is not None and same:
+            record, seed = first[:2]
+        else:  # reads ride out a Redis outage like the fenced writes, while the lease certainly holds
+            record, seed = ride_out(
+                lambda: _load_inputs(runtime, job, claim.record),
+                until=claim.clock.deadline,
+                what="reading its inputs",
+                fork_id=fid,
+            )
         entries = [JournalEntry.decode(raw, fork_id=fid) for raw in claim.journal]
         channel = FencedChannel(runtime.leases, claim, lost, runtime.stopping, observe=observe)
         if claim.primed and first is not None:
@@ -306,6 +314,8 @@ def _run_claimed(
         declared = runtime.declarations.of(record)
         missing = _check_tool_surface(runtime, declared, entries, channel)
         provider, spawner = runtime.provider, runtime.spawner
+    except LeaseLost:  # Redis unreachable until the lease lapsed: the fork is revived, not failed
+        raise
     except (ForkqError, redis.RedisError) as exc:
         runtime.leases.finish(claim, ForkResult(fork_id=fid, status=Status.FAILED, error=str(exc)))
         raise

@@ -1,0 +1,236 @@
+"""The Lua scripts behind `workers.lease.Leases`: claims, fenced writes, renewals and the sweeper's check.
+
+Each script is one atomic step on one fork's keys (and the shared running index). Every write a run
+makes under its claim is fenced: the epoch must still be the claim's, the lease must still hold the
+claim's owner token, and the fork must still be `running`; otherwise the script writes nothing.
+
+A run retries a write whose reply it never got (Redis restarted, a connection dropped), so every
+script a run calls recognises its own earlier effect and answers as if it had just written it: a
+claim finds its owner token in the lease, an append finds its entries at their position, an emit
+finds its mark, and finish, release and park find the claim's owner token in `released_by`. A
+retried write therefore never writes twice. The tests are those of `Leases` (tests/test_lease.py).
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+MAXLEN: Final = "10000"
+_NOW = "local t = redis.call('TIME'); local now = t[1] * 1000 + math.floor(t[2] / 1000)\n"
+
+# KEYS[1] state, KEYS[2] lease: the guard every fenced write starts with. ARGV[1] epoch, ARGV[2] owner.
+_FENCE = """
+if redis.call('HGET', KEYS[1], 'epoch') ~= ARGV[1] then return 'stale' end
+if redis.call('GET', KEYS[2]) ~= ARGV[2] then return 'lost' end
+local status = redis.call('HGET', KEYS[1], 'status')
+if status ~= 'running' then return status or 'missing' end
+"""
+
+# Before the fence of the scripts that give the lease up (release, park): this claim's own earlier
+# attempt already gave it up, and only its reply was lost. ARGV[2] owner; `@DONE@` its reply.
+_ALREADY_RELEASED = """
+if redis.call('HGET', KEYS[1], 'released_by') == ARGV[2] then return '@DONE@' end
+"""
+
+# KEYS: state, lease, events, running, bootstrap, journal. ARGV: owner, ttl_ms, fork_id, job digest ('' = any),
+# surface entry ('' = none), model_call event data, the job's record bytes. One round trip: refuse a job
+# whose digest is not the launch digest, claim, and hand back the bootstrap record and the journal the run
+# starts from. On a first claim with an empty journal, a worker that built the first request from the job's
+# record (which hashes to the job digest, checked here, and equals the stored record) also records its tool
+# surface and publishes the first `model_call`: the checkpoint before the first model call, in the same
+# round trip (`primed`; the record is then not sent back). A retried claim whose first attempt ran (the
+# lease holds its owner token) gets the same claim back and writes nothing.
+CLAIM: Final = (
+    _NOW
+    + """
+local status = redis.call('HGET', KEYS[1], 'status')
+if not status then return {'missing'} end
+if ARGV[4] ~= '' and redis.call('HGET', KEYS[1], 'digest') ~= ARGV[4] then return {'forged'} end
+local record = redis.call('GET', KEYS[5]) or ''
+local epoch, attempt, primed = 0, 0, 0
+local surface = ARGV[5] and ARGV[5] ~= '' and ARGV[7] == record
+if status == 'running' and redis.call('GET', KEYS[2]) == ARGV[1] then
+  epoch = tonumber(redis.call('HGET', KEYS[1], 'epoch'))
+  attempt = tonumber(redis.call('HGET', KEYS[1], 'attempt'))
+  if surface and attempt == 1 and redis.call('LLEN', KEYS[6]) == 1 and redis.call('LINDEX', KEYS[6], 0) == ARGV[5] then
+    primed, record = 1, ''
+  end
+else
+  if status ~= 'queued' then return {status} end
+  if redis.call('EXISTS', KEYS[2]) == 1 then return {'leased'} end
+  redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
+  epoch = redis.call('HINCRBY', KEYS[1], 'epoch', 1)
+  attempt = redis.call('HINCRBY', KEYS[1], 'attempt', 1)
+  redis.call('HSET', KEYS[1], 'status', 'running', 'owner', ARGV[1], 'started_ms', now)
+  redis.call('HSETNX', KEYS[1], 'first_started_ms', now)
+  redis.call('ZADD', KEYS[4], now + tonumber(ARGV[2]), ARGV[3])
+  redis.call('XADD', KEYS[3], 'MAXLEN', '~', @MAXLEN@, '*', 'type', 'started', 'data',
+             cjson.encode({owner = ARGV[1], attempt = attempt, epoch = epoch}))
+  if surface and attempt == 1 and redis.call('LLEN', KEYS[6]) == 0 then
+    redis.call('RPUSH', KEYS[6], ARGV[5])
+    redis.call('XADD', KEYS[3], 'MAXLEN', '~', @MAXLEN@, '*', 'type', 'model_call', 'data', ARGV[6])
+    primed, record = 1, ''
+  end
+end
+return {'claimed', attempt, epoch, record, redis.call('LRANGE', KEYS[6], 0, -1),
+        redis.call('HGET', KEYS[1], 'first_started_ms'), now, primed}
+"""
+).replace("@MAXLEN@", MAXLEN)
+
+# KEYS: state, lease, journal, events. ARGV: epoch, owner, seq, n entries, entries…, then event (type, data)
+# pairs. Entries are appended only at the expected position; the events go with them. A retry that finds
+# exactly these entries at that position (its first attempt ran) succeeds without writing.
+APPEND: Final = (
+    _FENCE
+    + """
+local len, seq, n = redis.call('LLEN', KEYS[3]), tonumber(ARGV[3]), tonumber(ARGV[4])
+if len ~= seq then
+  if n == 0 or len ~= seq + n then return 'seq' end
+  local stored = redis.call('LRANGE', KEYS[3], seq, seq + n - 1)
+  for i = 1, n do if stored[i] ~= ARGV[4 + i] then return 'seq' end end
+  return 'ok'
+end
+for i = 5, 4 + n do redis.call('RPUSH', KEYS[3], ARGV[i]) end
+for i = 5 + n, #ARGV, 2 do
+  redis.call('XADD', KEYS[4], 'MAXLEN', '~', @MAXLEN@, '*', 'type', ARGV[i], 'data', ARGV[i + 1])
+end
+return 'ok'
+"""
+).replace("@MAXLEN@", MAXLEN)
+
+# KEYS: state, lease, events. ARGV: epoch, owner, mark, then event (type, data) pairs. Fenced like every
+# write: `running` when the events were published (or had been, by a first attempt with this mark);
+# otherwise nothing is published and the reply says why: the fork's status when it no longer runs
+# (`cancelled`, `succeeded`, ...), else `stale` (another epoch) or `lost` (another owner).
+EMIT: Final = """
+local status = redis.call('HGET', KEYS[1], 'status') or 'missing'
+if status ~= 'running' then return status end
+if redis.call('HGET', KEYS[1], 'epoch') ~= ARGV[1] then return 'stale' end
+if redis.call('GET', KEYS[2]) ~= ARGV[2] then return 'lost' end
+if #ARGV > 3 and redis.call('HGET', KEYS[1], 'emitted') ~= ARGV[3] then
+  for i = 4, #ARGV, 2 do
+    redis.call('XADD', KEYS[3], 'MAXLEN', '~', @MAXLEN@, '*', 'type', ARGV[i], 'data', ARGV[i + 1])
+  end
+  redis.call('HSET', KEYS[1], 'emitted', ARGV[3])
+end
+return 'running'
+""".replace("@MAXLEN@", MAXLEN)
+
+# KEYS: state, lease, events, running, result, journal, bootstrap. ARGV: epoch, owner, status,
+# result bytes, error, event data, ttl_s, fork_id, seq, n entries, entries…, then event (type, data)
+# pairs. The last journal entries and events go with the result (at the expected position only).
+FINISH: Final = (
+    _NOW
+    + """
+-- this claim's own earlier attempt wrote this very result, and only its reply was lost
+if redis.call('HGET', KEYS[1], 'released_by') == ARGV[2] and redis.call('GET', KEYS[5]) == ARGV[4] then
+  return 'finished'
+end
+"""
+    + _FENCE
+    + """
+local n = tonumber(ARGV[10])
+if n > 0 and redis.call('LLEN', KEYS[6]) ~= tonumber(ARGV[9]) then return 'seq' end
+for i = 11, 10 + n do redis.call('RPUSH', KEYS[6], ARGV[i]) end
+for i = 11 + n, #ARGV, 2 do
+  redis.call('XADD', KEYS[3], 'MAXLEN', '~', @MAXLEN@, '*', 'type', ARGV[i], 'data', ARGV[i + 1])
+end
+redis.call('SET', KEYS[5], ARGV[4], 'EX', ARGV[7])
+redis.call('HSET', KEYS[1], 'status', ARGV[3], 'finished_ms', now, 'error', ARGV[5], 'released_by', ARGV[2])
+redis.call('DEL', KEYS[2])
+redis.call('ZREM', KEYS[4], ARGV[8])
+redis.call('XADD', KEYS[3], 'MAXLEN', '~', @MAXLEN@, '*', 'type', 'finished', 'data', ARGV[6])
+for _, i in ipairs({1, 3, 6, 7}) do redis.call('EXPIRE', KEYS[i], ARGV[7]) end
+return 'finished'
+"""
+).replace("@MAXLEN@", MAXLEN)
+
+# KEYS: state, lease, events, running. ARGV: epoch, owner, fork_id, reason, grace_ms. Back to queued.
+RELEASE: Final = (
+    _NOW
+    + _ALREADY_RELEASED.replace("@DONE@", "released")
+    + _FENCE
+    + """
+redis.call('HSET', KEYS[1], 'status', 'queued', 'owner', '', 'released_by', ARGV[2])
+redis.call('DEL', KEYS[2])
+-- stays indexed, due after ARGV[5] ms, until its job is confirmed enqueued (`enqueued`): a failed
+-- publish is then re-enqueued by a sweeper
+redis.call('ZADD', KEYS[4], now + tonumber(ARGV[5]), ARGV[3])
+redis.call('XADD', KEYS[3], 'MAXLEN', '~', @MAXLEN@, '*', 'type', 'released', 'data',
+           cjson.encode({reason = ARGV[4]}))
+return 'released'
+"""
+).replace("@MAXLEN@", MAXLEN)
+
+# KEYS: state, lease, events, running. ARGV: epoch, owner, fork_id, reason, status (paused or
+# awaiting_approval), pending calls (JSON), event data. Parked, holding no worker and out of the
+# running index (never revived), until an operator resumes it or a person decides its calls.
+PAUSE: Final = (
+    _NOW
+    + _ALREADY_RELEASED.replace("@DONE@", "released")
+    + _FENCE
+    + """
+redis.call('HSET', KEYS[1], 'status', ARGV[5], 'owner', '', 'error', ARGV[4], 'pending', ARGV[6], 'parked_ms', now,
+           'released_by', ARGV[2])
+redis.call('DEL', KEYS[2])
+redis.call('ZREM', KEYS[4], ARGV[3])
+redis.call('XADD', KEYS[3], 'MAXLEN', '~', @MAXLEN@, '*', 'type', ARGV[5], 'data', ARGV[7])
+return 'released'
+"""
+).replace("@MAXLEN@", MAXLEN)
+
+# KEYS: lease, running, state. ARGV: owner, ttl_ms, fork_id. A fork that stopped running (cancelled)
+# is not renewed: its worker learns at the next beat and stops its tool (cooperative cancellation).
+RENEW: Final = (
+    _NOW
+    + """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+if redis.call('HGET', KEYS[3], 'status') ~= 'running' then return 0 end
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+redis.call('ZADD', KEYS[2], now + tonumber(ARGV[2]), ARGV[3])
+return 1
+"""
+)
+
+# KEYS: state, lease, events, running, result. ARGV: fork_id, max_attempts, failed result bytes, ttl_s,
+# grace_ms. A revived fork stays in the running index, `grace_ms` ahead, until its job is enqueued
+# (`ENQUEUED`): if the sweeper dies or the broker is down in between, a later sweep enqueues it.
+REVIVE: Final = (
+    _NOW
+    + """
+local status = redis.call('HGET', KEYS[1], 'status')
+if status == 'queued' then
+  -- revived earlier: enqueue again only if its job was never confirmed and its grace has passed
+  local due = redis.call('ZSCORE', KEYS[4], ARGV[1])
+  if not due or tonumber(due) > now then return 'queued' end
+  redis.call('ZADD', KEYS[4], now + tonumber(ARGV[5]), ARGV[1])
+  return 'requeue'
+end
+if status ~= 'running' then redis.call('ZREM', KEYS[4], ARGV[1]); return status or 'missing' end
+local left = redis.call('PTTL', KEYS[2])
+if left > 0 then redis.call('ZADD', KEYS[4], now + left, ARGV[1]); return 'alive' end
+local lost = redis.call('HINCRBY', KEYS[1], 'lost', 1)
+if lost >= tonumber(ARGV[2]) then
+  redis.call('ZREM', KEYS[4], ARGV[1])
+  local reason = 'worker_lost: the worker running this fork was lost ' .. lost .. ' times; attempts exhausted'
+  redis.call('HSET', KEYS[1], 'status', 'failed', 'finished_ms', now, 'error', reason, 'owner', '')
+  redis.call('SET', KEYS[5], ARGV[3], 'EX', ARGV[4])
+  for _, i in ipairs({1, 3}) do redis.call('EXPIRE', KEYS[i], ARGV[4]) end
+  redis.call('XADD', KEYS[3], 'MAXLEN', '~', @MAXLEN@, '*', 'type', 'finished', 'data',
+             cjson.encode({status = 'failed', error = reason}))
+  return 'failed'
+end
+redis.call('HSET', KEYS[1], 'status', 'queued', 'owner', '')
+redis.call('ZADD', KEYS[4], now + tonumber(ARGV[5]), ARGV[1])
+local attempt = tonumber(redis.call('HGET', KEYS[1], 'attempt') or '0')
+redis.call('XADD', KEYS[3], 'MAXLEN', '~', @MAXLEN@, '*', 'type', 'revived', 'data',
+           cjson.encode({attempt = attempt, lost = lost}))
+return 'revive'
+"""
+).replace("@MAXLEN@", MAXLEN)
+
+# KEYS: state, running. ARGV: fork_id. The revived fork's job is in the broker: drop it from the index.
+ENQUEUED: Final = """
+if redis.call('HGET', KEYS[1], 'status') == 'queued' then redis.call('ZREM', KEYS[2], ARGV[1]) end
+return 1
+"""
