@@ -275,22 +275,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
         }
     )
     app = make_app(settings)
-    pool = settings.worker_pool
-    concurrency = str(settings.worker_concurrency)
     # forkq keeps its own state in Redis: no revoke lists to sync at start (mingle), no gossip
-    argv = [
-        "worker",
-        "-Q",
-        settings.queue,
-        "-P",
-        pool,
-        "-c",
-        concurrency,
-        "-l",
-        args.loglevel,
-        "--without-mingle",
-        "--without-gossip",
-    ]
+    argv = ["worker", "-Q", settings.queue, "-P", settings.worker_pool, "-c", str(settings.worker_concurrency)]
+    argv += ["-l", args.loglevel, "--without-mingle", "--without-gossip"]
     if args.hostname:
         argv += ["-n", args.hostname]
     return _run_worker(app, argv)
@@ -464,6 +451,12 @@ def build_parser() -> argparse.ArgumentParser:
     events = by_id("events", cmd_events, "Print a fork's progress events (--json: one JSON object per line).")
     events.add_argument("--follow", action="store_true", help="keep printing until the fork ends")
     by_id("inspect", cmd_inspect, "Print a fork's bootstrap record and launch options.")
+    _process_commands(add)
+    return parser
+
+
+def _process_commands(add: Callable[..., Parser]) -> None:
+    """The commands about processes rather than one fork: worker, check, sweep, demo."""
     worker = add("worker", cmd_worker, "Run a worker (a Celery worker for forkq's queue).")
     worker.add_argument("--concurrency", type=int, help="forks at once (default FORKQ_WORKER_CONCURRENCY)")
     worker.add_argument("--pool", choices=["threads", "prefork", "solo"], help="default FORKQ_WORKER_POOL")
@@ -485,7 +478,6 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="start a private redis-server even if one listens on 127.0.0.1:6379 (FORKQ_REDIS_URL still wins)",
     )
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:

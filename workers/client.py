@@ -46,6 +46,20 @@ def check_nesting(agent: AgentParams, parent_depth: int, max_depth: int) -> None
         raise InvalidAgentParams(depth_error(max_depth), field="subagent_type")
 
 
+def check_fork_id(fork_id: object) -> None:
+    """A fork id a caller chose must fit the key pattern (it is part of every key); None means a fresh one.
+
+    Raises:
+        InvalidAgentParams: it does not (`.field` is `fork_id`).
+    """
+    if fork_id is not None and not (isinstance(fork_id, str) and FORK_ID_RE.fullmatch(fork_id)):
+        raise InvalidAgentParams(
+            f"fork_id {shown(fork_id)} is not valid: use 1-128 letters, digits, '_', '.', '-' "
+            "starting with a letter or digit, or leave it out for a fresh one",
+            field="fork_id",
+        )
+
+
 def launch_options(
     agent: AgentParams,
     *,
@@ -150,7 +164,7 @@ class ForkHandle:
         return self.client.status(self.fork_id)
 
     def wait(self, timeout: float | None = None) -> ForkResult:
-        """Block until the fork ends and return its result."""
+        """Block until the fork ends and return its result (ForkParked at once if it is parked)."""
         return self.client.wait(self.fork_id, timeout=timeout)
 
     def events(self, *, follow: bool = False) -> Iterator[ForkEvent]:
@@ -223,12 +237,7 @@ class ForkClient:
         """
         # a pre-built AgentParams is checked like an Agent call: building one directly skips the rules
         agent = revalidate(params) if isinstance(params, AgentParams) else validate_agent_params(params)
-        if fork_id is not None and not (isinstance(fork_id, str) and FORK_ID_RE.fullmatch(fork_id)):
-            raise InvalidAgentParams(
-                f"fork_id {shown(fork_id)} is not valid: use 1-128 letters, digits, '_', '.', '-' "
-                "starting with a letter or digit, or leave it out for a fresh one",
-                field="fork_id",
-            )
+        check_fork_id(fork_id)
         snapshot = parent if isinstance(parent, ParentSnapshot) else parse_parent_snapshot(dict(parent))
         reused = snapshot is parent  # one parsed here from a dict cannot be passed again: keep nothing of it
         check_nesting(agent, snapshot.depth, self.settings.max_subagent_depth)
