@@ -408,7 +408,7 @@ def scripted_worker(
         script.write_text(json.dumps({"steps": steps}), encoding="utf-8")
         from workers.app import make_app
 
-        return start_live_worker(make_app(make_settings(script=script)))
+        return start_live_worker(make_app(make_settings(script=script, provider="scripted")))
 
     return start
 
@@ -684,7 +684,9 @@ def test_the_worker_exits_1_when_start_up_fails_and_0_after_a_warm_shutdown(
         port = taken.getsockname()[1]
 
         # When a worker is started with its metrics on that port
-        failed = worker_process(FORKQ_METRICS_PORT=str(port), FORKQ_HEARTBEAT_FILE=str(tmp_path / "failed.hb"))
+        failed = worker_process(
+            FORKQ_METRICS_PORT=str(port), FORKQ_HEARTBEAT_FILE=str(tmp_path / "failed.hb"), FORKQ_PROVIDER="scripted"
+        )
         code = failed.process.wait(timeout=60)
 
     # Then it exits 1 (not 0), naming the variable, so a supervisor restarts it
@@ -692,6 +694,6 @@ def test_the_worker_exits_1_when_start_up_fails_and_0_after_a_warm_shutdown(
     assert f"FORKQ_METRICS_PORT={port}" in failed.log()
     # and a worker that started exits 0 after a warm shutdown (SIGTERM)
     heartbeat = tmp_path / "ok.hb"
-    healthy = worker_process(FORKQ_HEARTBEAT_FILE=str(heartbeat))
+    healthy = worker_process(FORKQ_HEARTBEAT_FILE=str(heartbeat), FORKQ_PROVIDER="scripted")
     wait_for(heartbeat.exists, "the worker to beat", timeout=60)
     assert healthy.stop(timeout=30) == 0, healthy.log()
