@@ -5,6 +5,8 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import re
+import time
 from typing import Any
 
 import pytest
@@ -16,6 +18,7 @@ from workers import codec
 from workers.client import ForkClient
 from workers.errors import (
     ForkNotFound,
+    ForkParked,
     ForkTimeout,
     InvalidAgentParams,
     InvalidParentSnapshot,
@@ -23,7 +26,15 @@ from workers.errors import (
     RecordIntegrityError,
 )
 from workers.history import build_fork_seed
-from workers.params import MSG_FORK_TURNS_NOT_FORK, MSG_FORK_TURNS_TEAMMATE, MSG_FORK_TURNS_VALUE, MSG_MODEL_FORK
+from workers.lease import Leases
+from workers.params import (
+    MSG_FORK_TURNS_NOT_FORK,
+    MSG_FORK_TURNS_TEAMMATE,
+    MSG_FORK_TURNS_VALUE,
+    MSG_MODEL_FORK,
+    AgentParams,
+    validate_agent_params,
+)
 from workers.records import Status, split_seed
 from workers.snapshot import parse_parent_snapshot
 
@@ -338,3 +349,152 @@ def test_put_launch_refuses_seed_chunks_the_record_does_not_name(client: ForkCli
 
     with pytest.raises(RecordIntegrityError, match="seed chunks given, the record names"):
         client.store.put_launch(record.model_copy(update={"fork_id": "f-other"}), data, digest, [b"one chunk"])
+
+
+# ── bounds, and every launch path validates ───────────────────────────────────────────────────
+
+
+def nested(levels: int, leaf: Any = "x") -> Any:
+    value = leaf
+    for _ in range(levels):
+        value = {"a": value}
+    return value
+
+
+def _deep_history(parent: dict[str, Any]) -> dict[str, Any]:
+    parent["history"][5]["parts"].append({"functionCall": {"name": "read_file", "args": nested(600)}})
+    return parent
+
+
+def _deep_tool(parent: dict[str, Any]) -> dict[str, Any]:
+    parent["tools"][1] = {"name": "deep", "parameters": nested(300, {"type": "object"})}
+    return parent
+
+
+def _deep_system_instruction(parent: dict[str, Any]) -> dict[str, Any]:
+    parent["system_instruction"] = nested(300)
+    return parent
+
+
+def _depth_as_text(parent: dict[str, Any]) -> dict[str, Any]:
+    parent["depth"] = "0"
+    return parent
+
+
+def _huge_depth(parent: dict[str, Any]) -> dict[str, Any]:
+    parent["depth"] = 10**5000
+    return parent
+
+
+@pytest.mark.parametrize(
+    ("spoil", "field"),
+    [
+        (_deep_history, "history[5]"),
+        (_deep_tool, "tools[1]"),
+        (_deep_system_instruction, "system_instruction"),
+        (_depth_as_text, "depth"),
+        (_huge_depth, "depth"),
+    ],
+    ids=["history-600-deep", "tool-300-deep", "system-instruction-300-deep", "depth-text", "depth-5000-digits"],
+)
+def test_a_parent_snapshot_past_its_bounds_is_refused_naming_the_field_and_writes_nothing(
+    spoil: Any, field: str, client: ForkClient, redis_client: redis.Redis, parent: dict[str, Any]
+) -> None:
+    with pytest.raises(InvalidParentSnapshot) as caught:
+        client.launch(spoil(copy.deepcopy(parent)), FORK)
+
+    assert caught.value.field == field
+    assert field in str(caught.value)
+    assert nothing_reached_redis(redis_client, client.settings.queue)
+
+
+@pytest.mark.parametrize(
+    ("launch", "field"),
+    [
+        ({"params": {**FORK, "fork_turns": "7" * 5000}}, "fork_turns"),
+        ({"params": {**FORK, "prompt": "p" * 1_000_001}}, "prompt"),
+        ({"params": FORK, "max_wall_s": float("nan")}, "max_wall_s"),
+        ({"params": FORK, "max_wall_s": float("inf")}, "max_wall_s"),
+        ({"params": FORK, "max_wall_s": 10**5000}, "max_wall_s"),
+        ({"params": FORK, "max_turns": 2.5}, "max_turns"),
+        ({"params": FORK, "max_turns": 10**5000}, "max_turns"),
+        ({"params": FORK, "output_schema": nested(300, {"type": "object"})}, "output_schema"),
+        ({"params": FORK, "fork_id": "../{evil}"}, "fork_id"),
+    ],
+    ids=[
+        "fork-turns-5000-digits",
+        "prompt-too-long",
+        "wall-nan",
+        "wall-inf",
+        "wall-5000-digits",
+        "turns-fraction",
+        "turns-5000-digits",
+        "schema-300-deep",
+        "fork-id",
+    ],
+)
+def test_a_launch_past_its_bounds_raises_invalid_agent_params_naming_the_field_and_writes_nothing(
+    launch: dict[str, Any], field: str, client: ForkClient, redis_client: redis.Redis, parent: dict[str, Any]
+) -> None:
+    with pytest.raises(InvalidAgentParams) as caught:
+        client.launch(parent, **launch)
+
+    assert caught.value.field == field
+    assert field in str(caught.value)
+    assert nothing_reached_redis(redis_client, client.settings.queue)
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        (AgentParams(description="d", prompt=""), 'Parameter "prompt" is required'),
+        (AgentParams(description="d", prompt="p", subagent_type="general", fork_turns="3"), MSG_FORK_TURNS_NOT_FORK),
+        (AgentParams(description="d", prompt="p", subagent_type="fork", model="m"), MSG_MODEL_FORK),
+        (AgentParams(description="d", prompt="p", subagent_type="fork", fork_turns="0"), MSG_FORK_TURNS_VALUE),
+        (AgentParams.model_construct(description="d", prompt=5), 'Parameter "prompt" is required'),
+    ],
+    ids=["empty-prompt", "fork-turns-not-fork", "model-fork", "fork-turns-zero", "constructed-wrong-type"],
+)
+def test_a_prebuilt_agent_params_is_validated_like_an_agent_call(
+    params: AgentParams, message: str, client: ForkClient, redis_client: redis.Redis, parent: dict[str, Any]
+) -> None:
+    with pytest.raises(InvalidAgentParams, match=re.escape(message)):
+        client.launch(parent, params)
+
+    assert nothing_reached_redis(redis_client, client.settings.queue)
+
+
+def test_a_valid_prebuilt_agent_params_launches_as_its_agent_call_would(
+    client: ForkClient, parent: dict[str, Any]
+) -> None:
+    params = validate_agent_params({**FORK, "fork_turns": "3", "fork_tools": ["read_file"]})
+
+    record = client.inspect(client.launch(parent, params).fork_id)
+
+    assert (record["fork_turns"], record["fork_tools"], record["subagent_type"]) == ("3", ["read_file"], "fork")
+
+
+def test_wait_on_a_parked_fork_raises_fork_parked_at_once_with_the_pending_calls(
+    client: ForkClient, parent: dict[str, Any]
+) -> None:
+    # Given a fork parked on a call a person must decide (as a worker parks it)
+    handle = client.launch(parent, FORK, approval_policy="park")
+    leases = Leases(client.redis, client.store.keys, ttl_ms=10_000, retention_s=3600)
+    claim = leases.claim(handle.fork_id, "worker-1", handle.digest)
+    assert not isinstance(claim, str)
+    calls = [{"call_id": "w1", "index": 0, "step": 0, "name": "write_file", "args": {"path": "a"}}]
+    leases.park(claim, calls)
+
+    # When the parent waits for it, with a long timeout
+    started = time.monotonic()
+    with pytest.raises(ForkParked) as caught:
+        handle.wait(timeout=60)
+
+    # Then the wait returns at once, with the status, the calls and what to do
+    assert time.monotonic() - started < 5
+    assert (caught.value.status, caught.value.pending, caught.value.fork_id) == (
+        "awaiting_approval",
+        calls,
+        handle.fork_id,
+    )
+    assert f"forkq approve {handle.fork_id} CALL_ID" in str(caught.value) and "w1 (write_file)" in str(caught.value)

@@ -1,4 +1,4 @@
-"""Examples for workers.codec: canonical msgpack records and their digest (spec/fork-history.md §7)."""
+"""Examples for workers.codec: canonical msgpack records and their digest (docs/fork-history.md §7)."""
 
 from __future__ import annotations
 

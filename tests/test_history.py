@@ -1,4 +1,4 @@
-"""Examples for workers.history, one or more per rule and trap of spec/fork-history.md (§1-§6)."""
+"""Examples for workers.history, one or more per rule and trap of docs/fork-history.md (§1-§6)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Property tests of the fork seed over generated parent histories (spec: fork-history.md §2-§7)."""
+"""Property tests of the fork seed over generated parent histories (docs/fork-history.md §2-§7)."""
 
 from __future__ import annotations
 

@@ -480,3 +480,23 @@ def test_request_digests_cover_the_output_schema_encoded_once_per_loop() -> None
     assert with_schema == [whole(request(step, schema)) for step in range(3)]
     assert digests.digest(request(0, None)) == whole(request(0, None)) != with_schema[0]
     assert sum(1 for value, _ in digests._static.values() if value is schema) == 1
+
+
+def test_journal_usage_counts_model_calls_tokens_and_tool_uses_and_skips_a_damaged_entry() -> None:
+    from workers.journal import journal_usage
+
+    model = {"role": "model", "parts": [{"functionCall": {"id": "c1", "name": "t", "args": {}}}]}
+    entries = [
+        JournalEntry(seq=0, step=0, kind="surface", tools=["t"]).encode(),
+        JournalEntry(seq=1, step=0, kind="model", content=model, input_tokens=100, output_tokens=7).encode(),
+        JournalEntry(seq=2, step=0, kind="tool_started", call_index=0, call_id="c1", name="t").encode(),
+        JournalEntry(seq=3, step=0, kind="tool_result", call_index=0, response={"output": "ok"}).encode(),
+        b"\xc1 not msgpack",
+        JournalEntry(seq=5, step=1, kind="model", content=model, input_tokens=150, output_tokens=3).encode(),
+    ]
+
+    usage = journal_usage(entries, "f-1")
+
+    assert (usage.model_calls, usage.tool_uses, usage.input_tokens, usage.output_tokens) == (2, 1, 250, 10)
+    assert (usage.total_tokens, usage.duration_ms) == (260, 0)
+    assert journal_usage([], "f-1").model_dump() == {k: 0 for k in usage.model_dump()}

@@ -1,4 +1,4 @@
-"""Examples for workers.messages: the wire round trip and parse_history (spec/fork-history.md §1)."""
+"""Examples for workers.messages: the wire round trip and parse_history (docs/fork-history.md §1)."""
 
 from __future__ import annotations
 
@@ -177,3 +177,24 @@ def test_parse_history_says_what_is_wrong_with_the_message(bad: dict[str, Any], 
 
 def test_parse_history_of_an_empty_list_is_empty() -> None:
     assert parse_history([]) == []
+
+
+def test_parse_history_refuses_a_message_nested_past_the_bound_naming_its_index() -> None:
+    args: Any = "leaf"
+    for _ in range(600):
+        args = {"a": args}
+    history = [
+        {"role": "user", "parts": [{"text": "hi"}]},
+        {"role": "model", "parts": [{"functionCall": {"args": args}}]},
+    ]
+
+    with pytest.raises(InvalidHistory) as caught:
+        parse_history(history)
+
+    assert caught.value.index == 1
+    assert str(caught.value).startswith("history[1] is nested more than 100 levels deep")
+
+
+def test_parse_history_names_a_huge_number_without_failing_to_print_it() -> None:
+    with pytest.raises(InvalidHistory, match="an integer of 16,610 bits"):
+        parse_history([{"role": "user", "parts": [{"text": 10**5000}]}])

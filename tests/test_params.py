@@ -1,4 +1,4 @@
-"""Examples for workers.params: the Agent tool's parameters (spec/fork-history.md §4)."""
+"""Examples for workers.params: the Agent tool's parameters (docs/fork-history.md §4)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from workers.errors import InvalidAgentParams
-from workers.params import agent_tool_schema, validate_agent_params
+from workers.params import MSG_FORK_TURNS_DIGITS, AgentParams, agent_tool_schema, revalidate, validate_agent_params
 
 VALUE = 'Parameter "fork_turns" must be "all" or a positive integer string such as "3".'
 NOT_FORK = 'Parameter "fork_turns" can only be used with subagent_type "fork".'
@@ -203,3 +203,69 @@ def test_a_null_model_counts_as_given_for_a_fork() -> None:
 @pytest.mark.parametrize("field", ["description", "prompt"])
 def test_a_blank_description_or_prompt_is_rejected_like_an_empty_one(field: str) -> None:
     assert rejection(params(**{field: " \n\t"})).field == field
+
+
+# ── bounds, and AgentParams built without validation ─────────────────────────────────────────
+
+
+def test_a_fork_turns_of_5000_digits_is_refused_with_the_bound_and_the_fix() -> None:
+    error = rejection(params(fork_turns="9" * 5000))
+
+    assert str(error) == MSG_FORK_TURNS_DIGITS
+    assert error.field == "fork_turns"
+    assert validate_agent_params(params(fork_turns="9" * 20)).turns == int("9" * 20)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("description", "d" * 1001),
+        ("prompt", "p" * 1_000_001),
+        ("subagent_type", "t" * 201),
+        ("model", "m" * 201),
+    ],
+)
+def test_a_text_parameter_past_its_length_is_refused_naming_it(field: str, value: str) -> None:
+    raw = params(**{field: value}, subagent_type="general-purpose") if field == "model" else params(**{field: value})
+
+    error = rejection(raw)
+
+    assert error.field == field
+    assert f'Parameter "{field}" is {len(value):,} characters long' in str(error)
+
+
+def test_a_fork_tools_list_past_its_bound_is_refused() -> None:
+    assert rejection(params(fork_tools=[f"t{i}" for i in range(1001)])).field == "fork_tools"
+    assert rejection(params(fork_tools=["t" * 201])).field == "fork_tools"
+
+
+def test_an_unknown_parameter_with_a_huge_name_is_named_briefly() -> None:
+    error = rejection(params(**{"x" * 100_000: 1}))
+
+    assert len(str(error)) < 300
+
+
+@pytest.mark.parametrize(
+    ("agent", "message"),
+    [
+        (AgentParams(description="d", prompt=" "), 'Parameter "prompt" is required'),
+        (AgentParams(description="d", prompt="p", fork_turns="3"), NOT_FORK),
+        (AgentParams(description="d", prompt="p", subagent_type="fork", name="bob", fork_turns="3"), TEAMMATE),
+        (AgentParams(description="d", prompt="p", subagent_type="fork", model="m"), MODEL),
+    ],
+)
+def test_revalidate_applies_every_rule_to_an_agent_params_built_directly(agent: AgentParams, message: str) -> None:
+    with pytest.raises(InvalidAgentParams) as caught:
+        revalidate(agent)
+
+    assert str(caught.value).startswith(message)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [params(), params(fork_turns="3", fork_tools=["read_file"]), params(subagent_type="x", name="", model="m")],
+)
+def test_revalidate_keeps_a_validated_agent_params_as_it_was(raw: dict[str, Any]) -> None:
+    agent = validate_agent_params(raw)
+
+    assert revalidate(agent) == agent

@@ -457,7 +457,7 @@ def test_forkq_worker_pool_option_selects_the_prefork_pool(cluster: Cluster) -> 
     worker = cluster.spawn("p1", argv, " ready.")
     cluster.wait_for(worker.ready, READY_TIMEOUT_S, "the worker to be ready")
 
-    # Then it runs the prefork pool it was asked for (DESIGN.md: prefork for CPU-heavy tools)
+    # Then it runs the prefork pool it was asked for (docs/operations.md: prefork for CPU-heavy tools)
     banner = re.search(r"concurrency: (\d+) \((\w+)\)", worker.log())
     assert banner is not None and banner.groups() == ("2", "prefork"), tail(worker.log())
 

@@ -159,3 +159,80 @@ def test_a_parsed_snapshot_is_frozen(parent: dict[str, Any]) -> None:
 
     with pytest.raises(ValueError, match="frozen"):
         snapshot.depth = 3  # type: ignore[misc]
+
+
+# ── bounds ────────────────────────────────────────────────────────────────────────────────────
+
+
+def nested(levels: int, leaf: Any = "x") -> Any:
+    value = leaf
+    for _ in range(levels):
+        value = {"a": value}
+    return value
+
+
+def test_a_snapshot_file_nested_past_what_json_parses_is_refused_naming_the_bound(tmp_path: Path) -> None:
+    path = tmp_path / "deep.json"
+    path.write_text('{"session_id": "s-1", "history": ' + "[" * 200_000 + "]" * 200_000 + "}")
+
+    with pytest.raises(InvalidParentSnapshot, match="nested more than 100 levels deep") as caught:
+        load_parent_snapshot(path)
+
+    assert str(path) in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("data", "problem"),
+    [
+        (b'{"session_id": "caf\xe9"}', "is not UTF-8 text (byte 0xe9 at offset 19); save it as UTF-8"),
+        (
+            b'{"session_id": "s", "depth": ' + b"9" * 5000 + b"}",
+            "holds a number of more than 4,300 digits; write it with fewer digits",
+        ),
+    ],
+    ids=["latin-1", "5000-digit-number"],
+)
+def test_a_snapshot_file_that_cannot_be_read_as_json_names_the_file_and_the_fix(
+    tmp_path: Path, data: bytes, problem: str
+) -> None:
+    path = tmp_path / "parent.json"
+    path.write_bytes(data)
+
+    with pytest.raises(InvalidParentSnapshot) as caught:
+        load_parent_snapshot(path)
+
+    assert str(caught.value) == f"parent snapshot {str(path)!r} {problem}"
+
+
+def test_depth_must_be_an_integer_not_a_string_of_one() -> None:
+    error = rejection({"session_id": "s-1", "depth": "0"})
+
+    assert error.field == "depth"
+    assert "valid integer" in str(error)
+
+
+def test_a_history_message_one_level_past_the_bound_is_refused_and_one_at_it_is_kept() -> None:
+    # the Content, its parts, the part and its functionCall are 4 levels; args holds the rest
+    def message(levels: int) -> dict[str, Any]:
+        return {"role": "model", "parts": [{"functionCall": {"name": "f", "args": nested(levels - 4)}}]}
+
+    kept = parse_parent_snapshot({"session_id": "s-1", "history": [message(100)]})
+    error = rejection({"session_id": "s-1", "history": [message(100), message(101)]})
+
+    assert len(kept.history) == 1
+    assert error.field == "history[1]"
+    assert "history[1] is nested more than 100 levels deep" in str(error)
+
+
+def test_a_snapshot_built_directly_is_bounded_like_a_parsed_one() -> None:
+    deep = Content.model_validate({"role": "model", "parts": [{"functionCall": {"name": "f", "args": nested(300)}}]})
+
+    with pytest.raises(InvalidParentSnapshot) as from_contents:
+        ParentSnapshot(session_id="s-1", history=[Content(role="user"), deep])
+    with pytest.raises(InvalidParentSnapshot) as from_wire:
+        ParentSnapshot(session_id="s-1", history=[deep.to_wire()])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="nested more than 100 levels"):
+        ParentSnapshot(session_id="s-1", tools=[nested(120)])
+
+    assert (from_contents.value.field, from_wire.value.field) == ("history[1]", "history[0]")
+    assert ParentSnapshot(session_id="s-1", history=[deep.model_copy(update={"parts": []})]).history[0].parts == []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -10,8 +11,9 @@ from typing import Any
 import pytest
 import redis
 
-from workers.errors import ForkNotFound, RecordDecodeError, RecordExistsError, RecordIntegrityError
+from workers.errors import ForkNotFound, LeaseLost, RecordDecodeError, RecordExistsError, RecordIntegrityError
 from workers.history import ForkSeed, build_fork_seed
+from workers.journal import JournalEntry
 from workers.keys import Keys
 from workers.lease import Leases
 from workers.records import BootstrapRecord, ChunkCache, ForkResult, Status, chunk_digest, split_seed
@@ -271,6 +273,82 @@ def test_cancelling_a_running_fork_marks_it_for_the_worker_to_stop(store: ForkSt
     assert store.state("f-1").status is Status.CANCELLED
     # the worker's next checkpoint reads the status and stops
     assert leases.emit(claim, []) == "cancelled"
+
+
+def model_entry(seq: int, step: int, tokens: int) -> JournalEntry:
+    content = {"role": "model", "parts": [{"functionCall": {"id": f"c{step}", "name": "t", "args": {}}}]}
+    return JournalEntry(seq=seq, step=step, kind="model", content=content, input_tokens=tokens, output_tokens=1)
+
+
+def test_a_cancelled_running_fork_keeps_the_usage_its_journal_records(store: ForkStore, seed: ForkSeed) -> None:
+    # Given a running fork that made two model calls and one tool call
+    launch(store, seed)
+    leases = Leases(store.client, store.keys, ttl_ms=10_000, retention_s=TTL_S)
+    claim = leases.claim("f-1", "worker-1")
+    assert not isinstance(claim, str)
+    result_entry = JournalEntry(seq=1, step=0, kind="tool_result", call_index=0, response={"output": "ok"})
+    leases.append(claim, model_entry(0, 0, 120), result_entry)
+    leases.append(claim, model_entry(2, 1, 80))
+    time.sleep(0.05)
+
+    # When it is cancelled
+    assert store.cancel("f-1") is Status.CANCELLED
+
+    # Then its result and finished event keep what it used
+    result = store.result("f-1")
+    assert result is not None and result.status is Status.CANCELLED
+    usage = result.usage
+    assert (usage.model_calls, usage.tool_uses, usage.input_tokens, usage.output_tokens) == (2, 1, 200, 2)
+    assert usage.total_tokens == 202 and usage.duration_ms >= 50
+    assert store.events("f-1")[-1].data["usage"] == usage.model_dump()
+
+
+def test_a_cancelled_parked_fork_reports_its_time_until_it_parked(store: ForkStore, seed: ForkSeed) -> None:
+    launch(store, seed)
+    leases = Leases(store.client, store.keys, ttl_ms=10_000, retention_s=TTL_S)
+    claim = leases.claim("f-1", "worker-1")
+    assert not isinstance(claim, str)
+    time.sleep(0.05)
+    leases.park(claim, [{"call_id": "w1", "index": 0, "step": 0, "name": "write_file", "args": {}}])
+    time.sleep(0.2)  # parked: not the fork's time
+
+    store.cancel("f-1")
+
+    times = store.client.hmget(store.keys.state("f-1"), ["first_started_ms", "parked_ms"])
+    result = store.result("f-1")
+    assert result is not None
+    assert result.usage.duration_ms == int(times[1]) - int(times[0]) >= 50
+
+
+def test_a_cancel_racing_a_running_fork_counts_every_entry_the_fork_wrote(store: ForkStore, seed: ForkSeed) -> None:
+    # Given a fork appending model entries as fast as Redis takes them
+    launch(store, seed)
+    leases = Leases(store.client, store.keys, ttl_ms=10_000, retention_s=TTL_S)
+    claim = leases.claim("f-1", "worker-1")
+    assert not isinstance(claim, str)
+    leases.append(claim, model_entry(0, 0, 1))
+
+    def run() -> None:
+        seq = 1
+        with contextlib.suppress(LeaseLost):  # the cancel fences it out
+            while True:
+                leases.append(claim, model_entry(seq, seq, 1))
+                seq += 1
+
+    writer = threading.Thread(target=run)
+    writer.start()
+    time.sleep(0.1)
+
+    # When it is cancelled meanwhile
+    store.cancel("f-1")
+    writer.join(timeout=10)
+
+    # Then the result counts exactly the entries in the journal, which no append can change any more
+    journal = leases.journal("f-1")
+    result = store.result("f-1")
+    assert result is not None and not writer.is_alive()
+    assert len(journal) > 1
+    assert (result.usage.model_calls, result.usage.input_tokens) == (len(journal), len(journal))
 
 
 @pytest.mark.parametrize("status", [Status.SUCCEEDED, Status.FAILED])

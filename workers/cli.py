@@ -1,5 +1,10 @@
 """The `forkq` command: launch, status, result, events, cancel, resume, approve, deny, inspect, worker,
-check, sweep, demo."""
+check, sweep, demo.
+
+Exit codes: 0 done, 1 failed (or no result yet), 2 bad input or settings (nothing was written), 3 the fork
+is parked (`awaiting_approval` or `paused`: a person must act before it can end). Every command that prints
+takes `--json`.
+"""
 
 from __future__ import annotations
 
@@ -17,12 +22,24 @@ import redis
 from pydantic import ValidationError
 
 from broker_config.settings import Settings, redact_url
-from workers.errors import ConfigurationError, ForkqError, ForkTimeout, InvalidAgentParams, InvalidParentSnapshot
+from workers.errors import (
+    ConfigurationError,
+    ForkParked,
+    ForkqError,
+    ForkTimeout,
+    InvalidAgentParams,
+    InvalidHistory,
+    InvalidParentSnapshot,
+)
 from workers.health import check_redis
 from workers.heartbeat import heartbeat_problem
-from workers.snapshot import load_parent_snapshot
+from workers.limits import MAX_SCHEMA_FILE_BYTES
+from workers.snapshot import load_parent_snapshot, read_json_file
 
-EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_PARKED = 0, 1, 2, 3
+Parser = argparse.ArgumentParser
+PARKED: tuple[str, ...] = ("awaiting_approval", "paused")
+DEFAULT_DESCRIPTION_CHARS = 80  # the prompt's first words, when no --description is given
 
 
 def _settings() -> Settings:
@@ -49,8 +66,9 @@ def _print_json(value: Any) -> None:
 
 def cmd_launch(args: argparse.Namespace) -> int:
     """Launch a fork (or subagent) from a parent snapshot file."""
+    default_description = " ".join(args.prompt.split()[:5])[:DEFAULT_DESCRIPTION_CHARS]
     params: dict[str, Any] = {
-        "description": args.description if args.description is not None else " ".join(args.prompt.split()[:5]),
+        "description": args.description if args.description is not None else default_description,
         "prompt": args.prompt,
     }
     for field in ("subagent_type", "fork_turns", "name", "model"):
@@ -82,16 +100,20 @@ def _tool_list(text: str) -> Any:
     if text.lstrip().startswith("["):
         try:
             return json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise InvalidAgentParams(f"--fork-tools is not a JSON array: {exc}", field="fork_tools") from exc
+        except (json.JSONDecodeError, RecursionError) as exc:
+            raise InvalidAgentParams(
+                f"--fork-tools is not a JSON array of tool names: {exc}; send a flat list such as "
+                '\'["read_file", "grep_search"]\' or read_file,grep_search',
+                field="fork_tools",
+            ) from exc
     return [name for name in text.split(",")] if text else []
 
 
 def _json_file(path: str, option: str) -> Any:
-    try:
-        return json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
-        raise InvalidAgentParams(f"{option} {path}: cannot read a JSON document: {exc}", field="output_schema") from exc
+    what = f"{option} {path!r}"
+    return read_json_file(
+        Path(path), what=what, max_bytes=MAX_SCHEMA_FILE_BYTES, error=InvalidAgentParams, field="output_schema"
+    )
 
 
 def cmd_approve(args: argparse.Namespace) -> int:
@@ -101,7 +123,11 @@ def cmd_approve(args: argparse.Namespace) -> int:
             outcome = client.approve(args.fork_id, args.call_id)
         else:
             outcome = client.deny(args.fork_id, args.call_id, args.reason)
-    print("resumed: the fork is queued again" if outcome == "queued" else "recorded: other calls still wait")
+    if args.json:
+        decision = {"fork_id": args.fork_id, "call_id": args.call_id, "decision": args.command, "outcome": outcome}
+        _print_json(decision)
+    else:
+        print("resumed: the fork is queued again" if outcome == "queued" else "recorded: other calls still wait")
     return EXIT_OK
 
 
@@ -116,26 +142,38 @@ def cmd_status(args: argparse.Namespace) -> int:
             f"{state.fork_id} {state.status.value} attempt={state.attempt}"
             + (f" error={state.error}" if state.error else "")
         )
-        for call in state.pending_approval:
-            args_text = json.dumps(call.get("args", {}), ensure_ascii=False)
-            print(f"  awaiting approval: {call.get('call_id')} {call.get('name')} {args_text}")
+        _print_pending(state.pending_approval)
     return EXIT_OK
 
 
+def _print_pending(calls: list[dict[str, Any]], file: Any = None) -> None:
+    for call in calls:
+        args_text = json.dumps(call.get("args", {}), ensure_ascii=False)
+        print(f"  awaiting approval: {call.get('call_id')} {call.get('name')} {args_text}", file=file)
+
+
 def cmd_result(args: argparse.Namespace) -> int:
-    """Show a fork's final output (waiting for it with --wait)."""
+    """Show a fork's final output (waiting for it with --wait); exit 3 at once for a parked fork."""
+    from workers.client import parked_error
+
     with _client() as client:
-        result = client.wait(args.fork_id, timeout=args.timeout) if args.wait else client.result(args.fork_id)
-        if result is None:
-            status = client.status(args.fork_id).status.value
-            if args.json:
-                _print_json({"fork_id": args.fork_id, "status": status, "output": None, "usage": None})
-            else:
-                print(f"fork {args.fork_id} is {status}: no result yet (use --wait)", file=sys.stderr)
-            return EXIT_FAIL
-    if args.notification:
-        with _client() as client:
-            print(client.notification(args.fork_id))
+        try:
+            result = client.wait(args.fork_id, timeout=args.timeout) if args.wait else client.result(args.fork_id)
+            if result is None:
+                state = client.status(args.fork_id)
+                if state.status.value in PARKED:
+                    raise parked_error(state)
+                if args.json:
+                    _print_json({"fork_id": args.fork_id, "status": state.status.value, "output": None, "usage": None})
+                else:
+                    print(f"fork {args.fork_id} is {state.status.value}: no result yet (use --wait)", file=sys.stderr)
+                return EXIT_FAIL
+        except ForkParked as parked:
+            _print_parked(parked, as_json=args.json)
+            return EXIT_PARKED
+        notification = client.notification(args.fork_id) if args.notification else None
+    if notification is not None:
+        print(notification)
     elif args.json:
         _print_json(
             {
@@ -151,11 +189,25 @@ def cmd_result(args: argparse.Namespace) -> int:
     return EXIT_OK if result.status.value == "succeeded" else EXIT_FAIL
 
 
+def _print_parked(parked: ForkParked, *, as_json: bool) -> None:
+    """A parked fork, for `result`: its status and the calls it waits on (stdout with --json, else stderr)."""
+    if as_json:
+        fields = {"fork_id": parked.fork_id, "status": parked.status, "output": None, "usage": None}
+        _print_json({**fields, "error": parked.reason, "pending_approval": parked.pending})
+        return
+    print(f"forkq result: {parked}", file=sys.stderr)
+    _print_pending(parked.pending, file=sys.stderr)
+
+
 def cmd_events(args: argparse.Namespace) -> int:
-    """Print a fork's progress events, following them with --follow."""
+    """Print a fork's progress events, following them with --follow (--json: one JSON object per line)."""
     with _client() as client:
         client.status(args.fork_id)
         for event in client.events(args.fork_id, follow=args.follow):
+            if args.json:
+                line = json.dumps({"id": event.id, "at_ms": event.at_ms, "type": event.type, "data": event.data})
+                print(line, flush=True)
+                continue
             when = datetime.fromtimestamp(event.at_ms / 1000, tz=UTC).strftime("%H:%M:%S.%f")[:-3]
             print(f"{when} {event.type:<9} {json.dumps(event.data, ensure_ascii=False)}", flush=True)
     return EXIT_OK
@@ -164,16 +216,23 @@ def cmd_events(args: argparse.Namespace) -> int:
 def cmd_cancel(args: argparse.Namespace) -> int:
     """Cancel a fork that has not ended."""
     with _client() as client:
-        print(client.cancel(args.fork_id).value)
+        status = client.cancel(args.fork_id).value
+    if args.json:
+        _print_json({"fork_id": args.fork_id, "status": status})
+    else:
+        print(status)
     return EXIT_OK
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
-    """Re-enqueue a paused fork."""
+    """Re-enqueue a paused fork (exit 1 when it was not paused)."""
     with _client() as client:
         resumed = client.resume(args.fork_id)
         status = client.status(args.fork_id).status.value
-    print(status if resumed else f"fork {args.fork_id} is {status}, not paused: nothing to resume")
+    if args.json:
+        _print_json({"fork_id": args.fork_id, "resumed": resumed, "status": status})
+    else:
+        print(status if resumed else f"fork {args.fork_id} is {status}, not paused: nothing to resume")
     return EXIT_OK if resumed else EXIT_FAIL
 
 
@@ -189,6 +248,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             f"fork_turns={record['fork_turns']!r} model={record['model']!r} cwd={record['cwd']!r} "
             f"depth={record['depth']} messages={len(record['initial_messages'])}"
         )
+        print(
+            f"subagent_type={record['subagent_type']!r} name={record['name']!r} "
+            f"approval_policy={record['approval_policy']} max_wall_s={record['max_wall_s']} "
+            f"max_turns={record['max_turns']} fork_tools={record['fork_tools']}"
+        )
+        schema = record["output_schema"]
+        print(f"output_schema: {'none' if schema is None else json.dumps(schema, ensure_ascii=False)[:500]}")
         print(f"task prompt: {record['task_prompt'][:200]}")
     return EXIT_OK
 
@@ -211,26 +277,35 @@ def cmd_worker(args: argparse.Namespace) -> int:
         }
     )
     app = make_app(settings)
-    pool = settings.worker_pool
-    concurrency = str(settings.worker_concurrency)
     # forkq keeps its own state in Redis: no revoke lists to sync at start (mingle), no gossip
-    argv = [
-        "worker",
-        "-Q",
-        settings.queue,
-        "-P",
-        pool,
-        "-c",
-        concurrency,
-        "-l",
-        args.loglevel,
-        "--without-mingle",
-        "--without-gossip",
-    ]
+    argv = ["worker", "-Q", settings.queue, "-P", settings.worker_pool, "-c", str(settings.worker_concurrency)]
+    argv += ["-l", args.loglevel, "--without-mingle", "--without-gossip"]
     if args.hostname:
         argv += ["-n", args.hostname]
-    code: int | None = app.start(argv)  # unlike worker_main, start returns the exit code
-    return int(code or 0)
+    return _run_worker(app, argv)
+
+
+def _run_worker(app: Any, argv: list[str]) -> int:
+    """Run `celery worker` and return its exit code: non-zero when start-up failed, so supervisors restart it.
+
+    Celery's `app.start` drops the code the worker command exits with (a bootstep that raises at start,
+    such as a taken FORKQ_METRICS_PORT, sets the worker's exit code to 1 and `start` still returns
+    None), so the code is taken from the worker itself when it shuts down.
+    """
+    from celery.signals import worker_shutdown
+
+    codes: list[int] = []
+
+    def record(sender: Any = None, **_: Any) -> None:
+        if getattr(sender, "app", None) is app:
+            codes.append(int(getattr(sender, "exitcode", 0) or 0))
+
+    worker_shutdown.connect(record, weak=False)
+    try:
+        code = app.start(argv)
+    finally:
+        worker_shutdown.disconnect(record)
+    return int(code or (codes[-1] if codes else 0))
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -240,6 +315,17 @@ def cmd_check(args: argparse.Namespace) -> int:
     if args.worker:  # the worker's liveness: its heartbeat file, rewritten by its event loop
         stale = heartbeat_problem(settings.heartbeat_file, settings.heartbeat_s)
         health.problems += [stale] if stale else []
+    if args.json:
+        report = {
+            "ok": not health.problems,
+            "redis": redact_url(settings.redis_url),
+            "queue": settings.queue,
+            "worker_heartbeat": str(settings.heartbeat_file) if args.worker else None,
+            "problems": health.problems,
+            "warnings": health.warnings,
+        }
+        _print_json(report)
+        return EXIT_FAIL if health.problems else EXIT_OK
     for warning in health.warnings:
         print(f"forkq check: warning: {warning}", file=sys.stderr)
     for problem in health.problems:
@@ -261,7 +347,10 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     sweeper = make_sweeper(app, runtime)
     if args.once:
         outcomes = sweeper.sweep_once()
-        print("forkq sweep: " + (", ".join(f"{k}={v}" for k, v in sorted(outcomes.items())) or "nothing expired"))
+        if args.json:
+            _print_json({"outcomes": dict(sorted(outcomes.items()))})
+        else:
+            print("forkq sweep: " + (", ".join(f"{k}={v}" for k, v in sorted(outcomes.items())) or "nothing expired"))
         return EXIT_OK
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -305,50 +394,71 @@ def _launch_arguments(launch: argparse.ArgumentParser) -> None:
     launch.add_argument("--output-schema", dest="output_schema", help="JSON schema file the final answer must match")
     launch.add_argument("--max-wall-s", dest="max_wall_s", type=float, help="wall-clock limit in seconds")
     launch.add_argument("--max-turns", dest="max_turns", type=int, help="model calls at most")
-    launch.add_argument("--json", action="store_true")
+    launch.add_argument("--json", action="store_true", help="print JSON")
+
+
+RESULT_EPILOG = (
+    "exit codes: 0 succeeded; 1 failed or cancelled, no result yet, or --wait timed out; 2 bad input; 3 parked "
+    "(awaiting_approval: approve or deny its calls; paused: fix the reason, then forkq resume), said at once "
+    "with the pending calls, even with --wait"
+)
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("forkq")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of `forkq`."""
-    parser = argparse.ArgumentParser(prog="forkq", description="Background fork subagents on Celery and Redis.")
+    parser = argparse.ArgumentParser(
+        prog="forkq",
+        description="Background fork subagents on Celery and Redis.",
+        epilog="exit codes: 0 ok, 1 failed, 2 bad input or settings, 3 parked (forkq result)",
+    )
+    parser.add_argument("--version", action="version", version=f"forkq {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def add(name: str, handler: Callable[[argparse.Namespace], int], help_text: str) -> argparse.ArgumentParser:
-        command = sub.add_parser(name, help=help_text, description=help_text)
+    def add(name: str, handler: Callable[[argparse.Namespace], int], help_text: str, **extra: Any) -> Parser:
+        command = sub.add_parser(name, help=help_text, description=help_text, **extra)
         command.set_defaults(handler=handler)
         return command
 
-    launch = add("launch", cmd_launch, "Launch a fork or subagent from a parent snapshot.")
-    _launch_arguments(launch)
-    for name, handler, text in (
-        ("status", cmd_status, "Show a fork's state."),
-        ("cancel", cmd_cancel, "Cancel a fork."),
-    ):
-        command = add(name, handler, text)
+    def by_id(name: str, handler: Callable[[argparse.Namespace], int], help_text: str, **extra: Any) -> Parser:
+        command = add(name, handler, help_text, **extra)
         command.add_argument("fork_id")
-        if name == "status":
-            command.add_argument("--json", action="store_true")
-    result = add("result", cmd_result, "Show a fork's final output.")
-    result.add_argument("fork_id")
-    result.add_argument("--wait", action="store_true", help="block until the fork ends")
+        command.add_argument("--json", action="store_true", help="print JSON")
+        return command
+
+    _launch_arguments(add("launch", cmd_launch, "Launch a fork or subagent from a parent snapshot."))
+    by_id("status", cmd_status, "Show a fork's state.")
+    by_id("cancel", cmd_cancel, "Cancel a fork.")
+    by_id("resume", cmd_resume, "Queue a paused fork again (once the tools it lacked are installed).")
+    result = by_id("result", cmd_result, "Show a fork's final output.", epilog=RESULT_EPILOG)
+    result.add_argument("--wait", action="store_true", help="block until the fork ends (or parks)")
     result.add_argument("--timeout", type=float, default=None, help="seconds to wait at most")
-    result.add_argument("--json", action="store_true")
     result.add_argument(
         "--notification", action="store_true", help="print the <task-notification> the parent's model reads"
     )
-    approve = add("approve", cmd_approve, "Approve a call a parked fork waits on; it resumes on any worker.")
-    approve.add_argument("fork_id")
-    approve.add_argument("call_id")
-    deny = add("deny", cmd_approve, "Deny a call a parked fork waits on; the model reads the denial.")
-    deny.add_argument("fork_id")
+    by_id("approve", cmd_approve, "Approve a call a parked fork waits on; it resumes on any worker.").add_argument(
+        "call_id"
+    )
+    deny = by_id("deny", cmd_approve, "Deny a call a parked fork waits on; the model reads the denial.")
     deny.add_argument("call_id")
     deny.add_argument("--reason", help="why (the model reads it)")
-    events = add("events", cmd_events, "Print a fork's progress events.")
-    events.add_argument("fork_id")
+    events = by_id("events", cmd_events, "Print a fork's progress events (--json: one JSON object per line).")
     events.add_argument("--follow", action="store_true", help="keep printing until the fork ends")
-    inspect = add("inspect", cmd_inspect, "Print a fork's bootstrap record.")
-    inspect.add_argument("fork_id")
-    inspect.add_argument("--json", action="store_true")
+    by_id("inspect", cmd_inspect, "Print a fork's bootstrap record and launch options.")
+    _process_commands(add)
+    return parser
+
+
+def _process_commands(add: Callable[..., Parser]) -> None:
+    """The commands about processes rather than one fork: worker, check, sweep, demo."""
     worker = add("worker", cmd_worker, "Run a worker (a Celery worker for forkq's queue).")
     worker.add_argument("--concurrency", type=int, help="forks at once (default FORKQ_WORKER_CONCURRENCY)")
     worker.add_argument("--pool", choices=["threads", "prefork", "solo"], help="default FORKQ_WORKER_POOL")
@@ -360,15 +470,16 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also check this host's worker heartbeat (FORKQ_HEARTBEAT_FILE): the worker probe",
     )
+    check.add_argument("--json", action="store_true", help="print JSON")
     sweep = add("sweep", cmd_sweep, "Revive forks whose worker died (lease expired).")
     sweep.add_argument("--once", action="store_true", help="one pass, then exit")
+    sweep.add_argument("--json", action="store_true", help="with --once: print the pass's outcomes as JSON")
     demo = add("demo", cmd_demo, "Launch forks from an example conversation on private workers.")
     demo.add_argument(
         "--private-redis",
         action="store_true",
         help="start a private redis-server even if one listens on 127.0.0.1:6379 (FORKQ_REDIS_URL still wins)",
     )
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -376,7 +487,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         code: int = args.handler(args)
-    except (InvalidAgentParams, InvalidParentSnapshot, ConfigurationError) as exc:
+    except (InvalidAgentParams, InvalidParentSnapshot, InvalidHistory, ConfigurationError) as exc:
         print(f"forkq {args.command}: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except ForkTimeout as exc:

@@ -15,11 +15,12 @@ from celery import Celery
 from broker_config.redis_client import redis_client as connect_redis
 from broker_config.settings import Settings
 from workers.app import make_app
-from workers.errors import ForkNotEnded, ForkTimeout, InvalidAgentParams
-from workers.keys import Keys
+from workers.errors import ForkNotEnded, ForkParked, ForkTimeout, InvalidAgentParams
+from workers.keys import FORK_ID_RE, Keys
 from workers.lease import Leases
+from workers.limits import MAX_LAUNCH_TURNS, MAX_LAUNCH_WALL_S, nesting_problem, shown, too_deep
 from workers.notification import render_task_notification
-from workers.params import AgentParams, validate_agent_params
+from workers.params import AgentParams, revalidate, validate_agent_params
 from workers.policy import APPROVAL_POLICIES, ApprovalPolicy, depth_error
 from workers.records import BootstrapRecord, ForkResult, ForkState, Status
 from workers.seeds import SeedBuilder, SeedChunks
@@ -45,6 +46,20 @@ def check_nesting(agent: AgentParams, parent_depth: int, max_depth: int) -> None
         raise InvalidAgentParams(depth_error(max_depth), field="subagent_type")
 
 
+def check_fork_id(fork_id: object) -> None:
+    """A fork id a caller chose must fit the key pattern (it is part of every key); None means a fresh one.
+
+    Raises:
+        InvalidAgentParams: it does not (`.field` is `fork_id`).
+    """
+    if fork_id is not None and not (isinstance(fork_id, str) and FORK_ID_RE.fullmatch(fork_id)):
+        raise InvalidAgentParams(
+            f"fork_id {shown(fork_id)} is not valid: use 1-128 letters, digits, '_', '.', '-' "
+            "starting with a letter or digit, or leave it out for a fresh one",
+            field="fork_id",
+        )
+
+
 def launch_options(
     agent: AgentParams,
     *,
@@ -63,20 +78,71 @@ def launch_options(
         options["fork_tools"] = list(agent.fork_tools)
     if approval_policy not in APPROVAL_POLICIES:
         raise InvalidAgentParams(
-            f"approval_policy must be one of {', '.join(APPROVAL_POLICIES)}, got {approval_policy!r}",
+            f"approval_policy must be one of {', '.join(APPROVAL_POLICIES)}, got {shown(approval_policy)}",
             field="approval_policy",
         )
     if approval_policy != "deny":
         options["approval_policy"] = approval_policy
     if output_schema is not None:
+        if too_deep(output_schema):  # jsonschema recurses, canonical msgpack stops at 255 levels
+            raise InvalidAgentParams(nesting_problem("output_schema"), field="output_schema")
         options["output_schema"] = check_schema(output_schema)
-    for name, value in (("max_wall_s", max_wall_s), ("max_turns", max_turns)):
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-            raise InvalidAgentParams(f"{name} must be a positive number, got {value!r}", field=name)
-        options[name] = value
+    if max_wall_s is not None:
+        # `not 0 < x <= max` also refuses NaN and infinity, which compare false or past the bound
+        if (
+            isinstance(max_wall_s, bool)
+            or not isinstance(max_wall_s, int | float)
+            or not 0 < max_wall_s <= MAX_LAUNCH_WALL_S
+        ):
+            raise InvalidAgentParams(
+                f"max_wall_s must be a positive number of seconds (finite, at most {MAX_LAUNCH_WALL_S:,.0f}); "
+                f"got {shown(max_wall_s)}",
+                field="max_wall_s",
+            )
+        options["max_wall_s"] = max_wall_s
+    if max_turns is not None:
+        if isinstance(max_turns, bool) or not isinstance(max_turns, int) or not 0 < max_turns <= MAX_LAUNCH_TURNS:
+            raise InvalidAgentParams(
+                f"max_turns must be a positive number of model calls (a whole number, at most {MAX_LAUNCH_TURNS:,}); "
+                f"got {shown(max_turns)}",
+                field="max_turns",
+            )
+        options["max_turns"] = max_turns
     return options
+
+
+def launch_settings(record: BootstrapRecord) -> dict[str, Any]:
+    """The launch's own settings a record keeps, every one named (defaults filled in): what `inspect` shows."""
+    options = record.options
+    return {
+        "subagent_type": record.subagent_type,
+        "name": record.name,
+        "approval_policy": options.get("approval_policy", "deny"),
+        "output_schema": options.get("output_schema"),
+        "max_wall_s": options.get("max_wall_s"),
+        "max_turns": options.get("max_turns"),
+        "fork_tools": options.get("fork_tools"),
+    }
+
+
+def parked_error(state: ForkState) -> ForkParked:
+    """The `ForkParked` for a fork in a parked state: its status, pending calls and what to do."""
+    fid = state.fork_id
+    if state.status is Status.PAUSED:
+        todo = f"{state.error or 'paused'}; once that is fixed, `forkq resume {fid}` (ForkClient.resume)"
+    else:
+        calls = ", ".join(f"{c.get('call_id')} ({c.get('name')})" for c in state.pending_approval) or "none"
+        todo = (
+            f"it waits on calls a person must decide: {calls}; `forkq approve {fid} CALL_ID` or "
+            f"`forkq deny {fid} CALL_ID` (ForkClient.approve / deny), then wait again"
+        )
+    return ForkParked(
+        f"fork {fid} is {state.status.value}: {todo}",
+        fork_id=fid,
+        status=state.status.value,
+        pending=list(state.pending_approval),
+        reason=state.error,
+    )
 
 
 def new_fork_id() -> str:
@@ -98,7 +164,7 @@ class ForkHandle:
         return self.client.status(self.fork_id)
 
     def wait(self, timeout: float | None = None) -> ForkResult:
-        """Block until the fork ends and return its result."""
+        """Block until the fork ends and return its result (ForkParked at once if it is parked)."""
         return self.client.wait(self.fork_id, timeout=timeout)
 
     def events(self, *, follow: bool = False) -> Iterator[ForkEvent]:
@@ -169,7 +235,9 @@ class ForkClient:
                 options are invalid (`.field` names which).
             InvalidParentSnapshot: the parent snapshot is malformed.
         """
-        agent = params if isinstance(params, AgentParams) else validate_agent_params(params)
+        # a pre-built AgentParams is checked like an Agent call: building one directly skips the rules
+        agent = revalidate(params) if isinstance(params, AgentParams) else validate_agent_params(params)
+        check_fork_id(fork_id)
         snapshot = parent if isinstance(parent, ParentSnapshot) else parse_parent_snapshot(dict(parent))
         reused = snapshot is parent  # one parsed here from a dict cannot be passed again: keep nothing of it
         check_nesting(agent, snapshot.depth, self.settings.max_subagent_depth)
@@ -261,22 +329,33 @@ class ForkClient:
     def wait(self, fork_id: str, *, timeout: float | None = None) -> ForkResult:
         """Block until the fork ends (following its event stream) and return its result.
 
+        A parked fork (`awaiting_approval`, `paused`) ends only after a person acts, so waiting for
+        it returns at once, raising `ForkParked` with its status and the calls it waits on: approve
+        or deny them (or `resume` a paused fork), then wait again.
+
         Raises:
+            ForkParked: the fork is awaiting approval or paused.
             ForkTimeout: the fork did not end within `timeout` seconds.
             ForkNotFound: the fork does not exist.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         after = "0-0"
-        self.store.state(fork_id)  # ForkNotFound early
         while True:
             result = self.store.result(fork_id)
             if result is not None:
                 return result
+            state = self.store.state(fork_id)  # ForkNotFound for a fork that does not exist
+            if state.status in (Status.AWAITING_APPROVAL, Status.PAUSED):
+                raise parked_error(state)
             left_ms = 1000 if deadline is None else int((deadline - time.monotonic()) * 1000)
             if left_ms <= 0:
+                hint = (
+                    "check that a worker consumes the queue (forkq check --worker / Flower)"
+                    if state.status is Status.QUEUED
+                    else f"`forkq events {fork_id} --follow` shows its progress"
+                )
                 raise ForkTimeout(
-                    f"fork {fork_id}: still {self.store.state(fork_id).status.value} after {timeout} s; "
-                    "wait longer, or check that a worker consumes the queue (forkq status / Flower)",
+                    f"fork {fork_id}: still {state.status.value} after {timeout} s; wait longer, or {hint}",
                     fork_id=fork_id,
                 )
             for event in self.store.events(fork_id, after=after, block_ms=max(1, min(left_ms, 1000))):
@@ -361,4 +440,5 @@ class ForkClient:
             "fork_turns": record.fork_turns,
             "description": record.description,
             "parent_session": record.parent_session,
+            **launch_settings(record),
         }

@@ -11,6 +11,7 @@ ForkqError                      base; never raised bare
 ├── ForkNotFound                no fork with that id in Redis (.fork_id)
 ├── ForkTimeout                 a fork did not end within the caller's wait (.fork_id)
 ├── ForkNotEnded                a fork has no result yet (.fork_id)
+├── ForkParked                  a waited-on fork is parked: awaiting approval or paused (.fork_id, .status, .pending)
 ├── LeaseLost                   this worker no longer holds the fork's lease (.fork_id)
 ├── InvalidApproval             approve/deny of a fork or call that is not awaiting a decision (.fork_id)
 ├── ConfigurationError          settings or the Redis server are unfit for forkq (.field)
@@ -22,6 +23,8 @@ Every message names the thing, what was expected, and how to fix it.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 
 class ForkqError(Exception):
@@ -87,6 +90,22 @@ class ForkTimeout(ForkqError):
 
 class ForkNotEnded(ForkqError):
     """The fork has not ended, so it has no result (or notification) yet."""
+
+
+class ForkParked(ForkqError):
+    """A fork someone waits for is parked (`awaiting_approval` or `paused`): it ends only after a person acts.
+
+    `status` is the fork's status, `pending` the calls it waits on (`call_id`, `name`, `args`; empty
+    when paused) and `reason` why it paused (the state's error), so the caller can decide at once.
+    """
+
+    def __init__(
+        self, message: str, *, fork_id: str, status: str, pending: list[dict[str, Any]], reason: str | None
+    ) -> None:
+        super().__init__(message, fork_id=fork_id)
+        self.status = status
+        self.pending = pending
+        self.reason = reason
 
 
 class LeaseLost(ForkqError):

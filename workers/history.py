@@ -1,4 +1,4 @@
-"""What a fork inherits: history selection, curation and the fork's seed (spec: fork-history.md).
+"""What a fork inherits: history selection, curation and the fork's seed (docs/fork-history.md).
 
 Pure functions over `list[Content]`: no Redis, no Celery, no I/O. The pipeline of `build_fork_seed`:
 
@@ -347,7 +347,7 @@ def _repair_end(body: list[Content], directive: str) -> tuple[list[Content], str
 def build_fork_seed(
     parent_history: Sequence[Content | Mapping[str, Any]], *, fork_turns: object = None, directive: str
 ) -> ForkSeed:
-    """Run the whole pipeline of the spec: select, repair the boundary, deep-copy.
+    """Run the whole pipeline (docs/fork-history.md): select, repair the boundary, deep-copy.
 
     `parent_history` ends with the model Content that holds the launching Agent call(s); wire
     dicts are accepted and parsed. `fork_turns=None` means `all`.

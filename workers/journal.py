@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
@@ -24,6 +25,7 @@ from workers.errors import RecordDecodeError
 from workers.history import ForkSeed
 from workers.messages import Content, FunctionCall, FunctionResponse, Part
 from workers.providers import ModelRequest
+from workers.records import Usage
 
 INTERRUPTED_ERROR: Final = (
     "This tool call was interrupted: the worker running it stopped before it finished. It may or may not "
@@ -241,3 +243,24 @@ class RequestDigests:
         entry = self._encoded.get(key)
         if entry is not None and entry[0]() is None:  # not an entry made since for a new object at this id
             self._encoded.pop(key, None)
+
+
+def journal_usage(journal: Sequence[bytes], fork_id: str) -> Usage:
+    """Tokens and model calls (the model entries) and tool uses (the tool results) of stored journal entries.
+
+    A damaged entry is skipped, not raised: this tallies what a cancelled fork used, and a cancel must not fail.
+    """
+    usage = Usage()
+    for raw in journal:
+        try:
+            entry = JournalEntry.decode(raw, fork_id=fork_id)
+        except RecordDecodeError:
+            continue
+        if entry.kind == "model":
+            usage.model_calls += 1
+            usage.input_tokens += entry.input_tokens
+            usage.output_tokens += entry.output_tokens
+        elif entry.kind == "tool_result":
+            usage.tool_uses += 1
+    usage.total_tokens = usage.input_tokens + usage.output_tokens
+    return usage

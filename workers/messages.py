@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError,
 from pydantic.alias_generators import to_camel
 
 from workers.errors import InvalidHistory
+from workers.limits import MAX_NESTING_DEPTH, nesting_problem, shown, too_deep
 
 Role = Literal["user", "model"]
 
@@ -142,7 +143,8 @@ def parse_history(raw: object) -> list[Content]:
     """Parse a raw history (a list of wire Contents).
 
     Raises:
-        InvalidHistory: naming the first bad message (`.index`) and what is wrong with it.
+        InvalidHistory: naming the first bad message (`.index`) and what is wrong with it, including a
+            message nested deeper than `workers.limits.MAX_NESTING_DEPTH`.
     """
     if not isinstance(raw, list):
         raise InvalidHistory(
@@ -150,6 +152,9 @@ def parse_history(raw: object) -> list[Content]:
             'send [{"role": "user", "parts": [{"text": "..."}]}, ...]',
             index=None,
         )
+    if too_deep(raw, MAX_NESTING_DEPTH + 1):  # one walk of the whole list; per message only to name the culprit
+        index = next(i for i, item in enumerate(raw) if too_deep(item))
+        raise InvalidHistory(nesting_problem(f"history[{index}]"), index=index)
     try:  # one call into pydantic-core for the whole history; per-message only to explain a failure
         return load_contents(raw)
     except ValidationError:
@@ -167,7 +172,9 @@ def parse_content(item: object, *, index: int) -> Content:
             f'{where}: missing "role"; every Content needs role "user" or "model"', index=index, field="role"
         )
     if role not in ("user", "model"):
-        raise InvalidHistory(f'{where}: role {role!r} is not allowed; use "user" or "model"', index=index, field="role")
+        raise InvalidHistory(
+            f'{where}: role {shown(role)} is not allowed; use "user" or "model"', index=index, field="role"
+        )
     parts = item.get("parts")
     if parts is not None and not (isinstance(parts, list) and all(isinstance(p, dict) for p in parts)):
         raise InvalidHistory(
@@ -184,5 +191,4 @@ def parse_content(item: object, *, index: int) -> Content:
 
 
 def _describe(value: object) -> str:
-    text = repr(value)
-    return f"{type(value).__name__} {text[:60]}{'…' if len(text) > 60 else ''}"
+    return f"{type(value).__name__} {shown(value)}"

@@ -1,4 +1,4 @@
-"""The Agent tool's parameters: validation in the spec's order, and the schema the parent advertises."""
+"""The Agent tool's parameters: validation in the contract's order (docs/fork-history.md §4), and their schema."""
 
 from __future__ import annotations
 
@@ -9,12 +9,18 @@ from typing import Any, Final, Literal
 from pydantic import BaseModel, ConfigDict
 
 from workers.errors import InvalidAgentParams
+from workers.limits import shown
 
 FORK_TYPE: Final = "fork"
 FORK_TURNS_PATTERN: Final = "^[1-9][0-9]*$"
 _FORK_TURNS_RE: Final = re.compile(r"[1-9][0-9]*")  # fullmatch: `$` would accept a trailing newline
 
 MSG_FORK_TURNS_VALUE: Final = 'Parameter "fork_turns" must be "all" or a positive integer string such as "3".'
+FORK_TURNS_MAX_DIGITS: Final = 20  # more turns than any history holds; bounds what int() is asked to convert
+MSG_FORK_TURNS_DIGITS: Final = (
+    f'Parameter "fork_turns" has more than {FORK_TURNS_MAX_DIGITS} digits; use "all", or a positive integer string '
+    f'of at most {FORK_TURNS_MAX_DIGITS} digits such as "3".'
+)
 MSG_FORK_TURNS_NOT_FORK: Final = 'Parameter "fork_turns" can only be used with subagent_type "fork".'
 MSG_FORK_TURNS_TEAMMATE: Final = 'Parameter "fork_turns" cannot be used when spawning a named teammate.'
 MSG_MODEL_FORK: Final = 'Parameter "model" cannot be used with subagent_type "fork".'
@@ -32,6 +38,8 @@ MSG_FORK_TOOLS_WILDCARD: Final = (
 )
 
 _STRING_PARAMS: Final = ("subagent_type", "name", "model")
+MAX_CHARS: Final = {"description": 1000, "prompt": 1_000_000, "subagent_type": 200, "name": 200, "model": 200}
+MAX_FORK_TOOLS: Final = 1000  # entries of a `fork_tools` list, each at most MAX_CHARS["name"] characters
 KNOWN_PARAMS: Final = (
     "description",
     "prompt",
@@ -86,6 +94,8 @@ def normalize_fork_turns(value: object) -> ForkTurns:
     if value is None or (isinstance(value, str) and value == "all"):
         return "all"
     if isinstance(value, str) and _FORK_TURNS_RE.fullmatch(value):
+        if len(value) > FORK_TURNS_MAX_DIGITS:  # int() refuses 4,300 digits and more, with a ValueError
+            raise InvalidAgentParams(MSG_FORK_TURNS_DIGITS, field="fork_turns")
         return int(value)
     raise InvalidAgentParams(MSG_FORK_TURNS_VALUE, field="fork_turns")
 
@@ -93,11 +103,21 @@ def normalize_fork_turns(value: object) -> ForkTurns:
 def _require_text(raw: Mapping[str, Any], field: str) -> str:
     value = raw.get(field)
     if not isinstance(value, str) or not value.strip():
-        got = "missing" if field not in raw else f"got {value!r}"
+        got = "missing" if field not in raw else f"got {shown(value)}"
         raise InvalidAgentParams(
             f'Parameter "{field}" is required and must be a non-empty string ({got}).', field=field
         )
+    _check_length(field, value)
     return value
+
+
+def _check_length(field: str, value: str) -> None:
+    if len(value) > MAX_CHARS[field]:
+        raise InvalidAgentParams(
+            f'Parameter "{field}" is {len(value):,} characters long; at most {MAX_CHARS[field]:,} are accepted: '
+            "shorten it.",
+            field=field,
+        )
 
 
 def _check_fork_turns(raw: Mapping[str, Any]) -> None:
@@ -133,6 +153,12 @@ def _check_fork_tools(raw: Mapping[str, Any]) -> tuple[str, ...] | None:
         not isinstance(t, str) or not t.strip() or t.strip() != t for t in tools
     ):
         raise InvalidAgentParams(MSG_FORK_TOOLS_LIST, field="fork_tools")
+    if len(tools) > MAX_FORK_TOOLS or any(len(t) > MAX_CHARS["name"] for t in tools):
+        raise InvalidAgentParams(
+            f'Parameter "fork_tools" accepts at most {MAX_FORK_TOOLS} names of at most {MAX_CHARS["name"]} '
+            f"characters; got {len(tools)} names, the longest of {max(map(len, tools))}.",
+            field="fork_tools",
+        )
     if "*" in tools:
         raise InvalidAgentParams(MSG_FORK_TOOLS_STAR, field="fork_tools")
     if not all(is_valid_tool_pattern(t) for t in tools):
@@ -151,27 +177,30 @@ def _check_types(raw: Mapping[str, Any]) -> None:
             raise InvalidAgentParams(
                 f'Parameter "{field}" must be a string, got {type(raw[field]).__name__}.', field=field
             )
+        if isinstance(raw.get(field), str):
+            _check_length(field, raw[field])
     background = raw.get("run_in_background")
     if background is not None and not isinstance(background, bool):
         raise InvalidAgentParams(
-            f'Parameter "run_in_background" must be true or false, got {background!r}.', field="run_in_background"
+            f'Parameter "run_in_background" must be true or false, got {shown(background)}.', field="run_in_background"
         )
     unknown = sorted(str(k) for k in raw if k not in KNOWN_PARAMS)
     if unknown:
         raise InvalidAgentParams(
-            f'Unknown parameter "{unknown[0]}"; the Agent tool accepts: {", ".join(KNOWN_PARAMS)}.', field=unknown[0]
+            f'Unknown parameter "{unknown[0][:60]}"; the Agent tool accepts: {", ".join(KNOWN_PARAMS)}.',
+            field=unknown[0][:200],
         )
 
 
 def validate_agent_params(raw: Mapping[str, Any]) -> AgentParams:
-    """Validate an Agent tool call's parameters, in the order of the spec.
+    """Validate an Agent tool call's parameters, in the order of docs/fork-history.md §4.
 
     description and prompt first, then the three `fork_turns` checks (value, fork only, not with a
     teammate name), the `fork_tools` checks (fork only, not with a teammate name, a list of exact names or
     MCP patterns), then `model` (a fork runs on the parent's model), then types and unknown keys.
 
     Raises:
-        InvalidAgentParams: the first rule broken, with the spec's message and `.field`.
+        InvalidAgentParams: the first rule broken, with its message (`MSG_*`) and `.field`.
     """
     if not isinstance(raw, Mapping):
         raise InvalidAgentParams(
@@ -194,6 +223,19 @@ def validate_agent_params(raw: Mapping[str, Any]) -> AgentParams:
         model=raw.get("model"),
         run_in_background=raw.get("run_in_background"),
     )
+
+
+def revalidate(agent: AgentParams) -> AgentParams:
+    """Validate an `AgentParams` built without `validate_agent_params` (directly, or with model_construct).
+
+    The fields it holds are checked as the Agent call they stand for (None is an omitted key, an
+    empty `name` a given one), so every launch path enforces the same rules.
+
+    Raises:
+        InvalidAgentParams: the first rule broken, as `validate_agent_params` reports it.
+    """
+    raw = {field: value for field, value in agent if value is not None and field != "schema_version"}
+    return validate_agent_params(raw)
 
 
 def agent_tool_schema() -> dict[str, Any]:

@@ -21,7 +21,7 @@ from redis.commands.core import Script
 
 from workers.errors import ForkNotFound, InvalidApproval, RecordExistsError, RecordIntegrityError
 from workers.history import ForkSeed
-from workers.journal import JournalEntry
+from workers.journal import JournalEntry, journal_usage
 from workers.keys import Keys
 from workers.records import (
     BootstrapRecord,
@@ -73,17 +73,42 @@ end
 return gone
 """
 
-# KEYS: state, events, result, bootstrap, journal. ARGV: result bytes, event data, ttl_s. Terminal forks stay.
+# KEYS: state, events, result, bootstrap, journal. ARGV: fork_id, ttl_s, n, and the usage of the first n journal
+# entries (input tokens, output tokens, model calls, tool uses). Terminal forks stay. The entries appended since
+# the caller read those n are counted here (so the usage is exact however the fork raced the cancel), and the
+# duration runs from the first start to now, or to when the fork parked. The result is msgpack (cmsgpack's, which
+# ForkResult.decode reads); the finished event carries the same usage.
 _CANCEL = (
     _NOW
     + """
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status then return 'missing' end
 if status == 'succeeded' or status == 'failed' or status == 'cancelled' then return status end
-redis.call('HSET', KEYS[1], 'status', 'cancelled', 'finished_ms', now, 'error', 'cancelled by request')
-redis.call('SET', KEYS[3], ARGV[1], 'EX', ARGV[3])
-redis.call('XADD', KEYS[2], 'MAXLEN', '~', @MAXLEN@, '*', 'type', 'finished', 'data', ARGV[2])
-for _, i in ipairs({1, 2, 4, 5}) do redis.call('EXPIRE', KEYS[i], ARGV[3]) end
+local usage = {input_tokens = tonumber(ARGV[4]), output_tokens = tonumber(ARGV[5]), model_calls = tonumber(ARGV[6]),
+               tool_uses = tonumber(ARGV[7]), duration_ms = 0}
+for _, raw in ipairs(redis.call('LRANGE', KEYS[5], tonumber(ARGV[3]), -1)) do
+  local ok, entry = pcall(cmsgpack.unpack, raw)
+  if ok and type(entry) == 'table' and entry.kind == 'model' then
+    usage.model_calls = usage.model_calls + 1
+    usage.input_tokens = usage.input_tokens + (tonumber(entry.input_tokens) or 0)
+    usage.output_tokens = usage.output_tokens + (tonumber(entry.output_tokens) or 0)
+  elseif ok and type(entry) == 'table' and entry.kind == 'tool_result' then
+    usage.tool_uses = usage.tool_uses + 1
+  end
+end
+usage.total_tokens = usage.input_tokens + usage.output_tokens
+local first = tonumber(redis.call('HGET', KEYS[1], 'first_started_ms') or '')
+if first then
+  local parked = tonumber(redis.call('HGET', KEYS[1], 'parked_ms') or '')
+  usage.duration_ms = math.max(0, (parked or now) - first)
+end
+local err = 'cancelled by request'
+redis.call('HSET', KEYS[1], 'status', 'cancelled', 'finished_ms', now, 'error', err)
+local result = {schema_version = 1, fork_id = ARGV[1], status = 'cancelled', error = err, usage = usage}
+redis.call('SET', KEYS[3], cmsgpack.pack(result), 'EX', ARGV[2])
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', @MAXLEN@, '*', 'type', 'finished', 'data',
+           cjson.encode({status = 'cancelled', error = err, usage = usage}))
+for _, i in ipairs({1, 2, 4, 5}) do redis.call('EXPIRE', KEYS[i], ARGV[2]) end
 return 'cancelled'
 """.replace("@MAXLEN@", str(EVENTS_MAXLEN))
 )
@@ -369,10 +394,15 @@ class ForkStore:
     def cancel(self, fork_id: str) -> Status:
         """Cancel a fork that has not ended; returns the status it has afterwards.
 
+        The cancelled result keeps what the fork used: tokens, model calls and tool uses from its
+        journal, and its time since the first start (time parked not counted). The journal is read
+        and tallied here; the script adds what was appended since, so it holds the scripting work.
+
         Raises:
             ForkNotFound: the fork does not exist.
         """
-        result = ForkResult(fork_id=fork_id, status=Status.CANCELLED, error="cancelled by request")
+        journal = cast(list[bytes], self.client.lrange(self.keys.journal(fork_id), 0, -1))
+        usage = journal_usage(journal, fork_id)
         outcome = self._cancel(
             keys=[
                 self.keys.state(fork_id),
@@ -381,7 +411,15 @@ class ForkStore:
                 self.keys.bootstrap(fork_id),
                 self.keys.journal(fork_id),
             ],
-            args=[result.encode(), json.dumps({"status": "cancelled", "error": "cancelled by request"}), self.ttl_s],
+            args=[
+                fork_id,
+                self.ttl_s,
+                len(journal),
+                usage.input_tokens,
+                usage.output_tokens,
+                usage.model_calls,
+                usage.tool_uses,
+            ],
         )
         outcome = cast(bytes, outcome).decode()
         if outcome == "missing":
