@@ -13,7 +13,7 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,17 @@ import pytest
 from workers import builtin_tools
 from workers.errors import ConfigurationError
 from workers.messages import FunctionCall
-from workers.tools import ENTRY_POINT_GROUP, Tool, ToolContext, ToolError, ToolRegistry, load_tools, resolve_inside
+from workers.tools import (
+    ENTRY_POINT_GROUP,
+    TOOL_STOP_GRACE_S,
+    TOOL_WAIT_POLL_S,
+    Tool,
+    ToolContext,
+    ToolError,
+    ToolRegistry,
+    load_tools,
+    resolve_inside,
+)
 from workers.tools import builtin_tools as make_builtin_registry
 
 # ── helpers ────────────────────────────────────────────────────────────────────────────────────
@@ -44,13 +54,12 @@ def registry() -> ToolRegistry:
     return make_builtin_registry()
 
 
-def context(cwd: Path, cancelled: Callable[[], bool] | None = None) -> ToolContext:
-    ctx = ToolContext(fork_id="f-tools", cwd=cwd, call_id="c1", idempotency_key="f-tools:0:c1")
-    if cancelled is None:
-        return ctx
-    return ToolContext(
-        fork_id=ctx.fork_id, cwd=cwd, call_id=ctx.call_id, idempotency_key=ctx.idempotency_key, cancelled=cancelled
-    )
+def context(cwd: Path, cancelled: Callable[[], bool] | None = None, within_s: float | None = None) -> ToolContext:
+    """The context of call c1 of fork f-tools; `within_s`: the fork's wall-clock limit is that far away."""
+    extra: dict[str, Any] = {} if cancelled is None else {"cancelled": cancelled}
+    if within_s is not None:
+        extra["deadline"] = time.monotonic() + within_s
+    return ToolContext(fork_id="f-tools", cwd=cwd, call_id="c1", idempotency_key="f-tools:0:c1", **extra)
 
 
 def run(registry: ToolRegistry, cwd: Path, name: str, **args: Any) -> dict[str, Any]:
@@ -642,3 +651,78 @@ def test_a_missing_working_directory_is_reported(registry: ToolRegistry, tmp_pat
     message = error(run(registry, tmp_path / "gone", "run_shell_command", command="true"))
     assert "working directory" in message and "does not exist" in message
     assert os.path.exists(tmp_path)
+
+
+# ── a deadline for every call, and cancellation (issue 11, item 6) ─────────────────────────────
+
+
+def blocking_tool(release: threading.Event) -> Tool:
+    """A handler blocked where it never looks at its deadline, as a plugin's stuck call may be."""
+
+    def handler(args: Mapping[str, Any], ctx: ToolContext) -> str:
+        release.wait()
+        return "released"
+
+    return Tool("stuck", "Blocks until released.", {"type": "object"}, handler)
+
+
+@pytest.fixture
+def release() -> Iterator[threading.Event]:
+    """Set after the test, so the abandoned handler threads end with it."""
+    event = threading.Event()
+    yield event
+    event.set()
+
+
+STUCK = FunctionCall(id="c1", name="stuck", args={})
+MARGIN_S = 1.5  # scheduling slack on a busy machine
+
+
+def test_a_handler_that_never_returns_is_answered_with_an_error_at_its_time_limit(
+    work: Path, release: threading.Event
+) -> None:
+    registry = ToolRegistry(default_timeout_s=0.5)
+    registry.register(blocking_tool(release))
+    started = time.monotonic()
+    message = error(registry.run(STUCK, context(work)))
+    elapsed = time.monotonic() - started
+    assert "tool 'stuck' did not finish within its time limit of 0.5 s" in message and "abandoned" in message
+    assert 0.5 <= elapsed < 0.5 + TOOL_STOP_GRACE_S + MARGIN_S
+
+
+def test_the_forks_wall_clock_limit_cuts_a_call_its_tool_would_allow_longer(
+    work: Path, release: threading.Event
+) -> None:
+    registry = ToolRegistry(default_timeout_s=600)
+    registry.register(blocking_tool(release))
+    started = time.monotonic()
+    message = error(registry.run(STUCK, context(work, within_s=0.5)))
+    assert "did not finish within its time limit of 0.5 s" in message
+    assert time.monotonic() - started < 0.5 + TOOL_STOP_GRACE_S + MARGIN_S
+    assert "no time left" in error(registry.run(STUCK, context(work, within_s=-1)))
+
+
+def test_a_cancelled_fork_stops_waiting_for_a_stuck_handler(work: Path, release: threading.Event) -> None:
+    registry = ToolRegistry(default_timeout_s=600)
+    registry.register(blocking_tool(release))
+    cancel = threading.Event()
+    timer = threading.Timer(0.3, cancel.set)
+    started = time.monotonic()
+    timer.start()
+    try:
+        message = error(registry.run(STUCK, context(work, cancelled=cancel.is_set)))
+    finally:
+        timer.cancel()
+    assert message == "the fork was cancelled or stopped while tool 'stuck' ran; the call was abandoned"
+    assert time.monotonic() - started < 0.3 + TOOL_WAIT_POLL_S + TOOL_STOP_GRACE_S + MARGIN_S
+
+
+def test_a_handler_that_watches_its_context_stops_at_the_deadline_with_its_own_answer(work: Path) -> None:
+    def patient(args: Mapping[str, Any], ctx: ToolContext) -> str:
+        while not ctx.cancelled():  # turns true once the caller stops waiting
+            time.sleep(0.01)
+        raise ToolError(f"stopped {'past' if ctx.seconds_left() <= 0 else 'before'} the deadline")
+
+    registry = ToolRegistry(default_timeout_s=0.3)
+    registry.register(Tool("patient", "Waits.", {"type": "object"}, patient))
+    assert run(registry, work, "patient") == {"error": "stopped past the deadline"}

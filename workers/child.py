@@ -326,6 +326,7 @@ class ChildLoop:
             call_id=pending.call.id,
             idempotency_key=f"{self.record.fork_id}:{step}:{pending.call.id or pending.index}",
             cancelled=self.cancelled,
+            deadline=self._deadline,  # a tool call never outlasts the fork's wall-clock limit
         )
 
     def _spawn(self, state: Replay, step: int, pending: PendingCall) -> dict[str, Any]:
