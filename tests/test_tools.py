@@ -7,9 +7,11 @@ through /proc that the processes a command started are really gone.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
+import signal
 import threading
 import time
 import uuid
@@ -18,8 +20,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import WorkerProcess
+from live import wait_until
+from test_capabilities import FORK, call, parent_for, step, workdir, write_script
 
-from workers import builtin_tools
+from workers import builtin_tools, shell
+from workers.client import ForkClient
 from workers.errors import ConfigurationError
 from workers.messages import FunctionCall
 from workers.tools import (
@@ -572,7 +578,7 @@ def test_a_non_zero_exit_is_reported_with_stderr_not_raised(registry: ToolRegist
 def test_long_output_keeps_head_and_tail_around_a_truncation_marker(registry: ToolRegistry, work: Path) -> None:
     command = "echo START; head -c 200000 /dev/zero | tr '\\0' a; echo; echo END"
     text = output(run(registry, work, "run_shell_command", command=command))
-    cap = builtin_tools.SHELL_OUTPUT_CAP
+    cap = shell.SHELL_OUTPUT_CAP
     total = len("START\n") + 200_000 + len("\nEND\n")
     assert text.startswith("START\naaa")
     assert f"\n[... output truncated: {total - cap} bytes omitted ...]\n" in text
@@ -584,7 +590,7 @@ def test_a_timeout_kills_the_whole_process_group(registry: ToolRegistry, work: P
     started = time.monotonic()
     message = error(run(registry, work, "run_shell_command", command=command, timeout_s=1))
     assert time.monotonic() - started < 10
-    assert "timed out after 1 s" in message and "process group killed" in message
+    assert "timed out after 1 s" in message and "every process it started was killed" in message
     pids = pids_in(message)
     assert len(pids) == 3
     assert all_gone(pids)
@@ -726,3 +732,90 @@ def test_a_handler_that_watches_its_context_stops_at_the_deadline_with_its_own_a
     registry = ToolRegistry(default_timeout_s=0.3)
     registry.register(Tool("patient", "Waits.", {"type": "object"}, patient))
     assert run(registry, work, "patient") == {"error": "stopped past the deadline"}
+
+
+# ── nothing a command starts outlives it (issue 11, item 9) ────────────────────────────────────
+
+LEFTOVERS = (
+    "setsid sleep 600 & echo $! >> pids; "
+    "nohup sleep 600 > /dev/null 2>&1 & echo $! >> pids; "
+    "(sleep 600 & echo $! >> pids); "  # the subshell exits at once: its child is an orphan
+    "(setsid sh -c 'sleep 600 & echo $! >> pids' &); "  # a daemon's double fork into a new session
+    "env -i /bin/sh -c 'setsid sleep 600 & echo $! >> pids'; "  # ... and with an empty environment
+    "while [ $(wc -l < pids) -lt 5 ]; do sleep 0.05; done; echo started"
+)
+
+
+def zombie_children() -> list[int]:
+    """Children of this process that exited and were never reaped."""
+    found = []
+    for entry in os.listdir("/proc"):
+        with contextlib.suppress(OSError, IndexError):
+            if entry.isdigit():
+                fields = Path(f"/proc/{entry}/stat").read_text(encoding="utf-8").rsplit(")", 1)[1].split()
+                if fields[0] == "Z" and int(fields[1]) == os.getpid():
+                    found.append(int(entry))
+    return found
+
+
+@contextlib.contextmanager
+def killed_afterwards(pids_file: Path) -> Iterator[None]:
+    """Kill whatever the pids file names once the test is over (a failing run must not leave sleepers)."""
+    try:
+        yield
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            for pid in pids_file.read_text(encoding="utf-8").split():
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(int(pid), signal.SIGKILL)
+
+
+def test_no_process_a_command_starts_outlives_it_setsid_nohup_or_double_forked(
+    registry: ToolRegistry, work: Path
+) -> None:
+    with killed_afterwards(work / "pids"):
+        text = output(run(registry, work, "run_shell_command", command=LEFTOVERS, timeout_s=60))
+        pids = [int(pid) for pid in (work / "pids").read_text(encoding="utf-8").split()]
+        assert text == "started\n[exit code: 0]"
+        assert len(pids) == 5
+        assert [pid for pid in pids if Path(f"/proc/{pid}").exists()] == []  # gone, and reaped
+        assert zombie_children() == []
+
+
+def test_a_timed_out_command_takes_its_setsid_processes_with_it(registry: ToolRegistry, work: Path) -> None:
+    with killed_afterwards(work / "pids"):
+        command = "setsid sleep 600 & echo $! >> pids; (setsid sleep 600 &); sleep 600"
+        assert "timed out after 1 s" in error(run(registry, work, "run_shell_command", command=command, timeout_s=1))
+        [pid] = [int(pid) for pid in (work / "pids").read_text(encoding="utf-8").split()]
+        assert not Path(f"/proc/{pid}").exists()
+        assert zombie_children() == []
+
+
+# ── through a real worker process ───────────────────────────────────────────────────────────────
+
+
+@pytest.mark.slow
+def test_a_killed_worker_takes_the_processes_of_its_running_commands_with_it(
+    client: ForkClient, parent: dict[str, Any], tmp_path: Path, worker_process: Callable[..., WorkerProcess]
+) -> None:
+    # Given a worker process running a fork's command that started a process in a session of its own
+    command = "setsid sleep 600 & echo $! > pids; sleep 600"
+    steps = [step(call("s1", "run_shell_command", command=command, timeout_s=600))]
+    worker = worker_process(FORKQ_SCRIPT=str(write_script(tmp_path, steps)), FORKQ_HEARTBEAT_FILE=str(tmp_path / "hb"))
+    work = workdir(tmp_path)
+    client.launch(parent_for(parent, work, "yolo"), FORK)
+    with killed_afterwards(work / "pids"):
+        wait_until(
+            lambda: (work / "pids").exists() and (work / "pids").stat().st_size > 0, timeout=30, what="the command"
+        )
+        sleeper = int((work / "pids").read_text(encoding="utf-8"))
+        assert Path(f"/proc/{sleeper}").exists()
+
+        # When the worker is killed outright
+        worker.process.send_signal(signal.SIGKILL)
+        worker.process.wait(timeout=10)
+
+        # Then the command's processes die with it, setsid or not
+        wait_until(
+            lambda: not Path(f"/proc/{sleeper}").exists() or not alive(sleeper), timeout=10, what="the sleeper to end"
+        )

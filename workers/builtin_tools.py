@@ -1,4 +1,4 @@
-"""The built-in tools of a coding fork: read, list, glob and grep files, write and edit them, run shell commands.
+"""The built-in tools of a coding fork: read, list, glob and grep files, write and edit them (shell: `workers.shell`).
 
 Every path argument resolves against the fork's working directory and is refused when it escapes it
 (`..`, an absolute path elsewhere, a symlink pointing out). Every result is bounded: the model's
@@ -10,24 +10,13 @@ again on revival. `edit` is not: once applied, a second run no longer finds `old
 `new_string` contains it, replaces again). `run_shell_command` is mutating and not idempotent: a
 command can do anything. `write_file` and `edit` are the file-edit tools that the `auto-edit`
 approval mode approves; a shell command is not an edit.
-
-The shell is not a sandbox: a command starts in the working directory but may `cd` anywhere. What
-this module guarantees is that nothing a command starts outlives the call (its process group is
-killed when it ends, times out or the fork is cancelled) and that the worker's own credentials are
-not in its environment.
 """
 
 from __future__ import annotations
 
-import contextlib
 import fnmatch
 import os
 import re
-import select
-import shutil
-import signal
-import subprocess
-import time
 from collections.abc import Callable, Iterator, Mapping
 from itertools import islice
 from pathlib import Path, PurePosixPath
@@ -47,18 +36,6 @@ GREP_MAX_FILE_BYTES = 16 * 1024 * 1024  # larger files are data, not source: ski
 BINARY_SNIFF_BYTES = 8192  # a NUL byte in the first 8 KiB marks a file as binary
 MAX_BRACE_ALTERNATIVES = 64
 SKIPPED_DIRS = frozenset({".git", ".hg", ".svn"})  # version-control internals: noise for glob and grep
-
-SHELL_DEFAULT_TIMEOUT_S = 120
-SHELL_MAX_TIMEOUT_S = 600
-SHELL_OUTPUT_CAP = 64 * 1024  # bytes of combined stdout/stderr kept: the first and the last half
-SHELL_POLL_S = 0.05  # how often the command's exit is checked while its output is read
-SHELL_CANCEL_POLL_S = 0.1  # how often ctx.cancelled is asked (it may be a Redis round trip)
-SHELL_DRAIN_S = 1.0  # after the group is killed: how long to wait for the pipe's end of file
-READ_CHUNK = 64 * 1024
-# a command the model writes gets only these of the worker's variables: never its credentials (API
-# keys, FORKQ_* URLs with passwords, REDIS_PASSWORD from a Secret, anything a deployer adds)
-CHILD_ENV_NAMES = frozenset({"PATH", "HOME", "LANG", "LANGUAGE", "TZ", "TERM", "USER", "LOGNAME", "SHELL", "TMPDIR"})
-CHILD_ENV_PREFIXES = ("LC_",)
 
 # ── paths ──────────────────────────────────────────────────────────────────────────────────────
 
@@ -353,150 +330,3 @@ def edit(args: Mapping[str, Any], ctx: ToolContext) -> str:
     at = starts[0]
     target.write_bytes((text[:at] + new + text[at + len(old) :]).encode("utf-8"))
     return f"edited {_rel(_root(ctx), target)}: replaced 1 occurrence at line {_line_of(text, at)}"
-
-
-# ── shell ──────────────────────────────────────────────────────────────────────────────────────
-
-
-class CappedOutput:
-    """The head and tail of a byte stream, at most `cap` bytes in all; the middle is counted, not kept."""
-
-    def __init__(self, cap: int) -> None:
-        self.head_cap = cap // 2
-        self.tail_cap = cap - self.head_cap
-        self.head = bytearray()
-        self.tail = bytearray()
-        self.omitted = 0
-
-    def add(self, chunk: bytes) -> None:
-        """Keep `chunk` while the head has room, then as the newest part of the tail."""
-        room = self.head_cap - len(self.head)
-        if room > 0:
-            self.head += chunk[:room]
-            chunk = chunk[room:]
-        self.tail += chunk
-        excess = len(self.tail) - self.tail_cap
-        if excess > 0:
-            del self.tail[:excess]
-            self.omitted += excess
-
-    def text(self) -> str:
-        """The kept output, with a marker where bytes were dropped."""
-        head, tail = self.head.decode("utf-8", "replace"), self.tail.decode("utf-8", "replace")
-        if not self.omitted:
-            return (self.head + self.tail).decode("utf-8", "replace")
-        return f"{head}\n[... output truncated: {self.omitted} bytes omitted ...]\n{tail}"
-
-
-def _child_env() -> dict[str, str]:
-    return {
-        name: value
-        for name, value in os.environ.items()
-        if name in CHILD_ENV_NAMES or name.startswith(CHILD_ENV_PREFIXES)
-    }
-
-
-def _spawn(command: str, cwd: Path) -> subprocess.Popen[bytes]:
-    shell = shutil.which("bash") or "/bin/sh"
-    try:
-        # a session of its own: the timeout and cancellation kill the whole group, background jobs included
-        return subprocess.Popen(
-            [shell, "-c", command],
-            cwd=cwd,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env=_child_env(),
-        )
-    except OSError as exc:
-        raise ToolError(f"cannot start the shell {shell!r}: {exc}") from exc
-
-
-def _exited(pid: int) -> bool:
-    """Whether the shell has exited, without reaping it: its pid (and so its group id) stays reserved."""
-    try:
-        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
-    except ChildProcessError:
-        return True
-
-
-def _read_until(fd: int, output: CappedOutput, seconds: float) -> bool:
-    """Read what `fd` yields for up to `seconds`; True once it reaches end of file."""
-    poller = select.poll()  # not select.select: a busy worker's fds can pass FD_SETSIZE
-    poller.register(fd, select.POLLIN)
-    end = time.monotonic() + seconds
-    while (left := end - time.monotonic()) > 0:
-        if poller.poll(left * 1000):
-            chunk = os.read(fd, READ_CHUNK)
-            if not chunk:
-                return True
-            output.add(chunk)
-    return False
-
-
-def _pump(proc: subprocess.Popen[bytes], fd: int, output: CappedOutput, timeout_s: float, ctx: ToolContext) -> str:
-    """Collect output until the shell exits (`exit`), the timeout passes (`timeout`) or the fork is `cancelled`."""
-    deadline = time.monotonic() + timeout_s
-    next_cancel_check = 0.0
-    eof = False
-    while True:
-        if eof:
-            time.sleep(SHELL_POLL_S)
-        else:
-            eof = _read_until(fd, output, SHELL_POLL_S)
-        if _exited(proc.pid):
-            return "exit"
-        now = time.monotonic()
-        if now >= next_cancel_check:
-            if ctx.cancelled():
-                return "cancelled"
-            next_cancel_check = now + SHELL_CANCEL_POLL_S
-        if now >= deadline:
-            return "timeout"
-
-
-def _stop(proc: subprocess.Popen[bytes], fd: int, output: CappedOutput) -> None:
-    """Kill what is left of the command's process group, take its last output, reap the shell."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):  # the group is already gone
-        os.killpg(proc.pid, signal.SIGKILL)
-    # a process that left the group (setsid) may hold the pipe open: wait for it a little, not forever
-    _read_until(fd, output, SHELL_DRAIN_S)
-    proc.wait()
-
-
-def _exit_status(returncode: int) -> str:
-    if returncode < 0:
-        return f"[killed by signal {signal.Signals(-returncode).name}]"
-    return f"[exit code: {returncode}]"
-
-
-def run_shell_command(args: Mapping[str, Any], ctx: ToolContext) -> str:
-    """Run `command` with bash in the working directory; its output (capped) and exit code, never raised."""
-    command = str(args["command"])
-    timeout_s = float(args.get("timeout_s", SHELL_DEFAULT_TIMEOUT_S))
-    root = _root(ctx)
-    if ctx.cancelled():
-        raise ToolError("the fork was cancelled; the command was not run")
-    proc = _spawn(command, root)
-    stdout = proc.stdout
-    if stdout is None:  # pragma: no cover - stdout=PIPE always gives a pipe
-        raise ToolError("the shell's output pipe is missing")
-    output = CappedOutput(SHELL_OUTPUT_CAP)
-    try:
-        ending = _pump(proc, stdout.fileno(), output, timeout_s, ctx)
-    finally:
-        _stop(proc, stdout.fileno(), output)
-        stdout.close()
-    text = output.text() or "(no output)"
-    if ending == "cancelled":
-        raise ToolError(
-            f"the fork was cancelled; the command was stopped (process group killed). Output so far:\n{text}"
-        )
-    if ending == "timeout":
-        raise ToolError(
-            f"the command timed out after {timeout_s:g} s and was stopped (process group killed); give a larger "
-            f"timeout_s (at most {SHELL_MAX_TIMEOUT_S}) or a quicker command. Output so far:\n{text}"
-        )
-    separator = "" if text.endswith("\n") else "\n"
-    return f"{text}{separator}{_exit_status(proc.returncode)}"

@@ -14,7 +14,8 @@ call) costs its call an error response at the deadline, or at once when the fork
 and never the worker slot: the caller goes on, and the handler's thread is left to end by itself.
 
 The built-in coding tools are declared at the end of this module and implemented in
-`workers.builtin_tools`; deployers add their own through the `forkq.tools` entry point group.
+`workers.builtin_tools` and `workers.shell`; deployers add their own through the `forkq.tools`
+entry point group.
 """
 
 from __future__ import annotations
@@ -375,6 +376,7 @@ def _file_tools() -> list[Tool]:
 
 def _search_and_shell_tools() -> list[Tool]:
     from workers import builtin_tools as impl  # noqa: PLC0415
+    from workers import shell  # noqa: PLC0415
 
     return [
         Tool(
@@ -403,7 +405,7 @@ def _search_and_shell_tools() -> list[Tool]:
         Tool(
             "run_shell_command",
             "Run a command with bash in the working directory; returns combined stdout and stderr (the middle "
-            f"is cut past {impl.SHELL_OUTPUT_CAP // 1024} KiB) and the exit code. Background processes are "
+            f"is cut past {shell.SHELL_OUTPUT_CAP // 1024} KiB) and the exit code. Background processes are "
             "stopped when the command ends.",
             _schema(
                 {
@@ -411,15 +413,15 @@ def _search_and_shell_tools() -> list[Tool]:
                     "timeout_s": {
                         "type": "number",
                         "minimum": 1,
-                        "maximum": impl.SHELL_MAX_TIMEOUT_S,
-                        "description": f"Seconds before it is killed (default {impl.SHELL_DEFAULT_TIMEOUT_S}).",
+                        "maximum": shell.SHELL_MAX_TIMEOUT_S,
+                        "description": f"Seconds before it is killed (default {shell.SHELL_DEFAULT_TIMEOUT_S}).",
                     },
                 },
                 "command",
             ),
-            impl.run_shell_command,
+            shell.run_shell_command,
             mutating=True,
-            timeout_s=impl.SHELL_MAX_TIMEOUT_S + 10,  # the command's own timeout_s (at most 600 s) governs it
+            timeout_s=shell.SHELL_CALL_LIMIT_S,  # the command's own timeout_s (at most 600 s) governs it
         ),
     ]
 
