@@ -14,8 +14,8 @@ call) costs its call an error response at the deadline, or at once when the fork
 and never the worker slot: the caller goes on, and the handler's thread is left to end by itself.
 
 The built-in coding tools are declared at the end of this module and implemented in
-`workers.builtin_tools` and `workers.shell`; deployers add their own through the `forkq.tools`
-entry point group.
+`workers.builtin_tools`, `workers.search` and `workers.shell`; deployers add their own through the
+`forkq.tools` entry point group.
 """
 
 from __future__ import annotations
@@ -285,6 +285,9 @@ class HandlerCall:
 def resolve_inside(cwd: Path, path: str) -> Path:
     """`path` resolved against `cwd` (symlinks followed); refuses anything outside `cwd`.
 
+    A check of what a path names now, not a way to open it: the file tools open paths beneath the
+    working directory in one step (`workers.beneath`), since a symlink can be swapped in between.
+
     Raises:
         ToolError: the path escapes `cwd` (by `..`, as an absolute path, or through a symlink), or
             cannot be resolved at all.
@@ -314,8 +317,8 @@ PATH_DOC = "Path relative to the working directory (an absolute path must lie in
 
 
 # The declarations below are the contract a model sees; the handlers live in `workers.builtin_tools`
-# (whose docstring explains the flags), imported inside the functions because that module imports
-# Tool, ToolError and resolve_inside from this one.
+# (whose docstring explains the flags), `workers.search` and `workers.shell`, imported inside the
+# functions because those modules import ToolContext, ToolError and resolve_inside from this one.
 
 
 def _file_tools() -> list[Tool]:
@@ -375,22 +378,22 @@ def _file_tools() -> list[Tool]:
 
 
 def _search_and_shell_tools() -> list[Tool]:
-    from workers import builtin_tools as impl  # noqa: PLC0415
-    from workers import shell  # noqa: PLC0415
+    from workers import search, shell  # noqa: PLC0415
 
     return [
         Tool(
             "glob",
             "Find paths matching a glob pattern such as '**/*.py' or 'src/*.{ts,tsx}' under `path`; sorted, "
-            f"relative to the working directory, at most {impl.GLOB_MAX_RESULTS}; .git is skipped.",
+            f"relative to the working directory, at most {search.GLOB_MAX_RESULTS}; .git is skipped.",
             _schema({"pattern": _string("Glob pattern, relative; '**' matches any depth."), "path": _string(PATH_DOC)}),
-            impl.glob,
+            search.glob,
             idempotent=True,
         ),
         Tool(
             "grep_search",
             "Search file contents with a Python regular expression; returns 'path:line:text' lines "
-            f"(at most {impl.GREP_MAX_MATCHES}). Binary files and .git are skipped.",
+            f"(at most {search.GREP_MAX_MATCHES}). Binary files, special files and .git are skipped; a search "
+            f"stops with an error after {search.GREP_TIME_LIMIT_S:g} s.",
             _schema(
                 {
                     "pattern": _string("Python regular expression (re syntax; (?i) for case-insensitive)."),
@@ -399,7 +402,7 @@ def _search_and_shell_tools() -> list[Tool]:
                 },
                 "pattern",
             ),
-            impl.grep_search,
+            search.grep_search,
             idempotent=True,
         ),
         Tool(
