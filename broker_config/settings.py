@@ -70,6 +70,11 @@ class Settings(BaseSettings):
     max_subagent_depth: int = Field(
         3, ge=1, description="Deepest nesting of regular subagents (a top-level session's subagent is depth 1)."
     )
+    tool_timeout_s: float = Field(
+        300.0,
+        gt=0,
+        description="Time limit of one tool call (run_shell_command: its own timeout_s); never past max_wall_s.",
+    )
     schema_retries: int = Field(
         2, ge=0, description="Times a final answer that fails the launch's output schema goes back to the model."
     )

@@ -218,6 +218,49 @@ def mcp_tools() -> ToolRegistry:
     return registry
 
 
+ONLY_READ_FILE = [builtin_tools().tools["read_file"].declaration]
+UNDECLARED = (
+    "Error: tool 'run_shell_command' is not one of this fork's tools (declared: read_file); it was not run. "
+    "Use one of the declared tools, or do without it and say so in your answer."
+)
+
+
+@pytest.mark.parametrize(("mode", "policy"), [("yolo", "deny"), ("default", "park")])
+def test_a_call_to_a_tool_the_parent_never_declared_is_refused_before_approval_or_any_side_effect(
+    tmp_path: Path, mode: str, policy: str
+) -> None:
+    # Given a regular subagent whose parent declared only read_file, on a worker that has every built-in
+    spawner = SpawnRecorder()
+    steps = [
+        step(
+            call("r1", "read_file", path="notes.txt"),
+            call("s1", "run_shell_command", command="touch shell.txt"),
+            call("a1", "Agent", **REGULAR),
+        ),
+        step("done"),
+    ]
+    run = child_loop(
+        tmp_path,
+        steps,
+        kind="spawn",
+        mode=mode,
+        options={"approval_policy": policy},
+        declarations=ONLY_READ_FILE,
+        spawner=spawner,
+    )
+
+    # When it runs (it does not park: an undeclared call never waits for a person)
+    result = run.loop.run()
+
+    # Then only the declared tool ran; the others were refused with the declared list, and nothing started
+    assert result.status is Status.SUCCEEDED and result.output == "done"
+    responses = tool_results(run.entries)
+    assert responses["s1"] == {"error": UNDECLARED}
+    assert responses["a1"]["error"].startswith("Error: tool 'Agent' is not one of this fork's tools")
+    assert ran(run.entries) == started(run.entries) == {"r1"}
+    assert spawner.calls == [] and not (run.work / "shell.txt").exists()
+
+
 def test_an_empty_allowlist_answers_every_call_with_an_error_and_runs_nothing(tmp_path: Path) -> None:
     # Given a fork with fork_tools [] whose launch would park calls that need approval
     run = child_loop(tmp_path, MIXED, mode="default", options={"fork_tools": [], "approval_policy": "park"})
@@ -843,6 +886,29 @@ def test_a_parked_fork_denied_by_a_person_goes_on_and_its_model_reads_the_denial
     types = [e.type for e in client.events(handle.fork_id)]
     assert types.count("started") == 2  # one run before the decision, one after
     assert types.index("awaiting_approval") < types.index("denied") < len(types) - 1
+
+
+@pytest.mark.slow
+def test_a_worker_process_refuses_a_forks_call_to_a_tool_its_parent_never_declared(
+    client: ForkClient,
+    parent: dict[str, Any],
+    tmp_path: Path,
+    worker_process: Callable[..., WorkerProcess],
+) -> None:
+    # Given a parent in yolo that declared only read_file, and a model that calls run_shell_command anyway
+    steps = [step(call("s1", "run_shell_command", command="touch escaped.txt")), step("could not run it")]
+    worker = worker_process(FORKQ_SCRIPT=str(write_script(tmp_path, steps)), FORKQ_HEARTBEAT_FILE=str(tmp_path / "hb"))
+    work = workdir(tmp_path)
+
+    # When a worker process, which has run_shell_command, runs the fork
+    handle = client.launch(parent_for(parent, work, "yolo", tools=ONLY_READ_FILE), FORK)
+    result = handle.wait(timeout=30)
+
+    # Then the call was answered with an error naming the declared tools, and never started or ran
+    assert result.status is Status.SUCCEEDED and result.output == "could not run it", worker.log()
+    entries = journal(client.settings, handle.fork_id)
+    assert tool_results(entries)["s1"] == {"error": UNDECLARED}
+    assert started(entries) == set() and not (work / "escaped.txt").exists()
 
 
 @pytest.mark.slow

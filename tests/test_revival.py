@@ -93,6 +93,9 @@ def tools():
 '''
 
 
+TEST_TOOL_NAMES = ("count_effect", "count_idempotent", "kill_worker")
+
+
 @pytest.fixture(scope="session")
 def testtools_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A directory holding the `forkq_testtools` module and its dist-info with a `forkq.tools` entry point."""
@@ -206,8 +209,11 @@ class Cluster:
         self.keys = Keys(TEST_NAMESPACE)
         self.store = ForkStore(self.redis, self.keys, ttl_s=3600)
         self.leases = Leases(self.redis, self.keys, ttl_ms=10_000, retention_s=3600)
-        # yolo: the parent's mode carries over, so the counted side effects run without approval
-        self.parent = {**json.loads(PARENT_PATH.read_text(encoding="utf-8")), "approval_mode": "yolo"}
+        # yolo: the parent's mode carries over, so the counted side effects run without approval; the
+        # parent declares the test tools, since a fork runs only the tools its parent declared
+        parent = json.loads(PARENT_PATH.read_text(encoding="utf-8"))
+        test_tools = [{"name": name, "parameters": {"type": "object"}} for name in TEST_TOOL_NAMES]
+        self.parent = {**parent, "approval_mode": "yolo", "tools": [*parent["tools"], *test_tools]}
 
     @property
     def env(self) -> dict[str, str]:

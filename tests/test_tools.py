@@ -2,27 +2,56 @@
 
 Every test uses its own `tmp_path` as the fork's working directory (`work/`), with a sibling
 `outside/` directory the tools must never reach. Shell tests run real bash processes and check
-through /proc that the processes a command started are really gone.
+through /proc that the processes a command started are really gone. The tests at the end run forks
+through real Celery workers (in-process, or `forkq worker` processes) on the private Redis: a
+poisonous pattern beside bystander forks, a call stuck on a FIFO, a symlink swapped mid-fork.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
+import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
+from celery.contrib.testing.worker import start_worker
+from celery.signals import task_postrun
+from conftest import TEST_NAMESPACE, WorkerProcess
+from live import wait_until
+from test_capabilities import FORK, call, parent_for, step, tool_results, workdir, write_script
 
-from workers import builtin_tools
+from broker_config.settings import Settings
+from workers import builtin_tools, search, shell
+from workers.app import make_app, runtime_of
+from workers.client import ForkClient
 from workers.errors import ConfigurationError
+from workers.keys import Keys
 from workers.messages import FunctionCall
-from workers.tools import ENTRY_POINT_GROUP, Tool, ToolContext, ToolError, ToolRegistry, load_tools, resolve_inside
+from workers.records import Status
+from workers.runner import WorkerRuntime
+from workers.tools import (
+    ENTRY_POINT_GROUP,
+    TOOL_STOP_GRACE_S,
+    TOOL_WAIT_POLL_S,
+    Tool,
+    ToolContext,
+    ToolError,
+    ToolRegistry,
+    load_tools,
+    resolve_inside,
+)
 from workers.tools import builtin_tools as make_builtin_registry
 
 # ── helpers ────────────────────────────────────────────────────────────────────────────────────
@@ -44,13 +73,12 @@ def registry() -> ToolRegistry:
     return make_builtin_registry()
 
 
-def context(cwd: Path, cancelled: Callable[[], bool] | None = None) -> ToolContext:
-    ctx = ToolContext(fork_id="f-tools", cwd=cwd, call_id="c1", idempotency_key="f-tools:0:c1")
-    if cancelled is None:
-        return ctx
-    return ToolContext(
-        fork_id=ctx.fork_id, cwd=cwd, call_id=ctx.call_id, idempotency_key=ctx.idempotency_key, cancelled=cancelled
-    )
+def context(cwd: Path, cancelled: Callable[[], bool] | None = None, within_s: float | None = None) -> ToolContext:
+    """The context of call c1 of fork f-tools; `within_s`: the fork's wall-clock limit is that far away."""
+    extra: dict[str, Any] = {} if cancelled is None else {"cancelled": cancelled}
+    if within_s is not None:
+        extra["deadline"] = time.monotonic() + within_s
+    return ToolContext(fork_id="f-tools", cwd=cwd, call_id="c1", idempotency_key="f-tools:0:c1", **extra)
 
 
 def run(registry: ToolRegistry, cwd: Path, name: str, **args: Any) -> dict[str, Any]:
@@ -425,7 +453,7 @@ def test_glob_refuses_absolute_and_parent_patterns(registry: ToolRegistry, work:
 
 
 def test_glob_results_are_bounded(registry: ToolRegistry, work: Path) -> None:
-    for n in range(builtin_tools.GLOB_MAX_RESULTS + 3):
+    for n in range(search.GLOB_MAX_RESULTS + 3):
         (work / f"m{n:05}.txt").touch()
     listing = output(run(registry, work, "glob", pattern="*.txt"))
     assert listing.splitlines()[0] == "m00000.txt"
@@ -474,7 +502,7 @@ def test_grep_search_explains_an_invalid_regular_expression(registry: ToolRegist
 def test_grep_search_is_bounded(registry: ToolRegistry, work: Path) -> None:
     (work / "many.txt").write_text("hit " + "z" * 1000 + "\n" * 1 + "hit\n" * 600, encoding="utf-8")
     lines = output(run(registry, work, "grep_search", pattern="hit")).splitlines()
-    assert len(lines) == builtin_tools.GREP_MAX_MATCHES + 1
+    assert len(lines) == search.GREP_MAX_MATCHES + 1
     assert lines[0].endswith("[... line truncated: 504 chars omitted ...]")
     assert lines[-1] == "[... stopped after 500 matches; narrow the pattern, path or include ...]"
 
@@ -563,7 +591,7 @@ def test_a_non_zero_exit_is_reported_with_stderr_not_raised(registry: ToolRegist
 def test_long_output_keeps_head_and_tail_around_a_truncation_marker(registry: ToolRegistry, work: Path) -> None:
     command = "echo START; head -c 200000 /dev/zero | tr '\\0' a; echo; echo END"
     text = output(run(registry, work, "run_shell_command", command=command))
-    cap = builtin_tools.SHELL_OUTPUT_CAP
+    cap = shell.SHELL_OUTPUT_CAP
     total = len("START\n") + 200_000 + len("\nEND\n")
     assert text.startswith("START\naaa")
     assert f"\n[... output truncated: {total - cap} bytes omitted ...]\n" in text
@@ -575,7 +603,7 @@ def test_a_timeout_kills_the_whole_process_group(registry: ToolRegistry, work: P
     started = time.monotonic()
     message = error(run(registry, work, "run_shell_command", command=command, timeout_s=1))
     assert time.monotonic() - started < 10
-    assert "timed out after 1 s" in message and "process group killed" in message
+    assert "timed out after 1 s" in message and "every process it started was killed" in message
     pids = pids_in(message)
     assert len(pids) == 3
     assert all_gone(pids)
@@ -642,3 +670,591 @@ def test_a_missing_working_directory_is_reported(registry: ToolRegistry, tmp_pat
     message = error(run(registry, tmp_path / "gone", "run_shell_command", command="true"))
     assert "working directory" in message and "does not exist" in message
     assert os.path.exists(tmp_path)
+
+
+# ── a deadline for every call, and cancellation (issue 11, item 6) ─────────────────────────────
+
+
+def blocking_tool(release: threading.Event) -> Tool:
+    """A handler blocked where it never looks at its deadline, as a plugin's stuck call may be."""
+
+    def handler(args: Mapping[str, Any], ctx: ToolContext) -> str:
+        release.wait()
+        return "released"
+
+    return Tool("stuck", "Blocks until released.", {"type": "object"}, handler)
+
+
+@pytest.fixture
+def release() -> Iterator[threading.Event]:
+    """Set after the test, so the abandoned handler threads end with it."""
+    event = threading.Event()
+    yield event
+    event.set()
+
+
+STUCK = FunctionCall(id="c1", name="stuck", args={})
+MARGIN_S = 1.5  # scheduling slack on a busy machine
+
+
+def test_a_handler_that_never_returns_is_answered_with_an_error_at_its_time_limit(
+    work: Path, release: threading.Event
+) -> None:
+    registry = ToolRegistry(default_timeout_s=0.5)
+    registry.register(blocking_tool(release))
+    started = time.monotonic()
+    message = error(registry.run(STUCK, context(work)))
+    elapsed = time.monotonic() - started
+    assert "tool 'stuck' did not finish within its time limit of 0.5 s" in message and "abandoned" in message
+    assert 0.5 <= elapsed < 0.5 + TOOL_STOP_GRACE_S + MARGIN_S
+
+
+def test_the_forks_wall_clock_limit_cuts_a_call_its_tool_would_allow_longer(
+    work: Path, release: threading.Event
+) -> None:
+    registry = ToolRegistry(default_timeout_s=600)
+    registry.register(blocking_tool(release))
+    started = time.monotonic()
+    message = error(registry.run(STUCK, context(work, within_s=0.5)))
+    assert "did not finish within its time limit of 0.5 s" in message
+    assert time.monotonic() - started < 0.5 + TOOL_STOP_GRACE_S + MARGIN_S
+    assert "no time left" in error(registry.run(STUCK, context(work, within_s=-1)))
+
+
+def test_a_cancelled_fork_stops_waiting_for_a_stuck_handler(work: Path, release: threading.Event) -> None:
+    registry = ToolRegistry(default_timeout_s=600)
+    registry.register(blocking_tool(release))
+    cancel = threading.Event()
+    timer = threading.Timer(0.3, cancel.set)
+    started = time.monotonic()
+    timer.start()
+    try:
+        message = error(registry.run(STUCK, context(work, cancelled=cancel.is_set)))
+    finally:
+        timer.cancel()
+    assert message == "the fork was cancelled or stopped while tool 'stuck' ran; the call was abandoned"
+    assert time.monotonic() - started < 0.3 + TOOL_WAIT_POLL_S + TOOL_STOP_GRACE_S + MARGIN_S
+
+
+def test_a_handler_that_watches_its_context_stops_at_the_deadline_with_its_own_answer(work: Path) -> None:
+    def patient(args: Mapping[str, Any], ctx: ToolContext) -> str:
+        while not ctx.cancelled():  # turns true once the caller stops waiting
+            time.sleep(0.01)
+        raise ToolError(f"stopped {'past' if ctx.seconds_left() <= 0 else 'before'} the deadline")
+
+    registry = ToolRegistry(default_timeout_s=0.3)
+    registry.register(Tool("patient", "Waits.", {"type": "object"}, patient))
+    assert run(registry, work, "patient") == {"error": "stopped past the deadline"}
+
+
+# ── special files: a FIFO or socket never hangs a call (issue 11, item 6) ───────────────────────
+
+
+def unblock(path: Path) -> None:
+    """Give a reader or writer blocked opening the FIFO its other end, then close it."""
+    for flags in (os.O_WRONLY | os.O_NONBLOCK, os.O_RDONLY | os.O_NONBLOCK):
+        with contextlib.suppress(OSError):
+            os.close(os.open(path, flags))
+
+
+@pytest.fixture
+def fifo(work: Path) -> Iterator[Path]:
+    """A FIFO named `pipe` in the working directory, with no writer."""
+    path = work / "pipe"
+    os.mkfifo(path)
+    yield path
+    unblock(path)
+
+
+def run_bounded(registry: ToolRegistry, work: Path, fifo: Path, name: str, **args: Any) -> dict[str, Any]:
+    """`run`, failing the test (rather than hanging it) if the call is still blocked after 10 s."""
+    box: dict[str, dict[str, Any]] = {}
+    thread = threading.Thread(target=lambda: box.update(result=run(registry, work, name, **args)), daemon=True)
+    thread.start()
+    thread.join(10)
+    if thread.is_alive():
+        unblock(fifo)
+        thread.join(5)
+        pytest.fail(f"{name} was still blocked on the FIFO after 10 s")
+    return box["result"]
+
+
+FILE_CALLS: dict[str, dict[str, Any]] = {
+    "read_file": {"path": "pipe"},
+    "write_file": {"path": "pipe", "content": "x"},
+    "edit": {"path": "pipe", "old_string": "a", "new_string": "b"},
+}
+
+
+@pytest.mark.parametrize("tool", sorted(FILE_CALLS))
+def test_a_fifo_is_refused_at_once_by_the_tools_that_open_files(
+    registry: ToolRegistry, work: Path, fifo: Path, tool: str
+) -> None:
+    started = time.monotonic()
+    message = error(run_bounded(registry, work, fifo, tool, **FILE_CALLS[tool]))
+    assert message == "'pipe' is a FIFO, not a regular file; the file tools read and write regular files only"
+    assert time.monotonic() - started < 2
+
+
+def test_grep_search_skips_fifos_and_sockets_and_searches_the_rest(
+    registry: ToolRegistry, work: Path, fifo: Path
+) -> None:
+    (work / "a.txt").write_text("needle\n", encoding="utf-8")
+    (work / "sub").mkdir()
+    (work / "sub" / "b.txt").write_text("a needle too\n", encoding="utf-8")
+    os.mkfifo(work / "sub" / "pipe2")
+    with contextlib.closing(socket.socket(socket.AF_UNIX)) as sock:
+        sock.bind(str(work / "sock"))
+        started = time.monotonic()
+        found = output(run_bounded(registry, work, fifo, "grep_search", pattern="needle"))
+        assert found.splitlines() == ["a.txt:1:needle", "sub/b.txt:1:a needle too"]
+        assert time.monotonic() - started < 2
+        assert "'sock' is a socket" in error(run(registry, work, "read_file", path="sock"))
+
+
+# ── catastrophic patterns (issue 11, item 5) ───────────────────────────────────────────────────
+
+POISON_LINE = "a" * 28 + "!\n"  # `re` takes minutes on (a|a)+$ over it, holding the GIL all along
+POISON = "(a|a)+$"  # backtracks exponentially in the `regex` module too
+
+
+def longest_gap_while(action: Callable[[], dict[str, Any]]) -> tuple[dict[str, Any], float]:
+    """`action()`'s result, and the longest a thread waking every 10 ms (a heartbeat) waited meanwhile."""
+    gaps: list[float] = []
+    stop = threading.Event()
+
+    def tick() -> None:
+        last = time.monotonic()
+        while not stop.wait(0.01):
+            now = time.monotonic()
+            gaps.append(now - last)
+            last = now
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    try:
+        result = action()
+    finally:
+        stop.set()
+        ticker.join()
+    return result, max(gaps, default=0.0)
+
+
+def test_a_catastrophic_pattern_is_stopped_at_its_time_limit_without_stalling_other_threads(
+    registry: ToolRegistry, work: Path
+) -> None:
+    (work / "poison.txt").write_text(POISON_LINE, encoding="utf-8")
+    call = FunctionCall(id="c1", name="grep_search", args={"pattern": POISON})
+    started = time.monotonic()
+    result, gap = longest_gap_while(lambda: registry.run(call, context(work, within_s=1.0)))
+    message = error(result)
+    assert message.startswith("grep_search stopped after 1 s, its time limit, in 'poison.txt'")
+    assert "Simplify the pattern" in message and "'(a|a)+$'" in message
+    assert time.monotonic() - started < 1 + MARGIN_S
+    assert gap < 0.5  # the GIL stayed free: the worker's heartbeat thread would have run on time
+
+
+def test_the_pattern_of_the_field_report_now_finishes_at_once(registry: ToolRegistry, work: Path) -> None:
+    (work / "poison.txt").write_text(POISON_LINE, encoding="utf-8")
+    started = time.monotonic()
+    result, gap = longest_gap_while(lambda: run(registry, work, "grep_search", pattern="(a+)+$"))
+    assert output(result) == "no matches for '(a+)+$' under '.'"
+    assert time.monotonic() - started < 2 and gap < 0.5
+
+
+def test_grep_search_refuses_an_overlong_pattern(registry: ToolRegistry, work: Path) -> None:
+    assert "is too long (at most 2000)" in error(run(registry, work, "grep_search", pattern="a" * 2001))
+
+
+# ── nothing a command starts outlives it (issue 11, item 9) ────────────────────────────────────
+
+LEFTOVERS = (
+    "setsid sleep 600 & echo $! >> pids; "
+    "nohup sleep 600 > /dev/null 2>&1 & echo $! >> pids; "
+    "(sleep 600 & echo $! >> pids); "  # the subshell exits at once: its child is an orphan
+    "(setsid sh -c 'sleep 600 & echo $! >> pids' &); "  # a daemon's double fork into a new session
+    "env -i /bin/sh -c 'setsid sleep 600 & echo $! >> pids'; "  # ... and with an empty environment
+    "while [ $(wc -l < pids) -lt 5 ]; do sleep 0.05; done; echo started"
+)
+
+
+def zombie_children() -> list[int]:
+    """Children of this process that exited and were never reaped."""
+    found = []
+    for entry in os.listdir("/proc"):
+        with contextlib.suppress(OSError, IndexError):
+            if entry.isdigit():
+                fields = Path(f"/proc/{entry}/stat").read_text(encoding="utf-8").rsplit(")", 1)[1].split()
+                if fields[0] == "Z" and int(fields[1]) == os.getpid():
+                    found.append(int(entry))
+    return found
+
+
+@contextlib.contextmanager
+def killed_afterwards(pids_file: Path) -> Iterator[None]:
+    """Kill whatever the pids file names once the test is over (a failing run must not leave sleepers)."""
+    try:
+        yield
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            for pid in pids_file.read_text(encoding="utf-8").split():
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(int(pid), signal.SIGKILL)
+
+
+def test_no_process_a_command_starts_outlives_it_setsid_nohup_or_double_forked(
+    registry: ToolRegistry, work: Path
+) -> None:
+    with killed_afterwards(work / "pids"):
+        text = output(run(registry, work, "run_shell_command", command=LEFTOVERS, timeout_s=60))
+        pids = [int(pid) for pid in (work / "pids").read_text(encoding="utf-8").split()]
+        assert text == "started\n[exit code: 0]"
+        assert len(pids) == 5
+        assert [pid for pid in pids if Path(f"/proc/{pid}").exists()] == []  # gone, and reaped
+        assert zombie_children() == []
+
+
+def test_a_timed_out_command_takes_its_setsid_processes_with_it(registry: ToolRegistry, work: Path) -> None:
+    with killed_afterwards(work / "pids"):
+        command = "setsid sleep 600 & echo $! >> pids; (setsid sleep 600 &); sleep 600"
+        assert "timed out after 1 s" in error(run(registry, work, "run_shell_command", command=command, timeout_s=1))
+        [pid] = [int(pid) for pid in (work / "pids").read_text(encoding="utf-8").split()]
+        assert not Path(f"/proc/{pid}").exists()
+        assert zombie_children() == []
+
+
+# ── symlink races: resolve and open in one step (issue 11, item 8) ─────────────────────────────
+
+# swaps work/dir (a real directory) and work/swap (a symlink to outside/) atomically, as fast as it can,
+# in a process of its own (truly in parallel with the tools), until SIGTERM; it ends with dir real again
+SWAPPER = """
+import ctypes, os, signal, sys
+libc = ctypes.CDLL(None, use_errno=True)
+os.chdir(sys.argv[1])
+stop = []
+signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+swaps = 0
+open("swapping", "w").close()
+while not stop or swaps % 2:
+    if libc.renameat2(-100, b"dir", -100, b"swap", 2) != 0:
+        sys.exit(os.strerror(ctypes.get_errno()))
+    swaps += 1
+print(swaps)
+"""
+
+
+@contextlib.contextmanager
+def swapping(work: Path) -> Iterator[list[int]]:
+    """work/dir swapped with a symlink to outside/ meanwhile; yields a list that gets the number of swaps."""
+    (work / "swap").symlink_to(work.parent / "outside", target_is_directory=True)
+    proc = subprocess.Popen([sys.executable, "-c", SWAPPER, str(work)], stdout=subprocess.PIPE)
+    counted: list[int] = []
+    try:
+        wait_until((work / "swapping").exists, what="the swapper to start")
+        yield counted
+    finally:
+        proc.terminate()
+        out, _ = proc.communicate(timeout=10)
+        counted.append(int(out or 0))
+    assert proc.returncode == 0 and (work / "dir").is_dir() and not (work / "dir").is_symlink()
+
+
+RACE_ATTEMPTS = 3000
+
+
+def racing_calls(index: int) -> tuple[str, dict[str, Any]]:
+    """Attempt `index`: a write, a write that makes a parent directory, or a read, all below work/dir."""
+    kind = index % 3
+    if kind == 0:
+        return "write_file", {"path": f"dir/w{index}.txt", "content": "escaped?"}
+    if kind == 1:
+        return "write_file", {"path": f"dir/made{index}/w.txt", "content": "escaped?"}
+    return "read_file", {"path": "dir/secret.txt"}
+
+
+@pytest.mark.parametrize("implementation", ["openat2", "walk"])
+def test_no_write_or_read_escapes_while_a_directory_is_swapped_for_a_symlink_out(
+    work: Path, monkeypatch: pytest.MonkeyPatch, implementation: str
+) -> None:
+    # Given a directory inside, with a file named like the secret outside, swapped with a symlink out
+    if implementation == "walk":
+        monkeypatch.setattr("workers.beneath.use_openat2", False)
+    outside = work.parent / "outside"
+    (work / "dir").mkdir()
+    (work / "dir" / "secret.txt").write_text("inside\n", encoding="utf-8")
+    before = sorted(os.listdir(outside))
+    registry = make_builtin_registry()
+    attempts = iter(range(RACE_ATTEMPTS))
+    outcomes: list[str] = []
+    lock = threading.Lock()
+
+    def attempt() -> None:
+        while True:
+            with lock:
+                index = next(attempts, None)
+            if index is None:
+                return
+            name, args = racing_calls(index)
+            response = run(registry, work, name, **args)
+            text = str(response.get("output") or response.get("error"))
+            with lock:
+                outcomes.append("leak" if "the key is 42" in text else "ok" if "output" in response else "refused")
+
+    # When 4 threads make 3000 calls meanwhile
+    with swapping(work) as swaps:
+        threads = [threading.Thread(target=attempt) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+
+    # Then nothing appeared outside and nothing was read from there, while calls did land inside
+    assert sorted(os.listdir(outside)) == before
+    assert outcomes.count("leak") == 0
+    assert len(outcomes) == RACE_ATTEMPTS and outcomes.count("ok") > 0
+    assert swaps[0] > 100  # the race was on
+
+
+# ── through real workers: the fork's view of all this ──────────────────────────────────────────
+
+
+def fifo_read(args: Mapping[str, Any], ctx: ToolContext) -> str:
+    """A plugin reading a file the naive way: open() of a FIFO without a writer blocks in the kernel."""
+    with open(ctx.cwd / str(args["path"]), encoding="utf-8") as stream:
+        return stream.read()
+
+
+FIFO_READ = Tool(
+    "fifo_read",
+    "Reads a file.",
+    {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]},
+    fifo_read,
+)
+
+
+@pytest.fixture
+def live(make_settings: Callable[..., Settings], tmp_path: Path) -> Iterator[Callable[..., ForkClient]]:
+    """An in-process worker (threads pool) on a script, with extra tools; returns a client of its app."""
+    with contextlib.ExitStack() as stack:
+
+        def start(
+            steps: list[dict[str, Any]], tools: tuple[Tool, ...] = (), concurrency: int = 4, **overrides: Any
+        ) -> ForkClient:
+            settings = make_settings(script=write_script(tmp_path, steps), **overrides)
+            app = make_app(settings)
+            stack.callback(app.close)
+            registry = load_tools(default_timeout_s=settings.tool_timeout_s)
+            for tool in tools:
+                registry.register(tool)
+            runtime_of(app).tools = registry  # a cached property: the instance attribute replaces it
+            client = stack.enter_context(ForkClient(settings, app=app))
+            stack.enter_context(
+                start_worker(
+                    app,
+                    pool="threads",
+                    concurrency=concurrency,
+                    perform_ping_check=False,
+                    loglevel="WARNING",
+                    shutdown_timeout=30,
+                )
+            )
+            return client
+
+        yield start
+
+
+@pytest.fixture
+def finished() -> Iterator[dict[str, Any]]:
+    """Return values of the deliveries in-process workers finish during the test, by task id."""
+    seen: dict[str, Any] = {}
+    lock = threading.Lock()
+
+    def record(task_id: str, retval: Any = None, **_: Any) -> None:
+        with lock:
+            seen[task_id] = retval
+
+    task_postrun.connect(record, weak=False)
+    yield seen
+    task_postrun.disconnect(record)
+
+
+def with_tools(parent: dict[str, Any], work: Path, *tools: Tool, mode: str = "yolo") -> dict[str, Any]:
+    """The parent snapshot for `work`, declaring `tools` besides its own."""
+    declared = [*parent["tools"], *(tool.declaration for tool in tools)]
+    return parent_for(parent, work, mode, tools=declared)
+
+
+def journal_of(settings: Settings, fork_id: str) -> list[Any]:
+    return WorkerRuntime(settings).leases.journal(fork_id)
+
+
+def test_a_call_stuck_on_a_fifo_is_answered_at_its_time_limit_and_the_fork_goes_on(
+    live: Callable[..., ForkClient], parent: dict[str, Any], tmp_path: Path
+) -> None:
+    # Given a worker whose tool calls have 1 s, and a fork that reads a FIFO with a plugin, read_file and grep
+    work = workdir(tmp_path)
+    os.mkfifo(work / "pipe")
+    steps = [
+        step(
+            call("p1", "fifo_read", path="pipe"),
+            call("r1", "read_file", path="pipe"),
+            call("g1", "grep_search", pattern="limiter"),
+        ),
+        step("done"),
+    ]
+    client = live(steps, tools=(FIFO_READ,), tool_timeout_s=1.0)
+
+    # When the fork runs
+    handle = client.launch(with_tools(parent, work, FIFO_READ), FORK)
+    try:
+        result = handle.wait(timeout=30)
+    finally:
+        unblock(work / "pipe")
+
+    # Then the stuck call got an error at its limit, read_file refused the FIFO, grep skipped it: the fork went on
+    assert result.status is Status.SUCCEEDED and result.output == "done", result.error
+    responses = tool_results(journal_of(client.settings, handle.fork_id))
+    assert "tool 'fifo_read' did not finish within its time limit of 1 s" in responses["p1"]["error"]
+    assert responses["r1"]["error"].startswith("'pipe' is a FIFO, not a regular file")
+    assert responses["g1"] == {"output": "notes.txt:1:the limiter uses INCR then EXPIRE"}
+
+
+def test_the_wall_clock_limit_ends_a_fork_stuck_in_a_tool_call(
+    live: Callable[..., ForkClient], parent: dict[str, Any], tmp_path: Path
+) -> None:
+    work = workdir(tmp_path)
+    os.mkfifo(work / "pipe")
+    client = live([step(call("p1", "fifo_read", path="pipe")), step("never")], tools=(FIFO_READ,))
+    started = time.monotonic()
+    handle = client.launch(with_tools(parent, work, FIFO_READ), FORK, max_wall_s=1.5)
+    try:
+        result = handle.wait(timeout=30)
+    finally:
+        unblock(work / "pipe")
+    assert result.status is Status.FAILED and (result.error or "").startswith("wall_clock:")
+    assert time.monotonic() - started < 1.5 + TOOL_STOP_GRACE_S + 5  # launch and worker pickup included
+
+
+def test_cancelling_a_fork_stuck_on_a_fifo_frees_its_worker_slot_within_one_heartbeat(
+    live: Callable[..., ForkClient], parent: dict[str, Any], tmp_path: Path, finished: dict[str, Any]
+) -> None:
+    # Given a one-slot worker with a 1 s heartbeat, whose fork is stuck opening a FIFO
+    work = workdir(tmp_path)
+    os.mkfifo(work / "pipe")
+    steps = [step(call("p1", "fifo_read", path="pipe")), step("done")]
+    client = live(steps, tools=(FIFO_READ,), concurrency=1, heartbeat_s=1.0, lease_ttl_s=3.0)
+    stuck = client.launch(with_tools(parent, work, FIFO_READ), FORK)
+    try:
+        wait_until(
+            lambda: any(e.kind == "tool_started" for e in journal_of(client.settings, stuck.fork_id)),
+            what="the call to start",
+        )
+
+        # When it is cancelled
+        began = time.monotonic()
+        assert stuck.cancel() is Status.CANCELLED
+        wait_until(lambda: f"{stuck.fork_id}.1" in finished, timeout=15, what="the delivery to end")
+        freed_after = time.monotonic() - began
+    finally:
+        unblock(work / "pipe")
+
+    # Then the delivery ended within a heartbeat (the stuck handler is not waited for), and the slot runs the next fork
+    assert finished[f"{stuck.fork_id}.1"] == "cancelled"
+    assert freed_after < 1.0 + TOOL_WAIT_POLL_S + MARGIN_S
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "pipe").write_text("a plain file\n", encoding="utf-8")
+    after = client.launch(with_tools(parent, other, FIFO_READ), FORK).wait(timeout=20)
+    assert after.status is Status.SUCCEEDED and after.output == "done"
+
+
+def test_a_fork_writing_while_its_directory_is_swapped_for_a_symlink_writes_nothing_outside(
+    live: Callable[..., ForkClient], parent: dict[str, Any], tmp_path: Path
+) -> None:
+    # Given a fork whose one step writes 150 files below work/dir, while work/dir is swapped with a link out
+    work = workdir(tmp_path)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (work / "dir").mkdir()
+    writes = [call(f"w{i}", "write_file", path=f"dir/f{i}.txt", content="escaped?") for i in range(150)]
+    client = live([step(*writes), step("done")])
+
+    # When it runs meanwhile
+    with swapping(work) as swaps:
+        result = client.launch(parent_for(parent, work, "yolo"), FORK).wait(timeout=60)
+
+    # Then it finished and not one file escaped, while writes landed inside and the swapper kept swapping
+    assert result.status is Status.SUCCEEDED, result.error
+    assert os.listdir(outside) == []
+    assert len(os.listdir(work / "dir")) > 0 and swaps[0] > 100
+
+
+@pytest.mark.slow
+def test_a_catastrophic_pattern_in_one_fork_costs_the_forks_beside_it_nothing(
+    client: ForkClient,
+    parent: dict[str, Any],
+    tmp_path: Path,
+    worker_process: Callable[..., WorkerProcess],
+    redis_client: redis.Redis,
+) -> None:
+    # Given a worker process with a 2 s lease TTL, and four forks greping (a|a)+$, one of them over a poisoned line
+    steps = [
+        step(call("g1", "grep_search", pattern=POISON)),
+        *(step(call(f"l{i}", "list_directory"), delay_s=1.0) for i in range(5)),
+        step("done"),
+    ]
+    env = {
+        "FORKQ_SCRIPT": str(write_script(tmp_path, steps)),
+        "FORKQ_HEARTBEAT_FILE": str(tmp_path / "hb"),
+        "FORKQ_HEARTBEAT_S": "0.5",
+        "FORKQ_LEASE_TTL_S": "2",
+        "FORKQ_TOOL_TIMEOUT_S": "4",
+    }
+    worker = worker_process(concurrency=4, **env)
+    for name in ("poisoned", "b0", "b1", "b2"):
+        (tmp_path / name).mkdir()
+    poisoned = workdir(tmp_path / "poisoned")
+    (poisoned / "poison.txt").write_text(POISON_LINE, encoding="utf-8")
+    poison = client.launch(parent_for(parent, poisoned, "yolo"), FORK)
+    bystanders = [client.launch(parent_for(parent, workdir(tmp_path / f"b{i}"), "yolo"), FORK) for i in range(3)]
+
+    # When they run side by side
+    results = [handle.wait(timeout=45) for handle in bystanders]
+
+    # Then every bystander succeeded on its first attempt, never losing its lease
+    for handle, result in zip(bystanders, results, strict=True):
+        assert result.status is Status.SUCCEEDED, (result.error, worker.log())
+        assert [e.data["attempt"] for e in client.events(handle.fork_id) if e.type == "started"] == [1]
+        assert redis_client.hget(Keys(TEST_NAMESPACE).state(handle.fork_id), "lost") is None
+    assert "lease lost" not in worker.log()
+    # and the poisoned call got an error naming the time limit, after which that fork went on too
+    assert poison.wait(timeout=30).status is Status.SUCCEEDED
+    message = tool_results(journal_of(client.settings, poison.fork_id))["g1"]["error"]
+    assert message.startswith("grep_search stopped after 4 s, its time limit")
+
+
+@pytest.mark.slow
+def test_a_killed_worker_takes_the_processes_of_its_running_commands_with_it(
+    client: ForkClient, parent: dict[str, Any], tmp_path: Path, worker_process: Callable[..., WorkerProcess]
+) -> None:
+    # Given a worker process running a fork's command that started a process in a session of its own
+    command = "setsid sleep 600 & echo $! > pids; sleep 600"
+    steps = [step(call("s1", "run_shell_command", command=command, timeout_s=600))]
+    worker = worker_process(FORKQ_SCRIPT=str(write_script(tmp_path, steps)), FORKQ_HEARTBEAT_FILE=str(tmp_path / "hb"))
+    work = workdir(tmp_path)
+    client.launch(parent_for(parent, work, "yolo"), FORK)
+    with killed_afterwards(work / "pids"):
+        wait_until(
+            lambda: (work / "pids").exists() and (work / "pids").stat().st_size > 0, timeout=30, what="the command"
+        )
+        sleeper = int((work / "pids").read_text(encoding="utf-8"))
+        assert Path(f"/proc/{sleeper}").exists()
+
+        # When the worker is killed outright
+        worker.process.send_signal(signal.SIGKILL)
+        worker.process.wait(timeout=10)
+
+        # Then the command's processes die with it, setsid or not
+        wait_until(
+            lambda: not Path(f"/proc/{sleeper}").exists() or not alive(sleeper), timeout=10, what="the sleeper to end"
+        )

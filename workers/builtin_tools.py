@@ -1,8 +1,12 @@
-"""The built-in tools of a coding fork: read, list, glob and grep files, write and edit them, run shell commands.
+"""The built-in file tools of a coding fork: read, list, write and edit files (search and shell: their own modules).
 
 Every path argument resolves against the fork's working directory and is refused when it escapes it
-(`..`, an absolute path elsewhere, a symlink pointing out). Every result is bounded: the model's
-context is the scarce resource, and each result is journaled in Redis.
+(`..`, an absolute path elsewhere, a symlink pointing out). Resolving and opening are one step
+(`workers.beneath`): a tool reads or writes the very file it resolved, even while a symlink is
+swapped in meanwhile, and creates missing parent directories one at a time from the descriptor of
+the one above. Only regular files are read or written: a FIFO, socket or device is refused after
+a non-blocking open (never stat-then-open), so no call can hang on one. Every result is bounded:
+the model's context is the scarce resource, and each result is journaled in Redis.
 
 Flags. The read-only tools are idempotent. `write_file` is idempotent too: writing the same content
 twice leaves the file as writing it once, so a write interrupted by a worker's death is simply run
@@ -10,100 +14,148 @@ again on revival. `edit` is not: once applied, a second run no longer finds `old
 `new_string` contains it, replaces again). `run_shell_command` is mutating and not idempotent: a
 command can do anything. `write_file` and `edit` are the file-edit tools that the `auto-edit`
 approval mode approves; a shell command is not an edit.
-
-The shell is not a sandbox: a command starts in the working directory but may `cd` anywhere. What
-this module guarantees is that nothing a command starts outlives the call (its process group is
-killed when it ends, times out or the fork is cancelled) and that the worker's own credentials are
-not in its environment.
 """
 
 from __future__ import annotations
 
-import contextlib
-import fnmatch
+import errno
+import io
 import os
-import re
-import select
-import shutil
-import signal
-import subprocess
-import time
-from collections.abc import Callable, Iterator, Mapping
-from itertools import islice
-from pathlib import Path, PurePosixPath
+import stat
+from collections.abc import Mapping
+from pathlib import Path
 from typing import IO, Any
 
+from workers.beneath import ANY, DIRECTORY, RootDir
 from workers.tools import ToolContext, ToolError, resolve_inside
 
 READ_MAX_LINES = 2000  # read_file's default and largest `limit`
 READ_MAX_CHARS = 256 * 1024  # a read stops at this many characters even before `limit` lines
 LINE_MAX_CHARS = 2000  # a longer line (minified code, data) is clipped
 LIST_MAX_ENTRIES = 1000
-GLOB_MAX_RESULTS = 1000
-GLOB_MAX_SCANNED = 50_000  # matches collected before sorting; past this the walk stops
-GREP_MAX_MATCHES = 500
-GREP_LINE_MAX_CHARS = 500
-GREP_MAX_FILE_BYTES = 16 * 1024 * 1024  # larger files are data, not source: skipped
 BINARY_SNIFF_BYTES = 8192  # a NUL byte in the first 8 KiB marks a file as binary
-MAX_BRACE_ALTERNATIVES = 64
-SKIPPED_DIRS = frozenset({".git", ".hg", ".svn"})  # version-control internals: noise for glob and grep
-
-SHELL_DEFAULT_TIMEOUT_S = 120
-SHELL_MAX_TIMEOUT_S = 600
-SHELL_OUTPUT_CAP = 64 * 1024  # bytes of combined stdout/stderr kept: the first and the last half
-SHELL_POLL_S = 0.05  # how often the command's exit is checked while its output is read
-SHELL_CANCEL_POLL_S = 0.1  # how often ctx.cancelled is asked (it may be a Redis round trip)
-SHELL_DRAIN_S = 1.0  # after the group is killed: how long to wait for the pipe's end of file
-READ_CHUNK = 64 * 1024
-# a command the model writes gets only these of the worker's variables: never its credentials (API
-# keys, FORKQ_* URLs with passwords, REDIS_PASSWORD from a Secret, anything a deployer adds)
-CHILD_ENV_NAMES = frozenset({"PATH", "HOME", "LANG", "LANGUAGE", "TZ", "TERM", "USER", "LOGNAME", "SHELL", "TMPDIR"})
-CHILD_ENV_PREFIXES = ("LC_",)
+NOT_A_FILE = "is a directory, not a file; use list_directory to see what it holds"
 
 # ── paths ──────────────────────────────────────────────────────────────────────────────────────
 
 
-def _root(ctx: ToolContext) -> Path:
-    root = ctx.cwd.resolve()
-    if not root.is_dir():
-        raise ToolError(f"the fork's working directory {str(root)!r} does not exist or is not a directory")
-    return root
-
-
-def _rel(root: Path, path: Path) -> str:
-    return path.relative_to(root).as_posix()
-
-
-def _inside(root: Path, path: Path) -> bool:
+def root_of(ctx: ToolContext) -> RootDir:
+    """The fork's working directory, held open (close it, or use it as a context manager)."""
     try:
-        resolved = path.resolve()
-    except (OSError, RuntimeError):
-        return False
-    return resolved == root or root in resolved.parents
+        return RootDir.open(ctx.cwd)
+    except OSError as exc:
+        raise ToolError(f"the fork's working directory {str(ctx.cwd)!r} does not exist or is not a directory") from exc
 
 
-def _existing_file(ctx: ToolContext, path: str) -> Path:
-    target = resolve_inside(_root(ctx), path)
-    if not target.exists():
-        raise ToolError(f"file {path!r} does not exist; use glob or list_directory to find the right path")
-    if not target.is_file():
-        raise ToolError(f"{path!r} is a directory, not a file; use list_directory to see what it holds")
-    return target
+def relative(root: RootDir, ctx: ToolContext, path: str) -> str:
+    """`path` as a path below the working directory; an absolute one must name a place inside it.
+
+    Raises:
+        ToolError: an absolute path elsewhere, or one that cannot be resolved.
+    """
+    if "\0" in path:
+        raise ToolError(f"path {path!r} cannot be resolved (a NUL byte); use a plain path inside the working directory")
+    if not path.startswith("/"):
+        return path
+    for prefix in (root.path, os.path.abspath(ctx.cwd)):
+        if path == prefix:
+            return "."
+        if path.startswith(prefix.rstrip("/") + "/"):
+            return path[len(prefix.rstrip("/")) + 1 :]
+    # reaching the directory through a symlink elsewhere: where it resolves now (the open stays confined)
+    return resolve_inside(Path(root.path), path).relative_to(root.path).as_posix() or "."
 
 
-def _existing_dir(root: Path, path: str) -> Path:
-    target = resolve_inside(root, path)
-    if not target.is_dir():
-        raise ToolError(f"{path!r} is not a directory of the working directory; give a directory path")
-    return target
+def open_path(root: RootDir, ctx: ToolContext, path: str, flags: int) -> int:
+    """A descriptor of `path` opened beneath the working directory.
+
+    Raises:
+        ToolError: the path leads outside, or cannot be resolved.
+        OSError: whatever else open(2) says (ENOENT, EISDIR, ...): each tool words its own message.
+    """
+    try:
+        return root.open_beneath(relative(root, ctx, path), flags)
+    except ValueError as exc:
+        raise ToolError(
+            f"path {path!r} cannot be resolved ({exc}); use a plain path inside the working directory"
+        ) from exc
+    except OSError as exc:
+        if exc.errno == errno.EXDEV:
+            raise ToolError(
+                f"path {path!r} is outside the working directory {root.path!r}; use a path inside it"
+            ) from exc
+        if exc.errno == errno.ELOOP:
+            raise ToolError(
+                f"path {path!r} cannot be resolved (too many levels of symbolic links); "
+                "use a plain path inside the working directory"
+            ) from exc
+        raise
 
 
-def _is_binary(path: Path) -> bool:
-    with path.open("rb") as stream:
-        return b"\0" in stream.read(BINARY_SNIFF_BYTES)
+def _special(path: str, mode: int) -> ToolError:
+    kind = "FIFO" if stat.S_ISFIFO(mode) else "socket" if stat.S_ISSOCK(mode) else "device or special file"
+    return ToolError(f"{path!r} is a {kind}, not a regular file; the file tools read and write regular files only")
 
 
-def _clip(line: str, limit: int) -> str:
+def open_regular(root: RootDir, ctx: ToolContext, path: str, flags: int, directory: str = NOT_A_FILE) -> int:
+    """A descriptor of the regular file `path`, opened with `flags` (non-blocking, so a FIFO cannot hang it).
+
+    The object is looked at (O_PATH) before it is opened for I/O, so opening a device has no effect;
+    the descriptor is checked again after, in case the name was swapped in between.
+
+    Raises:
+        ToolError: outside, missing, a directory (`directory` is the message), not a regular file.
+    """
+    fd = -1
+    try:
+        for open_flags in (ANY, flags | os.O_NONBLOCK):
+            if fd >= 0:
+                os.close(fd)
+            fd = open_path(root, ctx, path, open_flags)
+            mode = os.fstat(fd).st_mode
+            if stat.S_ISDIR(mode):
+                raise ToolError(f"{path!r} {directory}")
+            if not stat.S_ISREG(mode):
+                raise _special(path, mode)
+    except (FileNotFoundError, NotADirectoryError) as exc:
+        raise ToolError(f"file {path!r} does not exist; use glob or list_directory to find the right path") from exc
+    except IsADirectoryError as exc:
+        raise ToolError(f"{path!r} {directory}") from exc
+    except ToolError:
+        if fd >= 0:
+            os.close(fd)
+        raise
+    except OSError as exc:
+        if fd >= 0:
+            os.close(fd)
+        raise ToolError(f"cannot open {path!r}: {exc.strerror or exc}") from exc
+    return fd
+
+
+def open_directory(root: RootDir, ctx: ToolContext, path: str) -> int:
+    """A readable descriptor of the directory `path` beneath the working directory."""
+    try:
+        return open_path(root, ctx, path, os.O_RDONLY | os.O_DIRECTORY | os.O_NONBLOCK)
+    except OSError as exc:
+        raise ToolError(f"{path!r} is not a directory of the working directory; give a directory path") from exc
+
+
+def read_all(fd: int) -> bytes:
+    """Everything from `fd`'s current offset to the end."""
+    chunks = []
+    while chunk := os.read(fd, 1024 * 1024):
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def write_all(fd: int, data: bytes) -> None:
+    """Write all of `data` (os.write may write less)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def clip(line: str, limit: int) -> str:
     """`line` cut to `limit` characters, with a marker saying how much was cut (line ending kept)."""
     body = line.rstrip("\r\n")
     if len(body) <= limit:
@@ -111,27 +163,12 @@ def _clip(line: str, limit: int) -> str:
     return f"{body[:limit]}[... line truncated: {len(body) - limit} chars omitted ...]{line[len(body) :]}"
 
 
-def _bounded(items: list[str], cap: int, hint: str) -> str:
+def bounded(items: list[str], cap: int, hint: str) -> str:
+    """The first `cap` items, one a line, with a marker naming how many more there are."""
     shown = "\n".join(items[:cap])
     if len(items) <= cap:
         return shown
     return f"{shown}\n[... {len(items) - cap} more not shown; {hint} ...]"
-
-
-def expand_braces(pattern: str) -> list[str]:
-    """`*.{ts,tsx}` → `["*.ts", "*.tsx"]`: the brace alternatives glob users expect (innermost first)."""
-    expanded, done = [pattern], []
-    while expanded:
-        current = expanded.pop()
-        group = re.search(r"\{([^{}]*,[^{}]*)\}", current)
-        if group is None:
-            done.append(current)
-            continue
-        head, tail = current[: group.start()], current[group.end() :]
-        expanded.extend(head + alternative + tail for alternative in reversed(group.group(1).split(",")))
-        if len(expanded) + len(done) > MAX_BRACE_ALTERNATIVES:
-            raise ToolError(f"pattern {pattern!r} expands to more than {MAX_BRACE_ALTERNATIVES} alternatives")
-    return done
 
 
 # ── read-only tools ────────────────────────────────────────────────────────────────────────────
@@ -146,7 +183,7 @@ def _take_lines(stream: IO[str], offset: int, limit: int) -> tuple[list[str], in
             continue
         if len(taken) >= limit or size >= READ_MAX_CHARS:
             return taken, seen, True
-        clipped = _clip(line, LINE_MAX_CHARS)
+        clipped = clip(line, LINE_MAX_CHARS)
         taken.append(clipped)
         size += len(clipped)
     return taken, seen, False
@@ -155,12 +192,16 @@ def _take_lines(stream: IO[str], offset: int, limit: int) -> tuple[list[str], in
 def read_file(args: Mapping[str, Any], ctx: ToolContext) -> str:
     """The text of a file, from line `offset` (0-based), at most `limit` lines, with a marker when more follow."""
     path = str(args["path"])
-    target = _existing_file(ctx, path)
-    if _is_binary(target):
-        raise ToolError(f"{path!r} is a binary file; read_file reads text files only")
     offset, limit = int(args.get("offset", 0)), int(args.get("limit", READ_MAX_LINES))
-    with target.open(encoding="utf-8", errors="replace", newline="") as stream:
+    with root_of(ctx) as root:
+        fd = open_regular(root, ctx, path, os.O_RDONLY)
+    with os.fdopen(fd, "rb") as raw:
+        if b"\0" in raw.read(BINARY_SNIFF_BYTES):
+            raise ToolError(f"{path!r} is a binary file; read_file reads text files only")
+        raw.seek(0)
+        stream = io.TextIOWrapper(raw, encoding="utf-8", errors="replace", newline="")
         lines, seen, more = _take_lines(stream, offset, limit)
+        stream.detach()
     if not lines:
         if offset > 0:
             raise ToolError(f"offset {offset} is past the end of {path!r}, which has {seen} lines")
@@ -179,131 +220,83 @@ def read_file(args: Mapping[str, Any], ctx: ToolContext) -> str:
 def list_directory(args: Mapping[str, Any], ctx: ToolContext) -> str:
     """The entries of a directory, sorted, directories marked with a trailing `/`."""
     path = str(args.get("path", "."))
-    target = _existing_dir(_root(ctx), path)
-    names = sorted(entry.name + ("/" if entry.is_dir() else "") for entry in target.iterdir())
+    with root_of(ctx) as root:
+        fd = open_directory(root, ctx, path)
+    try:
+        with os.scandir(fd) as entries:
+            names = sorted(entry.name + ("/" if entry.is_dir() else "") for entry in entries)
+    finally:
+        os.close(fd)
     if not names:
         return f"(directory {path!r} is empty)"
-    return _bounded(names, LIST_MAX_ENTRIES, "list a subdirectory, or use glob with a narrower pattern")
-
-
-def _check_pattern(pattern: str) -> None:
-    pure = PurePosixPath(pattern)
-    if not pattern or pure.is_absolute() or ".." in pure.parts:
-        raise ToolError(
-            f"glob pattern {pattern!r} must be relative and without '..'; "
-            "give the directory to search as `path` and a pattern like '**/*.py'"
-        )
-
-
-def _glob_matches(root: Path, base: Path, pattern: str) -> Iterator[str]:
-    for alternative in expand_braces(pattern):
-        try:
-            matches = base.glob(alternative)
-            for match in matches:
-                if SKIPPED_DIRS.isdisjoint(match.relative_to(base).parts) and _inside(root, match):
-                    yield _rel(root, match) + ("/" if match.is_dir() else "")
-        except (ValueError, NotImplementedError) as exc:
-            raise ToolError(f"glob pattern {pattern!r} is not valid: {exc}") from exc
-
-
-def glob(args: Mapping[str, Any], ctx: ToolContext) -> str:
-    """Paths matching a glob pattern (`**` recurses), sorted, relative to the working directory."""
-    root = _root(ctx)
-    pattern, path = str(args["pattern"]), str(args.get("path", "."))
-    _check_pattern(pattern)
-    base = _existing_dir(root, path)
-    found = set(islice(_glob_matches(root, base, pattern), GLOB_MAX_SCANNED))
-    if not found:
-        return f"no paths match {pattern!r} under {path!r}"
-    listing = _bounded(sorted(found), GLOB_MAX_RESULTS, "use a narrower pattern or path")
-    if len(found) >= GLOB_MAX_SCANNED:
-        listing += f"\n[... the search stopped after {GLOB_MAX_SCANNED} matches; use a narrower pattern or path ...]"
-    return listing
-
-
-def _include_filter(include: str | None) -> Callable[[str, str], bool]:
-    """A test of (file name, path relative to the search base); a pattern with `/` is matched against the path."""
-    if not include:
-        return lambda name, relative: True
-    patterns = expand_braces(include)
-    if "/" in include:
-        return lambda name, relative: any(fnmatch.fnmatchcase(relative, p) for p in patterns)
-    return lambda name, relative: any(fnmatch.fnmatchcase(name, p) for p in patterns)
-
-
-def _walk_files(root: Path, base: Path, include: str | None) -> Iterator[Path]:
-    """The files under `base` in sorted order, VCS internals pruned, symlinks out of `root` skipped."""
-    wanted = _include_filter(include)
-    for directory, dirnames, filenames in os.walk(base):
-        dirnames[:] = sorted(d for d in dirnames if d not in SKIPPED_DIRS)
-        for name in sorted(filenames):
-            path = Path(directory, name)
-            if wanted(name, path.relative_to(base).as_posix()) and (not path.is_symlink() or _inside(root, path)):
-                yield path
-
-
-def _search_file(path: Path, regex: re.Pattern[str]) -> Iterator[tuple[int, str]]:
-    """(line number, line) of every matching line of a text file; binary, huge and unreadable files yield none."""
-    try:
-        if path.stat().st_size > GREP_MAX_FILE_BYTES or _is_binary(path):
-            return
-        with path.open(encoding="utf-8", errors="replace", newline="") as stream:
-            for number, line in enumerate(stream, start=1):
-                if regex.search(line):
-                    yield number, line.rstrip("\r\n")
-    except OSError:  # unreadable (permissions, vanished mid-walk): nothing to report from it
-        return
-
-
-def grep_search(args: Mapping[str, Any], ctx: ToolContext) -> str:
-    """`path:line:text` for every line matching a Python regular expression, files in sorted order."""
-    root = _root(ctx)
-    pattern, path, include = str(args["pattern"]), str(args.get("path", ".")), args.get("include")
-    try:
-        regex = re.compile(pattern)
-    except re.error as exc:
-        raise ToolError(f"pattern {pattern!r} is not a valid Python regular expression: {exc}") from exc
-    base = resolve_inside(root, path)
-    if not base.exists():
-        raise ToolError(f"{path!r} does not exist; give a file or directory inside the working directory")
-    files = iter([base]) if base.is_file() else _walk_files(root, base, include)
-    hits = (
-        f"{_rel(root, file)}:{number}:{_clip(text, GREP_LINE_MAX_CHARS)}"
-        for file in files
-        for number, text in _search_file(file, regex)
-    )
-    found = list(islice(hits, GREP_MAX_MATCHES + 1))
-    if not found:
-        where = f" in files matching {include!r}" if include else ""
-        return f"no matches for {pattern!r} under {path!r}{where}"
-    if len(found) <= GREP_MAX_MATCHES:
-        return "\n".join(found)
-    shown = "\n".join(found[:GREP_MAX_MATCHES])
-    return f"{shown}\n[... stopped after {GREP_MAX_MATCHES} matches; narrow the pattern, path or include ...]"
+    return bounded(names, LIST_MAX_ENTRIES, "list a subdirectory, or use glob with a narrower pattern")
 
 
 # ── file edits ─────────────────────────────────────────────────────────────────────────────────
 
 
+def _make_parents(root: RootDir, ctx: ToolContext, path: str, parent: str) -> None:
+    """Create the missing directories of `parent`, each from a descriptor of the one above it."""
+    parts = [part for part in parent.split("/") if part not in ("", ".")]
+    for depth in range(1, len(parts) + 1):
+        try:
+            os.close(open_path(root, ctx, "/".join(parts[:depth]), DIRECTORY))
+            continue
+        except FileNotFoundError:
+            pass
+        above = open_path(root, ctx, "/".join(parts[: depth - 1]), DIRECTORY)
+        try:
+            os.mkdir(parts[depth - 1], dir_fd=above)
+        except FileExistsError:  # made meanwhile, or a symlink: the next open resolves it, confined
+            pass
+        finally:
+            os.close(above)
+
+
+def _open_for_write(root: RootDir, ctx: ToolContext, path: str, rel: str) -> tuple[int, bool]:
+    """A writable descriptor of the regular file `path`, created if missing; and whether it existed."""
+    directory = "is a directory; give the path of a file to write"
+    try:
+        os.close(open_path(root, ctx, rel, ANY))
+    except FileNotFoundError:  # missing (a dangling symlink inside too: its target is created, confined)
+        fd = open_path(root, ctx, rel, os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK)
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):  # something else appeared meanwhile
+            os.close(fd)
+            if stat.S_ISDIR(mode):
+                raise ToolError(f"{path!r} {directory}") from None
+            raise _special(path, mode) from None
+        return fd, False
+    return open_regular(root, ctx, path, os.O_WRONLY, directory), True
+
+
 def write_file(args: Mapping[str, Any], ctx: ToolContext) -> str:
     """Write `content` to a file (created or replaced), creating its parent directories inside the cwd."""
-    root = _root(ctx)
     path, content = str(args["path"]), str(args["content"])
-    target = resolve_inside(root, path)
-    if target.is_dir():
-        raise ToolError(f"{path!r} is a directory; give the path of a file to write")
-    existed = target.exists()
     data = content.encode("utf-8")
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_bytes(data)
-    except OSError as exc:
-        raise ToolError(f"cannot write {path!r}: {exc.strerror or exc}") from exc
-    return f"{'overwrote' if existed else 'created'} {_rel(root, target)} ({len(data)} bytes)"
+    with root_of(ctx) as root:
+        rel = relative(root, ctx, path)
+        parent, _, leaf = rel.rpartition("/")
+        if leaf in ("", ".", ".."):
+            raise ToolError(f"{path!r} is a directory; give the path of a file to write")
+        try:
+            if parent:
+                _make_parents(root, ctx, path, parent)
+            fd, existed = _open_for_write(root, ctx, path, rel)
+        except OSError as exc:
+            raise ToolError(f"cannot write {path!r}: {exc.strerror or exc}") from exc
+        try:
+            os.ftruncate(fd, 0)
+            write_all(fd, data)
+            shown = root.relative(fd, rel)
+        except OSError as exc:
+            raise ToolError(f"cannot write {path!r}: {exc.strerror or exc}") from exc
+        finally:
+            os.close(fd)
+    return f"{'overwrote' if existed else 'created'} {shown} ({len(data)} bytes)"
 
 
-def _read_text(target: Path, path: str) -> str:
-    data = target.read_bytes()
+def _text_of(data: bytes, path: str) -> str:
     if b"\0" in data[:BINARY_SNIFF_BYTES]:
         raise ToolError(f"{path!r} is a binary file; edit changes text files only")
     try:
@@ -326,15 +319,8 @@ def _line_of(text: str, offset: int) -> int:
     return text.count("\n", 0, offset) + 1
 
 
-def edit(args: Mapping[str, Any], ctx: ToolContext) -> str:
-    """Replace the one exact occurrence of `old_string` with `new_string`; none or several is an error."""
-    path, old, new = str(args["path"]), str(args["old_string"]), str(args["new_string"])
-    if not old:
-        raise ToolError("old_string is empty; give the exact text to replace (to create a file, use write_file)")
-    if old == new:
-        raise ToolError("old_string and new_string are the same; there is nothing to change")
-    target = _existing_file(ctx, path)
-    text = _read_text(target, path)
+def _replacement(text: str, old: str, new: str, path: str) -> tuple[str, int]:
+    """`text` with its one occurrence of `old` replaced; and the line it was on."""
     if old not in text and "\r\n" in text and "\r\n" not in old:  # the model writes \n; the file uses \r\n
         old, new = old.replace("\n", "\r\n"), new.replace("\n", "\r\n")
     starts = _occurrences(text, old)
@@ -351,152 +337,28 @@ def edit(args: Mapping[str, Any], ctx: ToolContext) -> str:
             "Include more surrounding context (lines before or after) in old_string so it matches one place"
         )
     at = starts[0]
-    target.write_bytes((text[:at] + new + text[at + len(old) :]).encode("utf-8"))
-    return f"edited {_rel(_root(ctx), target)}: replaced 1 occurrence at line {_line_of(text, at)}"
+    return text[:at] + new + text[at + len(old) :], _line_of(text, at)
 
 
-# ── shell ──────────────────────────────────────────────────────────────────────────────────────
-
-
-class CappedOutput:
-    """The head and tail of a byte stream, at most `cap` bytes in all; the middle is counted, not kept."""
-
-    def __init__(self, cap: int) -> None:
-        self.head_cap = cap // 2
-        self.tail_cap = cap - self.head_cap
-        self.head = bytearray()
-        self.tail = bytearray()
-        self.omitted = 0
-
-    def add(self, chunk: bytes) -> None:
-        """Keep `chunk` while the head has room, then as the newest part of the tail."""
-        room = self.head_cap - len(self.head)
-        if room > 0:
-            self.head += chunk[:room]
-            chunk = chunk[room:]
-        self.tail += chunk
-        excess = len(self.tail) - self.tail_cap
-        if excess > 0:
-            del self.tail[:excess]
-            self.omitted += excess
-
-    def text(self) -> str:
-        """The kept output, with a marker where bytes were dropped."""
-        head, tail = self.head.decode("utf-8", "replace"), self.tail.decode("utf-8", "replace")
-        if not self.omitted:
-            return (self.head + self.tail).decode("utf-8", "replace")
-        return f"{head}\n[... output truncated: {self.omitted} bytes omitted ...]\n{tail}"
-
-
-def _child_env() -> dict[str, str]:
-    return {
-        name: value
-        for name, value in os.environ.items()
-        if name in CHILD_ENV_NAMES or name.startswith(CHILD_ENV_PREFIXES)
-    }
-
-
-def _spawn(command: str, cwd: Path) -> subprocess.Popen[bytes]:
-    shell = shutil.which("bash") or "/bin/sh"
-    try:
-        # a session of its own: the timeout and cancellation kill the whole group, background jobs included
-        return subprocess.Popen(
-            [shell, "-c", command],
-            cwd=cwd,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env=_child_env(),
-        )
-    except OSError as exc:
-        raise ToolError(f"cannot start the shell {shell!r}: {exc}") from exc
-
-
-def _exited(pid: int) -> bool:
-    """Whether the shell has exited, without reaping it: its pid (and so its group id) stays reserved."""
-    try:
-        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
-    except ChildProcessError:
-        return True
-
-
-def _read_until(fd: int, output: CappedOutput, seconds: float) -> bool:
-    """Read what `fd` yields for up to `seconds`; True once it reaches end of file."""
-    poller = select.poll()  # not select.select: a busy worker's fds can pass FD_SETSIZE
-    poller.register(fd, select.POLLIN)
-    end = time.monotonic() + seconds
-    while (left := end - time.monotonic()) > 0:
-        if poller.poll(left * 1000):
-            chunk = os.read(fd, READ_CHUNK)
-            if not chunk:
-                return True
-            output.add(chunk)
-    return False
-
-
-def _pump(proc: subprocess.Popen[bytes], fd: int, output: CappedOutput, timeout_s: float, ctx: ToolContext) -> str:
-    """Collect output until the shell exits (`exit`), the timeout passes (`timeout`) or the fork is `cancelled`."""
-    deadline = time.monotonic() + timeout_s
-    next_cancel_check = 0.0
-    eof = False
-    while True:
-        if eof:
-            time.sleep(SHELL_POLL_S)
-        else:
-            eof = _read_until(fd, output, SHELL_POLL_S)
-        if _exited(proc.pid):
-            return "exit"
-        now = time.monotonic()
-        if now >= next_cancel_check:
-            if ctx.cancelled():
-                return "cancelled"
-            next_cancel_check = now + SHELL_CANCEL_POLL_S
-        if now >= deadline:
-            return "timeout"
-
-
-def _stop(proc: subprocess.Popen[bytes], fd: int, output: CappedOutput) -> None:
-    """Kill what is left of the command's process group, take its last output, reap the shell."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):  # the group is already gone
-        os.killpg(proc.pid, signal.SIGKILL)
-    # a process that left the group (setsid) may hold the pipe open: wait for it a little, not forever
-    _read_until(fd, output, SHELL_DRAIN_S)
-    proc.wait()
-
-
-def _exit_status(returncode: int) -> str:
-    if returncode < 0:
-        return f"[killed by signal {signal.Signals(-returncode).name}]"
-    return f"[exit code: {returncode}]"
-
-
-def run_shell_command(args: Mapping[str, Any], ctx: ToolContext) -> str:
-    """Run `command` with bash in the working directory; its output (capped) and exit code, never raised."""
-    command = str(args["command"])
-    timeout_s = float(args.get("timeout_s", SHELL_DEFAULT_TIMEOUT_S))
-    root = _root(ctx)
-    if ctx.cancelled():
-        raise ToolError("the fork was cancelled; the command was not run")
-    proc = _spawn(command, root)
-    stdout = proc.stdout
-    if stdout is None:  # pragma: no cover - stdout=PIPE always gives a pipe
-        raise ToolError("the shell's output pipe is missing")
-    output = CappedOutput(SHELL_OUTPUT_CAP)
-    try:
-        ending = _pump(proc, stdout.fileno(), output, timeout_s, ctx)
-    finally:
-        _stop(proc, stdout.fileno(), output)
-        stdout.close()
-    text = output.text() or "(no output)"
-    if ending == "cancelled":
-        raise ToolError(
-            f"the fork was cancelled; the command was stopped (process group killed). Output so far:\n{text}"
-        )
-    if ending == "timeout":
-        raise ToolError(
-            f"the command timed out after {timeout_s:g} s and was stopped (process group killed); give a larger "
-            f"timeout_s (at most {SHELL_MAX_TIMEOUT_S}) or a quicker command. Output so far:\n{text}"
-        )
-    separator = "" if text.endswith("\n") else "\n"
-    return f"{text}{separator}{_exit_status(proc.returncode)}"
+def edit(args: Mapping[str, Any], ctx: ToolContext) -> str:
+    """Replace the one exact occurrence of `old_string` with `new_string`; none or several is an error."""
+    path, old, new = str(args["path"]), str(args["old_string"]), str(args["new_string"])
+    if not old:
+        raise ToolError("old_string is empty; give the exact text to replace (to create a file, use write_file)")
+    if old == new:
+        raise ToolError("old_string and new_string are the same; there is nothing to change")
+    with root_of(ctx) as root:
+        fd = open_regular(root, ctx, path, os.O_RDWR)
+        try:
+            text = _text_of(read_all(fd), path)
+            changed, line = _replacement(text, old, new, path)
+            data = changed.encode("utf-8")
+            os.lseek(fd, 0, os.SEEK_SET)
+            write_all(fd, data)
+            os.ftruncate(fd, len(data))
+            shown = root.relative(fd, path)
+        except OSError as exc:
+            raise ToolError(f"cannot edit {path!r}: {exc.strerror or exc}") from exc
+        finally:
+            os.close(fd)
+    return f"edited {shown}: replaced 1 occurrence at line {line}"

@@ -28,7 +28,15 @@ from workers.journal import (
 )
 from workers.messages import Content, Part
 from workers.notification import NO_OUTPUT
-from workers.policy import Gate, denied_by_policy, denied_by_user, effective_mode, is_agent_call, needs_approval
+from workers.policy import (
+    Gate,
+    denied_by_policy,
+    denied_by_user,
+    effective_mode,
+    is_agent_call,
+    needs_approval,
+    undeclared_error,
+)
 from workers.providers import ModelProvider, ModelRequest
 from workers.records import BootstrapRecord, ForkResult, Status, Usage
 from workers.structured import check_answer, feedback_text
@@ -260,15 +268,19 @@ class ChildLoop:
         state.messages.append(state.answer_content(calls_of(last)))
 
     def _outcome(self, state: Replay, step: int, pending: PendingCall) -> dict[str, Any]:
-        """Pass the call through the gate (nesting, allowlist, approval), then run it."""
+        """Pass the call through the gate (nesting, declarations, allowlist, approval), then run it."""
         call = pending.call
         name = call.name or ""
         if pending.invalid is not None:  # garbled by the provider: the model reads why, nothing runs
             return {"error": pending.invalid}
-        if is_agent_call(name, self._by_name):
-            problem = self.gate.nesting_error(call.args or {})
+        agent = is_agent_call(name, self._by_name)
+        problem = self.gate.nesting_error(call.args or {}) if agent else None
+        if problem is None and name not in self._by_name:
+            # the fork runs only what its parent gave it, whatever else this worker could execute
+            problem = undeclared_error(name, list(self._by_name))
+        if agent:
             return {"error": problem} if problem else self._spawn(state, step, pending)
-        problem = self.gate.allowlist_error(name)
+        problem = problem or self.gate.allowlist_error(name)
         tool = self.tools.get(name)
         if problem is None and tool is not None:
             refusal = self._approval(state, step, pending, tool)
@@ -314,6 +326,7 @@ class ChildLoop:
             call_id=pending.call.id,
             idempotency_key=f"{self.record.fork_id}:{step}:{pending.call.id or pending.index}",
             cancelled=self.cancelled,
+            deadline=self._deadline,  # a tool call never outlasts the fork's wall-clock limit
         )
 
     def _spawn(self, state: Replay, step: int, pending: PendingCall) -> dict[str, Any]:
@@ -335,6 +348,7 @@ class ChildLoop:
             if (
                 pending.invalid is None
                 and tool is not None
+                and tool.name in self._by_name
                 and not is_agent_call(call.name, self._by_name)
                 and self.gate.allowlist_error(tool.name) is None
                 and needs_approval(tool, self.gate.mode)

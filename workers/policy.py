@@ -3,9 +3,12 @@
 Every call of a model response passes this gate before anything runs, in this order:
 1. an Agent call (spawning a sub-agent): refused inside a fork and from a teammate, and beyond the
    configured depth for regular subagents; otherwise the loop launches the nested subagent;
-2. the `fork_tools` execution allowlist (forks only): a call outside it is answered with an error
+2. the fork's own tool declarations (the parent's, from the bootstrap record): a call to a tool the
+   fork was not given is answered with an error naming the declared tools, whatever the worker
+   could execute, before any approval or side effect (an Agent call too, unless step 1 refused it);
+3. the `fork_tools` execution allowlist (forks only): a call outside it is answered with an error
    naming the list, before any approval or side effect;
-3. approval: the fork's mode is the parent's when that is permissive (`yolo`, `auto-edit`); under
+4. approval: the fork's mode is the parent's when that is permissive (`yolo`, `auto-edit`); under
    any other mode (`default`, `plan`) every mutating call needs a decision. A detached fork never
    blocks waiting for a person: the launch's approval policy either denies the call with an error
    the model can read (`deny`, the default) or parks the fork until `forkq approve`/`forkq deny`.
@@ -49,6 +52,20 @@ def allowlist_error(name: str, allowlist: Sequence[str]) -> str:
     return (
         f"Error: tool {name!r} is not in this fork's execution allowlist (fork_tools: {allowed}); it was not run. "
         "Use an allowed tool, or do without it and say so in your answer."
+    )
+
+
+MAX_LISTED_TOOLS: Final = 40  # a parent may declare hundreds of MCP tools: name the first ones only
+
+
+def undeclared_error(name: str, declared: Sequence[str]) -> str:
+    """The answer to a call of a tool the fork's parent did not declare."""
+    shown = ", ".join(declared[:MAX_LISTED_TOOLS]) if declared else "none"
+    if len(declared) > MAX_LISTED_TOOLS:
+        shown += f" and {len(declared) - MAX_LISTED_TOOLS} more"
+    return (
+        f"Error: tool {name!r} is not one of this fork's tools (declared: {shown}); it was not run. "
+        "Use one of the declared tools, or do without it and say so in your answer."
     )
 
 

@@ -129,7 +129,7 @@ class WorkerRuntime:
     @cached_property
     def tools(self) -> ToolRegistry:
         """The tools this worker can execute: built-ins and the `forkq.tools` entry points."""
-        return load_tools()
+        return load_tools(default_timeout_s=self.settings.tool_timeout_s)
 
 
 @dataclass

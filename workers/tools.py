@@ -4,16 +4,28 @@ A `Tool` pairs a function declaration (name, description, JSON-schema parameters
 worker runs and the flags the child loop and the approval modes read. `ToolRegistry.run` validates a
 call's arguments against the tool's schema (compiled once, at registration) before the handler
 runs, and turns every outcome into `{"output": ...}` or `{"error": ...}`: a tool failure is
-something the model reads, never an exception that ends the fork. The built-in coding tools are
-declared at the end of this module and implemented in `workers.builtin_tools`; deployers add their
-own through the `forkq.tools` entry point group.
+something the model reads, never an exception that ends the fork.
+
+Every call has a deadline: the tool's own time limit (`Tool.timeout_s`, else the registry's
+`default_timeout_s`, `FORKQ_TOOL_TIMEOUT_S` on a worker), never past the fork's wall-clock limit
+(`ToolContext.deadline`). The handler runs in a thread of its own that the caller waits on, so a
+handler blocked where Python cannot interrupt it (a FIFO, a hung network mount, a plugin's stuck
+call) costs its call an error response at the deadline, or at once when the fork is cancelled,
+and never the worker slot: the caller goes on, and the handler's thread is left to end by itself.
+
+The built-in coding tools are declared at the end of this module and implemented in
+`workers.builtin_tools`, `workers.search` and `workers.shell`; deployers add their own through the
+`forkq.tools` entry point group.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import threading
+import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
@@ -33,6 +45,9 @@ ENTRY_POINT_GROUP = "forkq.tools"
 MAX_REPORTED_ERRORS = 5
 # a violation message quotes the bad value; a huge wrong-typed argument must not flood the context
 MAX_ERROR_MESSAGE_CHARS = 300
+DEFAULT_TOOL_TIMEOUT_S = 300.0  # a call's time limit when neither its tool nor the worker sets one
+TOOL_WAIT_POLL_S = 0.1  # how often a waiting caller asks `ctx.cancelled` (it may be a Redis round trip)
+TOOL_STOP_GRACE_S = 0.5  # after a cancel or the deadline: time a handler that watches `cancelled` gets to stop
 
 
 def never_cancelled() -> bool:
@@ -44,8 +59,11 @@ def never_cancelled() -> bool:
 class ToolContext:
     """What a handler may know about the fork that calls it.
 
-    `cancelled` is polled by long-running handlers (`run_shell_command`) so a cancelled fork stops
-    its work without waiting for the command's timeout.
+    `cancelled` is polled by long-running handlers (`run_shell_command`, `grep_search`) so a
+    cancelled fork stops its work without waiting for a timeout; it also turns true when the call's
+    deadline has passed and its caller gave up on it. `deadline` (`time.monotonic()`) is when the
+    call's answer is due: the fork's wall-clock limit, and within `ToolRegistry.run` the tool's own
+    time limit too.
     """
 
     fork_id: str
@@ -53,6 +71,11 @@ class ToolContext:
     call_id: str | None
     idempotency_key: str
     cancelled: Callable[[], bool] = never_cancelled
+    deadline: float = math.inf
+
+    def seconds_left(self) -> float:
+        """Seconds until the deadline (negative once past it)."""
+        return self.deadline - time.monotonic()
 
 
 Handler = Callable[[Mapping[str, Any], ToolContext], Any]
@@ -69,7 +92,7 @@ class Tool:
     `mutating`: it changes something outside the model's context (files, processes).
     `idempotent`: running it twice has the effect of running it once, so a call interrupted by a
     worker's death may be re-run on revival. `edit`: a file-edit tool, approved automatically in the
-    `auto-edit` approval mode.
+    `auto-edit` approval mode. `timeout_s`: the call's time limit (None: the registry's default).
     """
 
     name: str
@@ -79,6 +102,7 @@ class Tool:
     mutating: bool = False
     idempotent: bool = False
     edit: bool = False
+    timeout_s: float | None = None
 
     @property
     def declaration(self) -> dict[str, Any]:
@@ -144,6 +168,7 @@ class ToolRegistry:
     """Tools by name; `run` turns a call into a response dict and never raises for tool failures."""
 
     tools: dict[str, Tool] = field(default_factory=dict)
+    default_timeout_s: float = DEFAULT_TOOL_TIMEOUT_S  # the time limit of a tool that sets none
     # the validator of each registered tool, kept with the tool it was compiled for
     _validators: dict[str, tuple[Tool, Validator]] = field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -183,16 +208,85 @@ class ToolRegistry:
             return {"error": str(exc)}
         if errors:
             return {"error": invalid_arguments(tool, errors)}
+        limit = tool.timeout_s if tool.timeout_s is not None else self.default_timeout_s
+        return HandlerCall(tool, args, ctx, limit).result()
+
+
+class HandlerCall:
+    """One handler run in a thread of its own, waited for until it answers, the deadline passes or the
+    fork is cancelled (see the module docstring)."""
+
+    def __init__(self, tool: Tool, args: Mapping[str, Any], ctx: ToolContext, limit_s: float) -> None:
+        self.tool = tool
+        self.started = time.monotonic()
+        self.limit_s = min(limit_s, ctx.deadline - self.started)
+        self.given_up = threading.Event()  # set when the caller stops waiting: the handler should stop too
+        self.outer_cancelled = ctx.cancelled
+        self.watching = False  # whether the handler ever asked `cancelled`: only then is it given time to stop
+        self.ctx = replace(ctx, deadline=self.started + self.limit_s, cancelled=self._cancelled)
+        self.args = args
+        self.done = threading.Event()
+        self.response: dict[str, Any] = {"error": f"tool {tool.name!r} ended without an answer"}
+
+    def _cancelled(self) -> bool:
+        self.watching = True
+        return self.given_up.is_set() or self.outer_cancelled()
+
+    def _run(self) -> None:
         try:
-            return {"output": tool.handler(args, ctx)}
+            self.response = {"output": self.tool.handler(self.args, self.ctx)}
         except ToolError as exc:
-            return {"error": str(exc)}
+            self.response = {"error": str(exc)}
         except Exception as exc:  # a tool's bug must not crash the fork: the model reads the error
-            return {"error": f"tool {call.name!r} failed: {type(exc).__name__}: {exc}"}
+            self.response = {"error": f"tool {self.tool.name!r} failed: {type(exc).__name__}: {exc}"}
+        finally:
+            self.done.set()
+
+    def _wait(self) -> str:
+        """`done`, `cancelled` or `deadline`: what ended the wait."""
+        deadline = self.ctx.deadline
+        while not self.done.wait(max(0.0, min(TOOL_WAIT_POLL_S, deadline - time.monotonic()))):
+            if self.outer_cancelled():
+                return "cancelled"
+            if time.monotonic() >= deadline:
+                return "deadline"
+        return "done"
+
+    def result(self) -> dict[str, Any]:
+        """The handler's response, or an error response at the deadline or on a cancel."""
+        if self.limit_s <= 0:
+            return {"error": f"tool {self.tool.name!r} was not run: the fork has no time left (wall-clock limit)"}
+        thread = threading.Thread(target=self._run, name=f"forkq-tool-{self.tool.name}", daemon=True)
+        thread.start()
+        ending = self._wait()
+        if ending == "done":
+            return self.response
+        self.given_up.set()
+        if self.watching and self.done.wait(TOOL_STOP_GRACE_S):  # it noticed and stopped: its answer says most
+            return self.response
+        log.warning(
+            "tool %s: the call did not end %s; it was abandoned, its thread is left to finish",
+            self.tool.name,
+            "after the fork was cancelled"
+            if ending == "cancelled"
+            else f"within its time limit of {self.limit_s:.3g} s",
+        )
+        if ending == "cancelled":
+            name = self.tool.name
+            return {"error": f"the fork was cancelled or stopped while tool {name!r} ran; the call was abandoned"}
+        limit = f"{round(self.limit_s, 1):g} s"
+        return {
+            "error": f"tool {self.tool.name!r} did not finish within its time limit of {limit} (the "
+            "tool's limit or the fork's remaining wall-clock time) and was abandoned; its effects, if any, are "
+            "unknown. Try a smaller request, or continue without it"
+        }
 
 
 def resolve_inside(cwd: Path, path: str) -> Path:
     """`path` resolved against `cwd` (symlinks followed); refuses anything outside `cwd`.
+
+    A check of what a path names now, not a way to open it: the file tools open paths beneath the
+    working directory in one step (`workers.beneath`), since a symlink can be swapped in between.
 
     Raises:
         ToolError: the path escapes `cwd` (by `..`, as an absolute path, or through a symlink), or
@@ -223,8 +317,8 @@ PATH_DOC = "Path relative to the working directory (an absolute path must lie in
 
 
 # The declarations below are the contract a model sees; the handlers live in `workers.builtin_tools`
-# (whose docstring explains the flags), imported inside the functions because that module imports
-# Tool, ToolError and resolve_inside from this one.
+# (whose docstring explains the flags), `workers.search` and `workers.shell`, imported inside the
+# functions because those modules import ToolContext, ToolError and resolve_inside from this one.
 
 
 def _file_tools() -> list[Tool]:
@@ -284,21 +378,22 @@ def _file_tools() -> list[Tool]:
 
 
 def _search_and_shell_tools() -> list[Tool]:
-    from workers import builtin_tools as impl  # noqa: PLC0415
+    from workers import search, shell  # noqa: PLC0415
 
     return [
         Tool(
             "glob",
             "Find paths matching a glob pattern such as '**/*.py' or 'src/*.{ts,tsx}' under `path`; sorted, "
-            f"relative to the working directory, at most {impl.GLOB_MAX_RESULTS}; .git is skipped.",
+            f"relative to the working directory, at most {search.GLOB_MAX_RESULTS}; .git is skipped.",
             _schema({"pattern": _string("Glob pattern, relative; '**' matches any depth."), "path": _string(PATH_DOC)}),
-            impl.glob,
+            search.glob,
             idempotent=True,
         ),
         Tool(
             "grep_search",
             "Search file contents with a Python regular expression; returns 'path:line:text' lines "
-            f"(at most {impl.GREP_MAX_MATCHES}). Binary files and .git are skipped.",
+            f"(at most {search.GREP_MAX_MATCHES}). Binary files, special files and .git are skipped; a search "
+            f"stops with an error after {search.GREP_TIME_LIMIT_S:g} s.",
             _schema(
                 {
                     "pattern": _string("Python regular expression (re syntax; (?i) for case-insensitive)."),
@@ -307,13 +402,13 @@ def _search_and_shell_tools() -> list[Tool]:
                 },
                 "pattern",
             ),
-            impl.grep_search,
+            search.grep_search,
             idempotent=True,
         ),
         Tool(
             "run_shell_command",
             "Run a command with bash in the working directory; returns combined stdout and stderr (the middle "
-            f"is cut past {impl.SHELL_OUTPUT_CAP // 1024} KiB) and the exit code. Background processes are "
+            f"is cut past {shell.SHELL_OUTPUT_CAP // 1024} KiB) and the exit code. Background processes are "
             "stopped when the command ends.",
             _schema(
                 {
@@ -321,14 +416,15 @@ def _search_and_shell_tools() -> list[Tool]:
                     "timeout_s": {
                         "type": "number",
                         "minimum": 1,
-                        "maximum": impl.SHELL_MAX_TIMEOUT_S,
-                        "description": f"Seconds before it is killed (default {impl.SHELL_DEFAULT_TIMEOUT_S}).",
+                        "maximum": shell.SHELL_MAX_TIMEOUT_S,
+                        "description": f"Seconds before it is killed (default {shell.SHELL_DEFAULT_TIMEOUT_S}).",
                     },
                 },
                 "command",
             ),
-            impl.run_shell_command,
+            shell.run_shell_command,
             mutating=True,
+            timeout_s=shell.SHELL_CALL_LIMIT_S,  # the command's own timeout_s (at most 600 s) governs it
         ),
     ]
 
@@ -353,8 +449,10 @@ def _as_tools(obj: object) -> list[Tool]:
     raise TypeError(f"expected a Tool, a list of Tools, or a callable returning them; got {type(obj).__name__}")
 
 
-def load_tools() -> ToolRegistry:
+def load_tools(default_timeout_s: float = DEFAULT_TOOL_TIMEOUT_S) -> ToolRegistry:
     """The built-ins plus every tool deployers register in the `forkq.tools` entry point group.
+
+    `default_timeout_s` is the time limit of a call whose tool sets none (`FORKQ_TOOL_TIMEOUT_S`).
 
     An entry point names a `Tool`, a list of them, or a zero-argument callable returning either.
     A broken entry point (or a tool whose parameters are not a valid JSON schema) is logged and
@@ -362,6 +460,7 @@ def load_tools() -> ToolRegistry:
     error response naming it.
     """
     registry = builtin_tools()
+    registry.default_timeout_s = default_timeout_s
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         try:
             for tool in _as_tools(ep.load()):

@@ -1,0 +1,346 @@
+"""The search tools of a coding fork: `glob` (paths by pattern) and `grep_search` (file contents by regular expression).
+
+`grep_search` matches with the `regex` module rather than `re`: `re` holds the GIL for the whole of
+a match, so one catastrophic pattern (`(a|a)+$` over a line of `a`s) stopped every thread of the
+worker, its heartbeat included, and other forks lost their leases. `regex` releases the GIL while
+it matches (`concurrent=True`) and gives up at a timeout, so a search has a time budget
+(`GREP_TIME_LIMIT_S`, never past the call's deadline) and a pattern that exhausts it gets an error
+response naming the limit and how to fix the pattern, while other forks see nothing. Its syntax is
+`re`'s (the `regex` module's version 0 is compatible with it).
+
+Both walk the tree from descriptors: grep opens each directory with `O_DIRECTORY | O_NOFOLLOW` from
+its parent's descriptor and each file with `O_NONBLOCK | O_NOFOLLOW` from its directory's, so a
+swapped-in symlink is not followed out and a FIFO, socket or device is skipped without blocking;
+a symlinked file is read only while it resolves inside the working directory. glob lists names
+only, and reports a match only after opening it beneath the working directory.
+"""
+
+from __future__ import annotations
+
+import errno
+import fnmatch
+import os
+import stat
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from itertools import islice
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import regex
+
+from workers.beneath import ANY, RootDir
+from workers.builtin_tools import (
+    BINARY_SNIFF_BYTES,
+    bounded,
+    clip,
+    open_directory,
+    open_path,
+    relative,
+    root_of,
+)
+from workers.tools import ToolContext, ToolError
+
+GLOB_MAX_RESULTS = 1000
+GLOB_MAX_SCANNED = 50_000  # matches collected before sorting; past this the walk stops
+GREP_MAX_MATCHES = 500
+GREP_LINE_MAX_CHARS = 500
+GREP_MAX_FILE_BYTES = 16 * 1024 * 1024  # larger files are data, not source: skipped
+GREP_TIME_LIMIT_S = 30.0  # one search's budget, walk and matching together (and never past the call's deadline)
+GREP_MAX_PATTERN_CHARS = 2000
+GREP_MAX_DEPTH = 64  # directories deeper than this are not searched (each level holds a descriptor)
+GREP_CHUNK_BYTES = 1024 * 1024  # a file is searched this much (in whole lines) at a time
+MAX_BRACE_ALTERNATIVES = 64
+SKIPPED_DIRS = frozenset({".git", ".hg", ".svn"})  # version-control internals: noise for glob and grep
+WALK_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+WALK_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+def expand_braces(pattern: str) -> list[str]:
+    """`*.{ts,tsx}` → `["*.ts", "*.tsx"]`: the brace alternatives glob users expect (innermost first)."""
+    expanded, done = [pattern], []
+    while expanded:
+        current = expanded.pop()
+        group = regex.search(r"\{([^{}]*,[^{}]*)\}", current)
+        if group is None:
+            done.append(current)
+            continue
+        head, tail = current[: group.start()], current[group.end() :]
+        expanded.extend(head + alternative + tail for alternative in reversed(group.group(1).split(",")))
+        if len(expanded) + len(done) > MAX_BRACE_ALTERNATIVES:
+            raise ToolError(f"pattern {pattern!r} expands to more than {MAX_BRACE_ALTERNATIVES} alternatives")
+    return done
+
+
+class OutOfTime(Exception):
+    """The search used up its time budget (or the fork was cancelled)."""
+
+
+# ── glob ───────────────────────────────────────────────────────────────────────────────────────
+
+
+def _check_pattern(pattern: str) -> None:
+    pure = PurePosixPath(pattern)
+    if not pattern or pure.is_absolute() or ".." in pure.parts:
+        raise ToolError(
+            f"glob pattern {pattern!r} must be relative and without '..'; "
+            "give the directory to search as `path` and a pattern like '**/*.py'"
+        )
+
+
+def _confirmed(root: RootDir, match: Path) -> str | None:
+    """`match` relative to the working directory (`/` for a directory) if it opens beneath it; else None."""
+    rel = match.relative_to(root.path).as_posix()
+    try:
+        fd = root.open_beneath(rel, ANY)
+    except (OSError, ValueError):  # outside (a symlink pointing out), vanished
+        return None
+    try:
+        return rel + ("/" if stat.S_ISDIR(os.fstat(fd).st_mode) else "")
+    finally:
+        os.close(fd)
+
+
+def _glob_matches(root: RootDir, base: Path, pattern: str, ctx: ToolContext) -> Iterator[str]:
+    for alternative in expand_braces(pattern):
+        try:
+            for match in base.glob(alternative):
+                if ctx.seconds_left() <= 0 or ctx.cancelled():
+                    raise ToolError(
+                        f"glob {pattern!r} did not finish within its time limit; use a narrower pattern or path"
+                    )
+                if SKIPPED_DIRS.isdisjoint(match.relative_to(base).parts) and (shown := _confirmed(root, match)):
+                    yield shown
+        except (ValueError, NotImplementedError) as exc:
+            raise ToolError(f"glob pattern {pattern!r} is not valid: {exc}") from exc
+
+
+def glob(args: Mapping[str, Any], ctx: ToolContext) -> str:
+    """Paths matching a glob pattern (`**` recurses), sorted, relative to the working directory."""
+    pattern, path = str(args["pattern"]), str(args.get("path", "."))
+    _check_pattern(pattern)
+    with root_of(ctx) as root:
+        fd = open_directory(root, ctx, path)
+        try:
+            base = Path(root.path, root.relative(fd, relative(root, ctx, path)))
+        finally:
+            os.close(fd)
+        found = set(islice(_glob_matches(root, base, pattern, ctx), GLOB_MAX_SCANNED))
+    if not found:
+        return f"no paths match {pattern!r} under {path!r}"
+    listing = bounded(sorted(found), GLOB_MAX_RESULTS, "use a narrower pattern or path")
+    if len(found) >= GLOB_MAX_SCANNED:
+        listing += f"\n[... the search stopped after {GLOB_MAX_SCANNED} matches; use a narrower pattern or path ...]"
+    return listing
+
+
+# ── grep_search ────────────────────────────────────────────────────────────────────────────────
+
+
+@dataclass
+class Search:
+    """One search's pattern and time budget.
+
+    A file is searched a chunk of whole lines at a time: the pattern, compiled once more with
+    MULTILINE (so `^` and `$` match at every line), finds the next candidate line in the chunk in one
+    call, and the original pattern confirms it on that line alone (a match spanning lines does not
+    count, as when each line is searched by itself). A call of `regex` with a timeout costs about
+    2 µs, so lines that cannot match are never searched one by one.
+    """
+
+    pattern: regex.Pattern[str]
+    deadline: float
+    cancelled: Callable[[], bool]
+    lines_pattern: regex.Pattern[str] = field(init=False)
+    where: str = ""  # the file being searched, for the message at the time limit
+
+    def __post_init__(self) -> None:
+        self.lines_pattern = regex.compile(self.pattern.pattern, self.pattern.flags | regex.MULTILINE)
+
+    def _find(self, pattern: regex.Pattern[str], text: str, pos: int) -> regex.Match[str] | None:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise OutOfTime
+        try:
+            # concurrent: the GIL is released while it matches, so other forks' threads (the heartbeat) run
+            return pattern.search(text, pos, concurrent=True, timeout=left)
+        except TimeoutError as exc:
+            raise OutOfTime from exc
+
+    def _matching(self, text: str, first: int) -> Iterator[tuple[int, str]]:
+        """(line number, line) of the matching lines of `text`, whole lines whose first is line `first`."""
+        pos = counted = 0
+        number = first
+        while pos < len(text) and (found := self._find(self.lines_pattern, text, pos)) is not None:
+            start = text.rfind("\n", 0, found.start()) + 1
+            if start >= len(text):  # an empty match after the last line ending: no line there
+                return
+            end = text.find("\n", found.start()) + 1 or len(text)
+            number += text.count("\n", counted, start)
+            counted = start
+            line = text[start:end]
+            if self._find(self.pattern, line, 0) is not None:
+                yield number, line.rstrip("\r\n")
+            pos = end
+
+    def lines_of(self, fd: int, where: str) -> Iterator[tuple[int, str]]:
+        """(line number, line) of every matching line of the text file open on `fd` (closed after)."""
+        self.where = where
+        try:
+            with os.fdopen(fd, "rb") as raw:
+                pending = raw.read(BINARY_SNIFF_BYTES)
+                if b"\0" in pending:
+                    return
+                number, total = 1, len(pending)
+                while True:
+                    more = raw.read(GREP_CHUNK_BYTES) if total < GREP_MAX_FILE_BYTES else b""
+                    total += len(more)
+                    data = pending + more
+                    cut = data.rfind(b"\n") + 1 if more else len(data)
+                    if more and not cut:  # no line ending yet: a long line, read on
+                        pending = data
+                        continue
+                    if self.cancelled():
+                        raise OutOfTime
+                    yield from self._matching(data[:cut].decode("utf-8", "replace"), number)
+                    number += data.count(b"\n", 0, cut)
+                    pending = data[cut:]
+                    if not more:
+                        return
+        except OSError:  # unreadable midway: nothing more to report from it
+            return
+
+
+def _include_filter(include: str | None) -> Callable[[str, str], bool]:
+    """A test of (file name, path relative to the search base); a pattern with `/` is matched against the path."""
+    if not include:
+        return lambda name, relative: True
+    patterns = expand_braces(include)
+    if "/" in include:
+        return lambda name, relative: any(fnmatch.fnmatchcase(relative, p) for p in patterns)
+    return lambda name, relative: any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+def _entries(dir_fd: int) -> tuple[list[str], list[str]]:
+    """(subdirectories, other names) of a directory, sorted; symlinks count as files, never as directories."""
+    dirs: list[str] = []
+    files: list[str] = []
+    try:
+        with os.scandir(dir_fd) as listing:
+            for entry in listing:
+                try:
+                    is_dir = entry.is_dir(follow_symlinks=False)
+                except OSError:  # vanished meanwhile
+                    continue
+                (dirs if is_dir else files).append(entry.name)
+    except OSError:  # unreadable directory: nothing in it to search
+        return [], []
+    return sorted(d for d in dirs if d not in SKIPPED_DIRS), sorted(files)
+
+
+def _tree(dir_fd: int, below: str, depth: int = 0) -> Iterator[tuple[int, str, str]]:
+    """(directory descriptor, file name, path below the base) of every file, in sorted order, top first."""
+    dirs, files = _entries(dir_fd)
+    for name in files:
+        yield dir_fd, name, f"{below}{name}"
+    if depth >= GREP_MAX_DEPTH:
+        return
+    for name in dirs:
+        try:
+            sub = os.open(name, WALK_DIR_FLAGS, dir_fd=dir_fd)  # O_NOFOLLOW: a symlink swapped in is not entered
+        except OSError:
+            continue
+        try:
+            yield from _tree(sub, f"{below}{name}/", depth + 1)
+        finally:
+            os.close(sub)
+
+
+def _open_entry(root: RootDir, dir_fd: int, name: str, shown: str) -> int | None:
+    """A descriptor of a regular, small enough file to search; None to skip it (special, huge, outside)."""
+    try:
+        fd = os.open(name, WALK_FILE_FLAGS, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:  # vanished, unreadable, a socket (ENXIO)
+            return None
+        try:  # a symlink: followed only while it resolves inside the working directory
+            fd = root.open_beneath(shown, os.O_RDONLY | os.O_NONBLOCK)
+        except (OSError, ValueError):
+            return None
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_size > GREP_MAX_FILE_BYTES:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _hits(root: RootDir, base_fd: int, base: str, include: str | None, search: Search) -> Iterator[str]:
+    """`path:line:text` of every match under the directory `base` (relative to the working directory)."""
+    wanted = _include_filter(include)
+    prefix = "" if base == "." else f"{base}/"
+    for dir_fd, name, below in _tree(base_fd, ""):
+        if search.cancelled():
+            raise OutOfTime
+        if not wanted(name, below):
+            continue
+        shown = prefix + below
+        fd = _open_entry(root, dir_fd, name, shown)
+        if fd is not None:
+            for number, text in search.lines_of(fd, shown):
+                yield f"{shown}:{number}:{clip(text, GREP_LINE_MAX_CHARS)}"
+
+
+def _compile(pattern: str) -> regex.Pattern[str]:
+    if len(pattern) > GREP_MAX_PATTERN_CHARS:
+        raise ToolError(f"pattern of {len(pattern)} characters is too long (at most {GREP_MAX_PATTERN_CHARS})")
+    try:
+        return regex.compile(pattern)
+    except (regex.error, ValueError, OverflowError) as exc:
+        raise ToolError(f"pattern {pattern!r} is not a valid Python regular expression: {exc}") from exc
+
+
+def _found(root: RootDir, ctx: ToolContext, path: str, include: Any, search: Search) -> list[str]:
+    """Up to GREP_MAX_MATCHES + 1 hits for a file or directory `path`."""
+    try:
+        fd = open_path(root, ctx, path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as exc:
+        raise ToolError(f"{path!r} does not exist; give a file or directory inside the working directory") from exc
+    try:
+        mode = os.fstat(fd).st_mode
+        base = root.relative(fd, relative(root, ctx, path))
+        if stat.S_ISDIR(mode):
+            return list(islice(_hits(root, fd, base, include, search), GREP_MAX_MATCHES + 1))
+        if not stat.S_ISREG(mode):
+            raise ToolError(f"{path!r} is not a regular file or a directory; give a file or directory to search")
+        lines = search.lines_of(os.dup(fd), base)
+        return [f"{base}:{n}:{clip(text, GREP_LINE_MAX_CHARS)}" for n, text in islice(lines, GREP_MAX_MATCHES + 1)]
+    finally:
+        os.close(fd)
+
+
+def grep_search(args: Mapping[str, Any], ctx: ToolContext) -> str:
+    """`path:line:text` for every line matching a Python regular expression, files in sorted order."""
+    pattern, path, include = str(args["pattern"]), str(args.get("path", ".")), args.get("include")
+    compiled = _compile(pattern)
+    budget = max(0.0, min(GREP_TIME_LIMIT_S, ctx.seconds_left()))
+    search = Search(compiled, time.monotonic() + budget, ctx.cancelled)
+    with root_of(ctx) as root:
+        try:
+            found = _found(root, ctx, path, include, search)
+        except OutOfTime:
+            if time.monotonic() < search.deadline:  # time was left: a cancel stopped it
+                raise ToolError("the fork was cancelled; the search was stopped") from None
+            raise ToolError(
+                f"grep_search stopped after {round(budget, 1):g} s, its time limit, in {search.where!r}: the "
+                f"pattern {pattern!r} is too slow here (nested repetition such as (a+)+ or (a|a)+ backtracks "
+                "exponentially on long lines). Simplify the pattern (no nested or overlapping repetition, anchor "
+                "it), or narrow `path` or `include`"
+            ) from None
+    if not found:
+        where = f" in files matching {include!r}" if include else ""
+        return f"no matches for {pattern!r} under {path!r}{where}"
+    if len(found) <= GREP_MAX_MATCHES:
+        return "\n".join(found)
+    shown = "\n".join(found[:GREP_MAX_MATCHES])
+    return f"{shown}\n[... stopped after {GREP_MAX_MATCHES} matches; narrow the pattern, path or include ...]"
