@@ -848,7 +848,8 @@ def test_a_catastrophic_pattern_is_stopped_at_its_time_limit_without_stalling_ot
     started = time.monotonic()
     result, gap = longest_gap_while(lambda: registry.run(call, context(work, within_s=1.0)))
     message = error(result)
-    assert message.startswith("grep_search stopped after 1 s, its time limit, in 'poison.txt'")
+    # the budget is what was left of the call's 1 s when the search began (a little less on a busy machine)
+    assert re.match(r"grep_search stopped after (1|0\.\d) s, its time limit, in 'poison\.txt'", message), message
     assert "Simplify the pattern" in message and "'(a|a)+$'" in message
     assert time.monotonic() - started < 1 + MARGIN_S
     assert gap < 0.5  # the GIL stayed free: the worker's heartbeat thread would have run on time

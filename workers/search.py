@@ -323,8 +323,11 @@ def grep_search(args: Mapping[str, Any], ctx: ToolContext) -> str:
     """`path:line:text` for every line matching a Python regular expression, files in sorted order."""
     pattern, path, include = str(args["pattern"]), str(args.get("path", ".")), args.get("include")
     compiled = _compile(pattern)
-    budget = max(0.0, min(GREP_TIME_LIMIT_S, ctx.seconds_left()))
-    search = Search(compiled, time.monotonic() + budget, ctx.cancelled)
+    started = time.monotonic()
+    # the call's own deadline, to the instant: a caller that stops waiting at it (`ToolRegistry.run`) makes
+    # `cancelled()` true at a time this search then reads as its limit, not as a cancel
+    search = Search(compiled, min(started + GREP_TIME_LIMIT_S, ctx.deadline), ctx.cancelled)
+    budget = max(0.0, search.deadline - started)
     with root_of(ctx) as root:
         try:
             found = _found(root, ctx, path, include, search)
