@@ -12,18 +12,140 @@ Only forkq's app uses this (`Celery(amqp=ForkqAMQP)`; nothing in kombu is patche
 their copies and its producer pool's connections resolve the transport as kombu does and then use
 forkq's subclass of it. URL parsing (`redis`, `rediss`, `redis+socket`, `sentinel`), TLS options and
 failover are kombu's own; `as_uri()` and `info()` name the scheme (Flower's broker page, the banner).
+
+What reaches a queue is checked before kombu and Celery see it. kombu json-loads each popped item
+and builds its message outside Celery's decode-error handling, so an item that is not a kombu
+envelope (`LPUSH forks 'not json'`, `[1,2,3]`, an object without `properties`, ...) used to stop the
+worker ("Unrecoverable error", exit 0). Now the channel reads each BRPOP reply first: an item that is
+too large, not JSON, or not an envelope kombu and Celery can take (field types, content type, task
+name on a job queue, any `compression` header: forkq never compresses jobs, so nothing is inflated)
+is handed to the channel's `on_rejected` (the worker's consumer step writes forkq's dead letters)
+and never delivered; anything Celery still raises while taking a delivered item is caught the same
+way, and the item is acknowledged. The worker goes on serving.
 """
 
 from __future__ import annotations
 
-from typing import Any, cast
+import functools
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Final, cast
 
 import kombu
 import redis
 from celery.app.amqp import AMQP
 from kombu.connection import ConnectionPool, PooledConnection
 from kombu.transport import redis as kombu_redis
+from kombu.utils import json as kombu_json
 from kombu.utils.collections import HashedSeq
+from kombu.utils.encoding import bytes_to_str
+
+from broker_config.celery import JOB_CONTENT_TYPE, JOB_TASKS
+
+log = logging.getLogger("forkq.broker")
+
+# a job carries at most 4 MiB of inline chunks and a 4 MiB record (workers.runner.MAX_INLINE_JOB_BYTES):
+# base64 in a JSON envelope, well under this; a larger item is refused before it is parsed
+MAX_ENVELOPE_BYTES: Final = 16 * 1024 * 1024
+_MAX_TAG: Final = 256
+
+
+@dataclass(frozen=True, slots=True)
+class Rejected:
+    """A queue item the worker refused to deliver: its queue, its bytes, why, and its task id when it has one."""
+
+    queue: str
+    raw: bytes
+    reason: str
+    task_id: str | None = None
+
+
+RejectSink = Callable[[Rejected], None]
+
+
+def read_item(item: bytes, *, job: bool) -> tuple[Any, str | None]:
+    """A popped queue item's envelope and, if it cannot be delivered, why (`job`: the item is on a job queue)."""
+    if len(item) > MAX_ENVELOPE_BYTES:
+        return None, f"it is {len(item):,} bytes, more than the {MAX_ENVELOPE_BYTES:,} any forkq job needs"
+    try:
+        envelope = kombu_json.loads(item)  # kombu's own loads: its type markers fail here, not in kombu
+    except (ValueError, TypeError, RecursionError) as exc:
+        return None, f"it is not JSON ({type(exc).__name__}: {str(exc)[:200]}); a kombu envelope is a JSON object"
+    return envelope, envelope_problem(envelope, job=job)
+
+
+def envelope_problem(envelope: Any, *, job: bool) -> str | None:
+    """Why kombu or Celery could not take this decoded envelope (None when they can); `job`: on a job queue."""
+    if not isinstance(envelope, dict):
+        return f"it is {_kind(envelope)}, not a JSON object: not a kombu envelope"
+    problem = _properties_problem(envelope.get("properties"))
+    if problem is not None:
+        return problem
+    headers = envelope.get("headers")
+    fields = {"body": envelope.get("body"), "content-type": envelope.get("content-type")}
+    fields["content-encoding"] = envelope.get("content-encoding")
+    bad = next((name for name, value in fields.items() if not isinstance(value, str | None)), None)
+    if bad is not None:
+        return f"`{bad}` is {_kind(fields[bad])}; expected a string"
+    if not isinstance(headers, dict | None):
+        return f"`headers` is {_kind(headers)}; expected an object"
+    compression = (headers or {}).get("compression")
+    if compression:
+        return (
+            f"its body is compressed (headers.compression {str(compression)[:100]!r}): forkq never compresses "
+            "jobs and inflates nothing from the queue (a small compressed body can inflate to gigabytes)"
+        )
+    return _job_problem(envelope, headers or {}) if job else None
+
+
+def _properties_problem(properties: Any) -> str | None:
+    if not isinstance(properties, dict):
+        return f"`properties` is {_kind(properties)}; expected an object with delivery_tag and delivery_info"
+    tag = properties.get("delivery_tag")
+    if not isinstance(tag, str) or not 0 < len(tag) <= _MAX_TAG:
+        return f"`properties.delivery_tag` is {_kind(tag)}; expected a string of 1-{_MAX_TAG} characters"
+    info = properties.get("delivery_info")
+    if not (
+        isinstance(info, dict) and isinstance(info.get("exchange"), str) and isinstance(info.get("routing_key"), str)
+    ):
+        return "`properties.delivery_info` must be an object with the strings `exchange` and `routing_key`"
+    encoding = properties.get("body_encoding")
+    if encoding is not None and (not isinstance(encoding, str) or encoding.lower() not in ("base64", "utf-8")):
+        return f"`properties.body_encoding` is {_kind(encoding)}; expected 'base64' (or 'utf-8')"
+    return None
+
+
+def _job_problem(envelope: dict[str, Any], headers: dict[str, Any]) -> str | None:
+    content_type = envelope.get("content-type")
+    if content_type != JOB_CONTENT_TYPE:
+        return (
+            f"content-type {str(content_type)[:100]!r} is not accepted: forkq jobs are {JOB_CONTENT_TYPE}; "
+            "pickle and other serializers are never loaded"
+        )
+    task = headers.get("task")
+    if not isinstance(task, str) or task not in JOB_TASKS:
+        return f"headers.task is {_kind(task)}; a forkq queue carries {' and '.join(JOB_TASKS)} only"
+    task_id = headers.get("id")
+    if not isinstance(task_id, str) or not 0 < len(task_id) <= _MAX_TAG:
+        return f"headers.id is {_kind(task_id)}; expected the task id, a string of 1-{_MAX_TAG} characters"
+    return None
+
+
+def _kind(value: Any) -> str:
+    """A short description of an outsider's value for a message: its type, and the value when short."""
+    if value is None:
+        return "missing"
+    text = repr(value)
+    return (
+        f"{type(value).__name__} {text}" if len(text) <= 60 else f"a {type(value).__name__} of {len(text):,} characters"
+    )
+
+
+def _task_id(envelope: Any) -> str | None:
+    headers = envelope.get("headers") if isinstance(envelope, dict) else None
+    task_id = headers.get("id") if isinstance(headers, dict) else None
+    return task_id[:_MAX_TAG] if isinstance(task_id, str) else None
 
 
 class _OneClientPerPool:
@@ -42,12 +164,92 @@ class _OneClientPerPool:
         return client
 
 
-class RedisChannel(_OneClientPerPool, kombu_redis.Channel):
-    """kombu's Redis channel, reusing its synchronous client."""
+class _GuardsDeliveries:
+    """Channel mixin: each item is checked before kombu parses it and Celery takes it; a bad one goes to
+    `on_rejected` (logged when none is set) and is never raised into the worker's event loop."""
+
+    on_rejected: RejectSink | None = None
+    job_queues: frozenset[str] = frozenset()
+    _popped: tuple[str, bytes] | None = None  # the bytes of the item being delivered, for its dead letter
+
+    def guard(self, on_rejected: RejectSink, job_queues: Iterable[str]) -> None:
+        """Send refused items to `on_rejected`; items on `job_queues` must also be forkq jobs."""
+        self.on_rejected = on_rejected
+        self.job_queues = frozenset(job_queues)
+
+    def _create_client(self, asynchronous: bool = False) -> Any:
+        client = super()._create_client(asynchronous=asynchronous)  # type: ignore[misc]
+        if asynchronous:  # the client kombu reads BRPOP replies with: check each item as it is read
+            parse = client.parse_response
+
+            def checked(connection: Any, command_name: str, **options: Any) -> Any:
+                reply = parse(connection, command_name, **options)
+                return self._checked_pop(reply) if command_name == "BRPOP" and reply else reply
+
+            client.parse_response = checked  # this channel's own client; kombu and redis-py are not patched
+        return client
+
+    def _checked_pop(self, reply: Any) -> Any:
+        dest, item = reply
+        queue = bytes_to_str(dest).rsplit(self.sep, 1)[0]  # type: ignore[attr-defined]  # priority suffix
+        envelope, problem = read_item(item, job=queue in self.job_queues)
+        if problem is None:
+            self._popped = (queue, item)
+            return reply
+        self._reject(Rejected(queue, item, problem, _task_id(envelope)))
+        return None  # kombu reads "nothing popped" and polls again
+
+    def basic_consume(self, queue: str, *args: Any, **kwargs: Any) -> Any:
+        """kombu's `basic_consume`, with every delivery to `queue` checked and guarded."""
+        result = super().basic_consume(queue, *args, **kwargs)  # type: ignore[misc]
+        callbacks = self.connection._callbacks  # type: ignore[attr-defined]
+        callbacks[queue] = functools.partial(self._deliver_checked, queue, callbacks[queue])
+        return result
+
+    def _deliver_checked(self, queue: str, deliver: Callable[[Any], Any], envelope: Any) -> Any:
+        popped, self._popped = self._popped, None
+        raw = popped[1] if popped is not None and popped[0] == queue else None
+        problem = envelope_problem(envelope, job=queue in self.job_queues)  # fanout items were not checked yet
+        if problem is None:
+            try:
+                return deliver(envelope)
+            except self.connection_errors:  # type: ignore[attr-defined]  # kombu and Celery reconnect
+                raise
+            except Exception as exc:  # Celery could not take it: never let it stop the worker
+                log.exception("queue item on %r: the worker could not take it", queue)
+                self._ack_taken(envelope)
+                problem = f"the worker could not take it: {type(exc).__name__}: {str(exc)[:500]}"
+        self._reject(Rejected(queue, raw or kombu_json.dumps(envelope).encode(), problem, _task_id(envelope)))
+        return None
+
+    def _ack_taken(self, envelope: dict[str, Any]) -> None:
+        """Acknowledge an item kombu recorded as delivered (else it would come back after the visibility timeout)."""
+        tag = envelope["properties"]["delivery_tag"]
+        try:
+            if tag in self.qos._delivered:  # type: ignore[attr-defined]
+                self.basic_ack(tag)  # type: ignore[attr-defined]
+        except Exception:
+            log.exception("queue item %r could not be acknowledged", tag)
+
+    def _reject(self, item: Rejected) -> None:
+        log.error(
+            "queue item on %r refused (%s bytes, not delivered): %s", item.queue, f"{len(item.raw):,}", item.reason
+        )
+        if self.on_rejected is None:
+            log.error("queue item on %r: no dead-letter sink; its first bytes: %r", item.queue, item.raw[:512])
+            return
+        try:
+            self.on_rejected(item)
+        except Exception as exc:
+            log.error("queue item on %r not dead-lettered (%s); its first bytes: %r", item.queue, exc, item.raw[:512])
 
 
-class SentinelChannel(_OneClientPerPool, kombu_redis.SentinelChannel):
-    """kombu's Sentinel channel, reusing its synchronous client."""
+class RedisChannel(_GuardsDeliveries, _OneClientPerPool, kombu_redis.Channel):
+    """kombu's Redis channel, reusing its synchronous client and checking what it delivers."""
+
+
+class SentinelChannel(_GuardsDeliveries, _OneClientPerPool, kombu_redis.SentinelChannel):
+    """kombu's Sentinel channel, reusing its synchronous client and checking what it delivers."""
 
 
 class RedisTransport(kombu_redis.Transport):

@@ -11,7 +11,7 @@ from typing import Any
 from celery import Celery, bootsteps
 
 from broker_config.celery import celery_config
-from broker_config.connection import ForkqAMQP
+from broker_config.connection import ForkqAMQP, Rejected
 from broker_config.settings import Settings
 from workers.errors import ConfigurationError
 from workers.health import check_redis
@@ -33,6 +33,7 @@ def make_app(settings: Settings) -> Celery:
     app.forkq_runtime = runtime  # type: ignore[attr-defined]
     register_tasks(app, runtime)
     app.steps["worker"].add(ForkqWorkerStep)
+    app.steps["consumer"].add(ForkqConsumerStep)
     return app
 
 
@@ -76,6 +77,31 @@ class ForkqWorkerStep(bootsteps.StartStopStep):
         if self.metrics_server is not None:
             self.metrics_server.close()
             self.metrics_server = None
+
+
+class ForkqConsumerStep(bootsteps.StartStopStep):
+    """The consumer's step: the task channel hands queue items it refuses to forkq's dead letters.
+
+    It starts after Celery's task consumer and before the event loop consumes anything, and again
+    after every reconnect (the consumer restarts its steps on a new connection and channel).
+    """
+
+    requires = ("celery.worker.consumer.tasks:Tasks",)
+
+    def start(self, parent: Any) -> None:
+        runtime = runtime_of(parent.app)
+        guard = getattr(parent.task_consumer.channel, "guard", None)
+        if guard is None:  # not forkq's transport (another broker): kombu and Celery as they are
+            log.warning("broker transport %s does not check queue items", type(parent.task_consumer.channel))
+            return
+        guard(lambda item: dead_letter_item(runtime, item), [runtime.settings.queue])
+
+
+def dead_letter_item(runtime: WorkerRuntime, item: Rejected) -> None:
+    """Keep a queue item the channel refused in forkq's dead letters, with its bytes and the reason."""
+    reason = f"queue item refused before delivery, nothing ran: {item.reason}"
+    runtime.store.dead_letter(item.task_id, reason, raw=item.raw, queue=item.queue)
+    runtime.metrics.skipped("rejected")
 
 
 def _serve_worker_metrics(runtime: WorkerRuntime, pool_cls: Any) -> MetricsServer | None:

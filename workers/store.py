@@ -8,6 +8,7 @@ each is atomic; timestamps come from Redis `TIME`, never from worker clocks.
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import threading
@@ -19,6 +20,7 @@ from typing import Any, Final, cast
 import redis
 from redis.commands.core import Script
 
+from workers import codec
 from workers.errors import ForkNotFound, InvalidApproval, RecordExistsError, RecordIntegrityError
 from workers.history import ForkSeed
 from workers.journal import JournalEntry
@@ -37,6 +39,7 @@ from workers.records import (
 EVENTS_MAXLEN: Final = 10_000
 WAIT_TIMEOUT_MS: Final = 1000
 DEAD_LETTERS_MAX: Final = 1000
+DEAD_LETTER_RAW_MAX: Final = 64 * 1024  # bytes of a refused queue item a dead letter keeps (with its size and digest)
 KNOWN_CHUNKS_MAX: Final = 4096  # chunk keys a client remembers writing, so that it does not send them again
 DECISION_GRACE_MS: Final = 30_000  # a decided fork's job not confirmed enqueued by then is re-enqueued by a sweeper
 
@@ -275,9 +278,19 @@ class ForkStore:
                     WAIT_TIMEOUT_MS,
                 )
 
-    def dead_letter(self, task_id: str, reason: str) -> None:
-        """Keep a rejected job's id and reason (last 1,000) for operators: `LRANGE forkq:dead 0 -1`."""
-        entry = json.dumps({"task_id": task_id, "reason": reason[:2000]})
+    def dead_letter(
+        self, task_id: str | None, reason: str, *, raw: bytes | None = None, queue: str | None = None
+    ) -> None:
+        """Keep a rejected job's id and reason (last 1,000) for operators: `LRANGE forkq:dead 0 -1`.
+
+        A queue item refused before Celery saw it also keeps its queue and its bytes (`raw_item`).
+        """
+        letter: dict[str, Any] = {"task_id": task_id, "reason": reason[:2000]}
+        if queue is not None:
+            letter["queue"] = queue
+        if raw is not None:
+            letter |= raw_item(raw)
+        entry = json.dumps(letter)
         pipe = self.client.pipeline(transaction=False)
         pipe.lpush(self.keys.dead_letters, entry)
         pipe.ltrim(self.keys.dead_letters, 0, DEAD_LETTERS_MAX - 1)
@@ -448,6 +461,17 @@ class ForkStore:
                 yield event
                 if event.terminal:
                     return
+
+
+def raw_item(raw: bytes) -> dict[str, Any]:
+    """A dead letter's copy of an item's bytes: the first 64 KiB as text (`raw`, when UTF-8) or `raw_base64`,
+    with the item's size and BLAKE2b-256 digest, so that an item too large to keep whole is still identified."""
+    head = raw[:DEAD_LETTER_RAW_MAX]
+    try:
+        kept: dict[str, Any] = {"raw": head.decode("utf-8")}
+    except UnicodeDecodeError:
+        kept = {"raw_base64": base64.b64encode(head).decode("ascii")}
+    return kept | {"raw_bytes": len(raw), "raw_truncated": len(raw) > len(head), "raw_blake2b": codec.digest(raw)}
 
 
 def _approval_refusal(state: ForkState, call_id: str) -> str:
