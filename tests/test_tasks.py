@@ -320,6 +320,31 @@ def test_malformed_jobs_are_rejected_and_the_worker_runs_the_fork_afterwards(
     assert handle.wait(timeout=15).status is Status.SUCCEEDED
 
 
+@pytest.mark.parametrize("fork_id", ["../{evil}", "f-1 2", "", "-f", "f" * 129, "f-\u00e9"])
+def test_a_job_whose_fork_id_is_not_a_fork_id_is_dead_lettered_and_the_worker_runs_the_next_fork(
+    fork_id: str,
+    client: ForkClient,
+    start_live_worker: Callable[[Celery], WorkController],
+    parent: dict[str, Any],
+    outcomes: list[tuple[str, Any, str]],
+) -> None:
+    # Given a job naming a fork id that does not match the id pattern, ahead of a real fork's job
+    redis_client, queue = client.redis, client.settings.queue
+    task_id = push_raw(redis_client, queue, job_body(fork_id, "0" * 64, None))
+    handle = client.launch(parent, {**FORK, "fork_turns": "1"})
+
+    # When a worker consumes both
+    start_live_worker(client.app)
+    result = handle.wait(timeout=15)
+
+    # Then the bad job was rejected and dead-lettered with the reason, and the real fork ran
+    wait_until(lambda: any(tid == task_id for tid, _, _ in outcomes), what="the bad job to be handled")
+    assert [(retval, state) for tid, retval, state in outcomes if tid == task_id] == [("rejected:malformed", "SUCCESS")]
+    [letter] = [json.loads(raw) for raw in redis_client.lrange(client.store.keys.dead_letters, 0, -1)]
+    assert letter["task_id"] == task_id and "fork_id" in letter["reason"], letter
+    assert result.status is Status.SUCCEEDED
+
+
 HOSTILE = {
     # pickle would create the marker file when loaded: forkq's workers accept msgpack only
     "pickle": (lambda marker: pickle.dumps(Pwned(marker)), "application/x-python-serialize", RUN_FORK_TASK),

@@ -22,7 +22,7 @@ from workers.child import ChildLoop, Parked, Spawner, Stopped, first_model_call
 from workers.errors import ForkNotFound, ForkqError, LeaseLost, RecordDecodeError, RecordIntegrityError
 from workers.history import ForkSeed
 from workers.journal import JournalEntry, RequestDigests
-from workers.keys import Keys
+from workers.keys import FORK_ID_RE, Keys
 from workers.lease import Claim, LeaseKeeper, Leases
 from workers.metrics import Metrics
 from workers.progress import Progress, RunObserver
@@ -51,6 +51,17 @@ class RunForkJob(BaseModel):
     digest: str = Field(pattern=r"^[0-9a-f]{64}$")
     seed_chunks: list[bytes] | None = None  # inline: the context chunk, then the seed's chunks
     record: bytes | None = Field(None, max_length=MAX_INLINE_JOB_BYTES)  # inline: the stored record bytes
+
+    @field_validator("fork_id")
+    @classmethod
+    def _an_id(cls, fork_id: str) -> str:
+        # the id names Redis keys: an id the key schema refuses is a malformed job, not a crash in the task
+        if not FORK_ID_RE.fullmatch(fork_id):
+            raise ValueError(
+                f"fork id {fork_id[:140]!r} is not a fork id: expected 1-128 letters, digits, '_', '.' or '-', "
+                "starting with a letter or digit (as `f-<hex>`, or `<id>.<step>.<index>` for nested subagents)"
+            )
+        return fork_id
 
     @field_validator("seed_chunks")
     @classmethod
