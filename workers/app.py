@@ -50,6 +50,9 @@ class ForkqWorkerStep(bootsteps.StartStopStep):
     def __init__(self, parent: Any, **kwargs: Any) -> None:
         super().__init__(parent, **kwargs)
         self.runtime = runtime_of(parent.app)
+        # the pool's real size (`celery worker -c` bypasses FORKQ_WORKER_CONCURRENCY): the Redis pool fits it
+        slots = max(int(parent.concurrency or 0), int(getattr(parent, "max_concurrency", None) or 0))
+        self.runtime.slots = slots or None
         settings = self.runtime.settings
         self.heartbeat = Heartbeat(settings.heartbeat_file, settings.heartbeat_s, str(parent.hostname))
         self.metrics_server: MetricsServer | None = None

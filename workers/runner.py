@@ -41,6 +41,8 @@ MAX_INLINE_JOB_BYTES: Final = 4 * 1024 * 1024
 
 Requeue = Callable[[str, str, int], None]  # fork id, digest, attempt
 
+POOL_HEADROOM: Final = 16  # Redis connections of a worker process beyond one per fork slot
+
 
 class RunForkJob(BaseModel):
     """The payload of a `run_fork` job, validated before anything runs."""
@@ -79,11 +81,18 @@ class WorkerRuntime:
     settings: Settings
     requeue: Requeue | None = None  # set by make_app: enqueue a released fork again
     stopping: threading.Event = field(default_factory=threading.Event)  # set on worker shutdown
+    slots: int | None = None  # fork slots of the worker (its step sets it); None: FORKQ_WORKER_CONCURRENCY
 
     @cached_property
     def redis(self) -> redis.Redis:
-        """One client (one connection pool) per process."""
-        return redis_client(self.settings, health_check_interval=30)
+        """One client (one connection pool) per process, with a connection for every fork slot and the worker's own.
+
+        A run holds one connection at a time; the headroom is for the heartbeat, the dead letters and
+        beat sweeps. redis-py's default pool (100) failed runs at `--concurrency 1000` with
+        `MaxConnectionsError`; a full pool now makes a command wait for a connection instead.
+        """
+        slots = self.slots or self.settings.worker_concurrency
+        return redis_client(self.settings, health_check_interval=30, max_connections=slots + POOL_HEADROOM)
 
     @cached_property
     def store(self) -> ForkStore:
