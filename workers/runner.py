@@ -239,10 +239,16 @@ def new_owner() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{threading.get_ident()}:{uuid.uuid4().hex[:12]}"
 
 
-def run_fork_job(runtime: WorkerRuntime, job: RunForkJob, progress: Progress | None = None) -> str:
+def run_fork_job(
+    runtime: WorkerRuntime,
+    job: RunForkJob,
+    progress: Progress | None = None,
+    claimed: Callable[[Claim], None] | None = None,
+) -> str:
     """Run one delivery of a fork job; returns what happened (`succeeded`, `duplicate:<status>`, ...).
 
-    `progress` is called once per step (`workers.progress.step_progress` fields).
+    `progress` is called once per step (`workers.progress.step_progress` fields), `claimed` once the
+    delivery holds the fork (Flower's final state of the run before it); neither can stop the fork.
 
     A delivery whose digest is not the fork's launch digest is refused without touching the fork;
     a stored record that no longer matches its digest fails the fork; a delivery for a fork that is
@@ -270,6 +276,11 @@ def run_fork_job(runtime: WorkerRuntime, job: RunForkJob, progress: Progress | N
         return f"duplicate:{claim}"
     lost = runtime.keeper.hold(claim)
     run = RunObserver(runtime.metrics, runtime.tools.tools, claim.attempt, progress)
+    if claimed is not None:
+        try:
+            claimed(claim)
+        except Exception as exc:  # observability never stops a fork
+            log.warning("fork %s: the claim of attempt %d was not reported: %s", fid, claim.attempt, exc)
     try:
         return run.ended(_run_claimed(runtime, job, claim, lost, observe=run.observe, first=first))
     except LeaseLost as exc:

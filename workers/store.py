@@ -453,6 +453,11 @@ class ForkStore:
         reply = cast(list[Any], self.client.xread({key: after}, count=count, block=block_ms))
         return [_event(eid, fields) for _, entries in reply or [] for eid, fields in entries]
 
+    def latest_events(self, fork_id: str, *, count: int) -> list[ForkEvent]:
+        """The fork's newest `count` events, newest first."""
+        reply = cast(list[Any], self.client.xrevrange(self.keys.events(fork_id), count=count))
+        return [_event(eid, fields) for eid, fields in reply]
+
     def follow(self, fork_id: str, *, after: str = "0-0", block_ms: int = 1000) -> Iterator[ForkEvent]:
         """Every event from `after` on, waiting for new ones, until the fork's terminal event."""
         while True:
