@@ -19,14 +19,16 @@ envelope (`LPUSH forks 'not json'`, `[1,2,3]`, an object without `properties`, .
 worker ("Unrecoverable error", exit 0). Now the channel reads each BRPOP reply first: an item that is
 too large, not JSON, or not an envelope kombu and Celery can take (field types, content type, task
 name on a job queue, any `compression` header: forkq never compresses jobs, so nothing is inflated)
-is handed to the channel's `on_rejected` (the worker's consumer step writes forkq's dead letters)
+is handed to the transport's `on_rejected` (the worker's consumer step writes forkq's dead letters)
 and never delivered; anything Celery still raises while taking a delivered item is caught the same
-way, and the item is acknowledged. The worker goes on serving.
+way, and the item is acknowledged. An entry of kombu's `unacked` hash it cannot restore is removed
+and handed to `on_rejected` too. The worker goes on serving.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -48,17 +50,27 @@ log = logging.getLogger("forkq.broker")
 # a job carries at most 4 MiB of inline chunks and a 4 MiB record (workers.runner.MAX_INLINE_JOB_BYTES):
 # base64 in a JSON envelope, well under this; a larger item is refused before it is parsed
 MAX_ENVELOPE_BYTES: Final = 16 * 1024 * 1024
+RAW_KEPT: Final = 64 * 1024  # bytes of a refused item its dead letter keeps
+HELD_MAX: Final = 16  # refused items a transport keeps until it has a sink (a worker's first restore comes first)
 _MAX_TAG: Final = 256
 
 
 @dataclass(frozen=True, slots=True)
 class Rejected:
-    """A queue item the worker refused to deliver: its queue, its bytes, why, and its task id when it has one."""
+    """A queue item the worker refused to deliver: its queue, why, its first bytes, size and digest, its task id."""
 
     queue: str
-    raw: bytes
     reason: str
+    raw: bytes  # the first RAW_KEPT bytes
+    size: int
+    digest: str  # BLAKE2b-256 of all of it
     task_id: str | None = None
+
+    @classmethod
+    def of(cls, queue: str, raw: bytes, reason: str, task_id: str | None = None) -> Rejected:
+        """The refusal of `raw`, keeping its first RAW_KEPT bytes (an item can be 16 MiB)."""
+        digest = hashlib.blake2b(raw, digest_size=32).hexdigest()
+        return cls(queue, reason, bytes(raw[:RAW_KEPT]), len(raw), digest, task_id)
 
 
 RejectSink = Callable[[Rejected], None]
@@ -164,18 +176,71 @@ class _OneClientPerPool:
         return client
 
 
-class _GuardsDeliveries:
-    """Channel mixin: each item is checked before kombu parses it and Celery takes it; a bad one goes to
-    `on_rejected` (logged when none is set) and is never raised into the worker's event loop."""
+class _CheckedQoS(kombu_redis.QoS):
+    """kombu's Redis QoS, dropping (and reporting) an unacked entry it cannot restore instead of raising.
+
+    The `unacked` hash is kombu's own bookkeeping, but it is as writable as the queues: an entry that
+    is not kombu's `[envelope, exchange, routing_key]` JSON made every start of a worker end in
+    "Unrecoverable error" once its visibility timeout passed.
+    """
+
+    def restore_by_tag(self, tag: Any, client: Any = None, leftmost: bool = False) -> None:
+        """kombu's restore of one unacked entry; one it cannot read is removed and handed to `on_rejected`."""
+        channel: Any = self.channel  # forkq's channel (the stubs know kombu's base class only)
+        try:
+            super().restore_by_tag(tag, client, leftmost)
+        except channel.connection_errors:
+            raise
+        except Exception as exc:  # kombu's JSON, or the entry's shape: never kombu's own entries
+            with channel.conn_or_acquire(client) as conn:
+                raw = conn.hget(self.unacked_key, tag) or b""
+                self._remove_from_indices(tag, conn.pipeline()).execute()  # type: ignore[attr-defined]
+            reason = f"an entry of {self.unacked_key!r} kombu cannot restore ({type(exc).__name__}: {str(exc)[:200]})"
+            channel._reject(Rejected.of(self.unacked_key, raw, reason))
+
+
+class _Guarded:
+    """Transport mixin: where its channels send the items they refuse, and which queues carry forkq jobs."""
 
     on_rejected: RejectSink | None = None
     job_queues: frozenset[str] = frozenset()
-    _popped: tuple[str, bytes] | None = None  # the bytes of the item being delivered, for its dead letter
+    _held: tuple[Rejected, ...] = ()  # refused before there was a sink
 
     def guard(self, on_rejected: RejectSink, job_queues: Iterable[str]) -> None:
-        """Send refused items to `on_rejected`; items on `job_queues` must also be forkq jobs."""
+        """Send refused items to `on_rejected`, those held so far first; items on `job_queues` must be forkq jobs."""
         self.on_rejected = on_rejected
         self.job_queues = frozenset(job_queues)
+        held, self._held = self._held, ()
+        for item in held:
+            self.reject(item)
+
+    def reject(self, item: Rejected) -> None:
+        """Hand a refused item to the sink; without one yet, hold it (the first HELD_MAX) and log it."""
+        sink = self.on_rejected
+        if sink is None:
+            if len(self._held) < HELD_MAX:
+                self._held = (*self._held, item)
+            log.error(
+                "queue item on %r not dead-lettered yet (no sink); its first bytes: %r", item.queue, item.raw[:512]
+            )
+            return
+        try:
+            sink(item)
+        except Exception as exc:
+            log.error("queue item on %r not dead-lettered (%s); its first bytes: %r", item.queue, exc, item.raw[:512])
+
+
+class _GuardsDeliveries:
+    """Channel mixin: each item is checked before kombu parses it and Celery takes it; a bad one goes to
+    the transport's `on_rejected` and is never raised into the worker's event loop."""
+
+    _popped: tuple[str, bytes] | None = None  # the bytes of the item being delivered, for its dead letter
+
+    @property
+    def job_queues(self) -> frozenset[str]:
+        """The queues whose items must be forkq jobs (the transport's)."""
+        queues: frozenset[str] = getattr(self.connection, "job_queues", frozenset())  # type: ignore[attr-defined]
+        return queues
 
     def _create_client(self, asynchronous: bool = False) -> Any:
         client = super()._create_client(asynchronous=asynchronous)  # type: ignore[misc]
@@ -196,7 +261,7 @@ class _GuardsDeliveries:
         if problem is None:
             self._popped = (queue, item)
             return reply
-        self._reject(Rejected(queue, item, problem, _task_id(envelope)))
+        self._reject(Rejected.of(queue, item, problem, _task_id(envelope)))
         return None  # kombu reads "nothing popped" and polls again
 
     def basic_consume(self, queue: str, *args: Any, **kwargs: Any) -> Any:
@@ -219,7 +284,7 @@ class _GuardsDeliveries:
                 log.exception("queue item on %r: the worker could not take it", queue)
                 self._ack_taken(envelope)
                 problem = f"the worker could not take it: {type(exc).__name__}: {str(exc)[:500]}"
-        self._reject(Rejected(queue, raw or kombu_json.dumps(envelope).encode(), problem, _task_id(envelope)))
+        self._reject(Rejected.of(queue, raw or kombu_json.dumps(envelope).encode(), problem, _task_id(envelope)))
         return None
 
     def _ack_taken(self, envelope: dict[str, Any]) -> None:
@@ -232,33 +297,33 @@ class _GuardsDeliveries:
             log.exception("queue item %r could not be acknowledged", tag)
 
     def _reject(self, item: Rejected) -> None:
-        log.error(
-            "queue item on %r refused (%s bytes, not delivered): %s", item.queue, f"{len(item.raw):,}", item.reason
-        )
-        if self.on_rejected is None:
-            log.error("queue item on %r: no dead-letter sink; its first bytes: %r", item.queue, item.raw[:512])
-            return
-        try:
-            self.on_rejected(item)
-        except Exception as exc:
-            log.error("queue item on %r not dead-lettered (%s); its first bytes: %r", item.queue, exc, item.raw[:512])
+        log.error("queue item on %r refused (%s bytes, not delivered): %s", item.queue, f"{item.size:,}", item.reason)
+        transport = self.connection  # type: ignore[attr-defined]
+        if isinstance(transport, _Guarded):
+            transport.reject(item)
+        else:
+            log.error("queue item on %r: not dead-lettered; its first bytes: %r", item.queue, item.raw[:512])
 
 
 class RedisChannel(_GuardsDeliveries, _OneClientPerPool, kombu_redis.Channel):
     """kombu's Redis channel, reusing its synchronous client and checking what it delivers."""
 
+    QoS = _CheckedQoS
+
 
 class SentinelChannel(_GuardsDeliveries, _OneClientPerPool, kombu_redis.SentinelChannel):
     """kombu's Sentinel channel, reusing its synchronous client and checking what it delivers."""
 
+    QoS = _CheckedQoS
 
-class RedisTransport(kombu_redis.Transport):
+
+class RedisTransport(_Guarded, kombu_redis.Transport):
     """kombu's Redis transport with `RedisChannel`."""
 
     Channel = RedisChannel
 
 
-class SentinelTransport(kombu_redis.SentinelTransport):
+class SentinelTransport(_Guarded, kombu_redis.SentinelTransport):
     """kombu's Sentinel transport with `SentinelChannel`."""
 
     Channel = SentinelChannel

@@ -83,19 +83,21 @@ class ForkqWorkerStep(bootsteps.StartStopStep):
 
 
 class ForkqConsumerStep(bootsteps.StartStopStep):
-    """The consumer's step: the task channel hands queue items it refuses to forkq's dead letters.
+    """The consumer's step: the channels of its broker connection hand the items they refuse to forkq's
+    dead letters, and check the items on forkq's queue as forkq jobs.
 
     It starts after Celery's task consumer and before the event loop consumes anything, and again
-    after every reconnect (the consumer restarts its steps on a new connection and channel).
+    after every reconnect (the consumer restarts its steps on a new connection).
     """
 
     requires = ("celery.worker.consumer.tasks:Tasks",)
 
     def start(self, parent: Any) -> None:
         runtime = runtime_of(parent.app)
-        guard = getattr(parent.task_consumer.channel, "guard", None)
+        transport = parent.connection.transport
+        guard = getattr(transport, "guard", None)
         if guard is None:  # not forkq's transport (another broker): kombu and Celery as they are
-            log.warning("broker transport %s does not check queue items", type(parent.task_consumer.channel))
+            log.warning("broker transport %s does not check queue items", type(transport).__name__)
             return
         guard(lambda item: dead_letter_item(runtime, item), [runtime.settings.queue])
 
@@ -103,7 +105,7 @@ class ForkqConsumerStep(bootsteps.StartStopStep):
 def dead_letter_item(runtime: WorkerRuntime, item: Rejected) -> None:
     """Keep a queue item the channel refused in forkq's dead letters, with its bytes and the reason."""
     reason = f"queue item refused before delivery, nothing ran: {item.reason}"
-    runtime.store.dead_letter(item.task_id, reason, raw=item.raw, queue=item.queue)
+    runtime.store.dead_letter(item.task_id, reason, queue=item.queue, raw=item.raw, size=item.size, digest=item.digest)
     runtime.metrics.skipped("rejected")
 
 

@@ -279,17 +279,25 @@ class ForkStore:
                 )
 
     def dead_letter(
-        self, task_id: str | None, reason: str, *, raw: bytes | None = None, queue: str | None = None
+        self,
+        task_id: str | None,
+        reason: str,
+        *,
+        queue: str | None = None,
+        raw: bytes | None = None,
+        size: int | None = None,
+        digest: str | None = None,
     ) -> None:
         """Keep a rejected job's id and reason (last 1,000) for operators: `LRANGE forkq:dead 0 -1`.
 
-        A queue item refused before Celery saw it also keeps its queue and its bytes (`raw_item`).
+        A queue item refused before Celery saw it also keeps its queue and its first bytes, with the
+        size and BLAKE2b-256 digest of all of it (`raw_item`; `raw` may be its first bytes only).
         """
         letter: dict[str, Any] = {"task_id": task_id, "reason": reason[:2000]}
         if queue is not None:
             letter["queue"] = queue
         if raw is not None:
-            letter |= raw_item(raw)
+            letter |= raw_item(raw, size=size, digest=digest)
         entry = json.dumps(letter)
         pipe = self.client.pipeline(transaction=False)
         pipe.lpush(self.keys.dead_letters, entry)
@@ -468,15 +476,17 @@ class ForkStore:
                     return
 
 
-def raw_item(raw: bytes) -> dict[str, Any]:
+def raw_item(raw: bytes, *, size: int | None = None, digest: str | None = None) -> dict[str, Any]:
     """A dead letter's copy of an item's bytes: the first 64 KiB as text (`raw`, when UTF-8) or `raw_base64`,
-    with the item's size and BLAKE2b-256 digest, so that an item too large to keep whole is still identified."""
+    with the item's size and BLAKE2b-256 digest (of `raw` unless given), so that an item too large to
+    keep whole is still identified."""
     head = raw[:DEAD_LETTER_RAW_MAX]
+    size = len(raw) if size is None else size
     try:
         kept: dict[str, Any] = {"raw": head.decode("utf-8")}
     except UnicodeDecodeError:
         kept = {"raw_base64": base64.b64encode(head).decode("ascii")}
-    return kept | {"raw_bytes": len(raw), "raw_truncated": len(raw) > len(head), "raw_blake2b": codec.digest(raw)}
+    return kept | {"raw_bytes": size, "raw_truncated": size > len(head), "raw_blake2b": digest or codec.digest(raw)}
 
 
 def _approval_refusal(state: ForkState, call_id: str) -> str:
