@@ -164,3 +164,16 @@ def test_a_worker_process_hides_its_environment_from_same_uid_processes() -> Non
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO_ROOT)
     assert out.stdout.split() == ["1", "True", "0"]
+
+
+def test_a_workers_redis_pool_fits_the_concurrency_celery_runs_it_with(
+    settings: Settings, app: Celery, start_live_worker: Callable[..., Any]
+) -> None:
+    # Given FORKQ_WORKER_CONCURRENCY at its default (32), and a worker started with -c 150 (`celery worker -c`)
+    assert settings.worker_concurrency == 32
+    start_live_worker(app, concurrency=150)
+
+    # Then the runtime's Redis pool has a connection for each of the 150 slots, and 16 more
+    runtime = runtime_of(app)
+    assert runtime.slots == 150
+    assert runtime.redis.connection_pool.max_connections == 150 + 16
