@@ -290,9 +290,8 @@ class ForkStore:
     ) -> None:
         """Keep a rejected job's id and reason (last 1,000) for operators: `LRANGE forkq:dead 0 -1`.
 
-        A queue item refused before Celery saw it also keeps its queue and its first bytes, with the
-        size and BLAKE2b-256 digest of all of it (`raw_item`; `raw` may be its first bytes only).
-        """
+        A queue item refused before Celery saw it also keeps its queue and bytes (`raw_item`: `raw` may
+        be its first bytes only, `size` and `digest` are of all of it)."""
         letter: dict[str, Any] = {"task_id": task_id, "reason": reason[:2000]}
         if queue is not None:
             letter["queue"] = queue
@@ -477,9 +476,7 @@ class ForkStore:
 
 
 def raw_item(raw: bytes, *, size: int | None = None, digest: str | None = None) -> dict[str, Any]:
-    """A dead letter's copy of an item's bytes: the first 64 KiB as text (`raw`, when UTF-8) or `raw_base64`,
-    with the item's size and BLAKE2b-256 digest (of `raw` unless given), so that an item too large to
-    keep whole is still identified."""
+    """An item's bytes in a dead letter: the first 64 KiB (`raw` if UTF-8, else `raw_base64`), size and digest."""
     head = raw[:DEAD_LETTER_RAW_MAX]
     size = len(raw) if size is None else size
     try:
