@@ -8,6 +8,8 @@ from broker_config.settings import Settings
 
 RUN_FORK_TASK = "forkq.run_fork"
 SWEEP_TASK = "forkq.sweep"
+JOB_TASKS = (RUN_FORK_TASK, SWEEP_TASK)  # all a forkq queue carries (its channel refuses other items)
+JOB_CONTENT_TYPE = "application/x-msgpack"  # the task serializer's content type; never compressed
 
 
 def celery_config(settings: Settings) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Final
 from urllib.parse import unquote, urlsplit
 
 import redis
@@ -10,18 +10,35 @@ from redis.sentinel import Sentinel
 
 from broker_config.settings import Settings, is_sentinel_url, sentinel_nodes
 
+# how long a command waits for a free connection of a sized pool before it fails (ConnectionError)
+POOL_TIMEOUT_S: Final = 30.0
 
-def redis_client(settings: Settings, **options: Any) -> redis.Redis:
+
+def redis_client(
+    settings: Settings, *, max_connections: int | None = None, pool_timeout_s: float = POOL_TIMEOUT_S, **options: Any
+) -> redis.Redis:
     """A client of forkq's Redis: `Redis.from_url`, or for sentinel:// the primary Sentinel names.
 
     The Sentinel form follows kombu's (so one URL can serve records and broker): nodes separated
     by `;`, the Redis password, user and database in the first URL, the master's name in
     FORKQ_SENTINEL_MASTER. Its client asks Sentinel for the primary again after a failover.
     `options` are redis-py connection options (timeouts, `health_check_interval`).
+
+    With `max_connections` the pool opens at most that many connections (lazily), and a command that
+    finds them all in use waits up to `pool_timeout_s` for one (a `BlockingConnectionPool`) rather
+    than raising `MaxConnectionsError` at once, as redis-py's default pool of 100 does; a Sentinel
+    client's pool is sized the same but does not wait.
     """
     url = settings.redis_url
     if not is_sentinel_url(url):
-        return redis.Redis.from_url(url, **options)
+        if max_connections is None:
+            return redis.Redis.from_url(url, **options)
+        pool = redis.BlockingConnectionPool.from_url(
+            url, max_connections=max_connections, timeout=pool_timeout_s, **options
+        )
+        return redis.Redis(connection_pool=pool)
+    if max_connections is not None:
+        options = {**options, "max_connections": max_connections}
     first = urlsplit(url.split(";", maxsplit=1)[0])
     # Sentinel nodes get the socket options and their own password, never the primary's
     sentinel_kwargs: dict[str, Any] = {k: v for k, v in options.items() if k.startswith("socket_")}

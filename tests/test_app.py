@@ -212,3 +212,16 @@ def test_a_celery_worker_of_the_forkq_app_with_no_provider_configured_refuses_to
     # Then it exits non-zero, and the reason names FORKQ_PROVIDER and its choices
     assert process.returncode != 0, log[-3000:]
     assert NO_PROVIDER in log, log[-3000:]
+
+
+def test_a_workers_redis_pool_fits_the_concurrency_celery_runs_it_with(
+    settings: Settings, app: Celery, start_live_worker: Callable[..., Any]
+) -> None:
+    # Given FORKQ_WORKER_CONCURRENCY at its default (32), and a worker started with -c 150 (`celery worker -c`)
+    assert settings.worker_concurrency == 32
+    start_live_worker(app, concurrency=150)
+
+    # Then the runtime's Redis pool has a connection for each of the 150 slots, and 16 more
+    runtime = runtime_of(app)
+    assert runtime.slots == 150
+    assert runtime.redis.connection_pool.max_connections == 150 + 16

@@ -2,21 +2,31 @@
 
 from __future__ import annotations
 
+import base64
 import copy
 import json
+import zlib
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
 from celery import Celery
+from conftest import TEST_NAMESPACE, TEST_QUEUE, WorkerProcess
 from kombu import Exchange, Producer, Queue
 from kombu.transport import redis as kombu_redis
+from live import job_body, kombu_envelope, wait_until
 
 from broker_config.connection import ForkqConnection, RedisTransport, SentinelTransport
 from broker_config.settings import Settings
 from workers.app import make_app
+from workers.client import ForkClient
+from workers.keys import Keys
+from workers.records import Status
 
 SENTINELS = "sentinel://:pw@s1:26379;sentinel://s2:26379"
+FORK = {"description": "list files", "prompt": "List the files.", "subagent_type": "fork", "fork_turns": "1"}
 
 
 @pytest.mark.parametrize(
@@ -108,3 +118,185 @@ def test_a_tls_app_and_a_plain_app_on_one_host_never_share_a_connection_pool(
     assert tls_conn.as_uri().startswith("rediss://")
     plain_conn.release()
     tls_conn.release()
+
+
+# ── what reaches a worker's queue: items that are not Celery envelopes, compressed bodies ──────
+
+
+def _envelope(**changes: Any) -> bytes:
+    """A kombu envelope of a well-formed `run_fork` body, with top-level fields changed or removed (None)."""
+    envelope = json.loads(kombu_envelope(job_body("f-garbage", "0" * 64, None), queue=TEST_QUEUE, task_id="t-1"))
+    for name, value in changes.items():
+        if value is None:
+            envelope.pop(name, None)
+        else:
+            envelope[name] = value
+    return json.dumps(envelope).encode()
+
+
+def _with(section: str, **changes: Any) -> bytes:
+    """A kombu envelope whose `properties` or `headers` have fields changed."""
+    envelope = json.loads(_envelope())
+    envelope[section] = {**envelope[section], **changes}
+    return json.dumps(envelope).encode()
+
+
+NOT_ENVELOPES: dict[str, bytes] = {
+    "not JSON": b"not json",
+    "a JSON array": b"[1,2,3]",
+    "a JSON string": b'"a string"',
+    "not UTF-8": b"\xff\xfe{}",
+    "JSON nested 100,000 deep": b"[" * 100_000 + b"]" * 100_000,
+    "a kombu type marker kombu cannot decode": b'{"__type__": "nope", "__value__": 1}',
+    "an object that is no envelope": b'{"hello": "world"}',
+    "properties that are not an object": _envelope(properties=[1]),
+    "no delivery tag": _with("properties", delivery_tag=None),
+    "delivery_info that is not an object": _with("properties", delivery_info="x"),
+    "an unknown body encoding": _with("properties", body_encoding="rot13"),
+    "a body that is not base64": _envelope(body="!!not base64!!"),
+    "a body that is not a string": _envelope(body=12345),
+    "headers that are not an object": _envelope(headers=["task"]),
+    "a task name that is not a string": _with("headers", task=["forkq.run_fork"]),
+    "a task id that is not a string": _with("headers", id={"a": 1}),
+    "a pickle body": _envelope(**{"content-type": "application/x-python-serialize"}),
+    "an unknown content type": _envelope(**{"content-type": "application/x-unknown"}),
+    "a content type that is not a string": _envelope(**{"content-type": 7}),
+}
+
+
+def _dead_letters(redis_client: redis.Redis) -> list[dict[str, Any]]:
+    return [json.loads(raw) for raw in redis_client.lrange(Keys(TEST_NAMESPACE).dead_letters, 0, -1)]
+
+
+def _raw_of(letter: dict[str, Any]) -> bytes:
+    if "raw" in letter:
+        return str(letter["raw"]).encode()
+    return base64.b64decode(letter.get("raw_base64", ""))
+
+
+@pytest.mark.slow
+def test_a_worker_keeps_serving_after_queue_items_that_are_not_celery_envelopes(
+    client: ForkClient,
+    worker_process: Callable[..., WorkerProcess],
+    redis_client: redis.Redis,
+    parent: dict[str, Any],
+    tmp_path: Path,
+) -> None:
+    # Given a worker process running a fork of a few slow steps
+    script = tmp_path / "script.json"
+    call = {"functionCall": {"id": "ls", "name": "list_directory", "args": {"path": "."}}}
+    steps = [{"delay_s": 0.5, "content": {"role": "model", "parts": [call]}} for _ in range(4)]
+    script.write_text(json.dumps({"steps": steps}))
+    worker = worker_process(FORKQ_PROVIDER="scripted", FORKQ_SCRIPT=str(script))
+    running = client.launch({**parent, "cwd": str(tmp_path)}, FORK)
+    wait_until(lambda: running.status().status is Status.RUNNING, 30, "the first fork to run")
+
+    # When items that are not Celery envelopes reach its queue, and its control channel (broadcast, pidbox)
+    for item in NOT_ENVELOPES.values():
+        redis_client.lpush(TEST_QUEUE, item)
+    control = (b'{"no": "envelope"}', b"[1]")
+    for item in control:
+        redis_client.publish("/0.celery.pidbox", item)
+    wait_until(lambda: redis_client.llen(TEST_QUEUE) == 0 or worker.process.poll() is not None, 30, "the items taken")
+    assert worker.process.poll() is None, f"the worker exited with {worker.process.poll()}:\n{worker.log()[-3000:]}"
+
+    # Then the worker process still serves: a fork launched afterwards succeeds on it
+    after = client.launch({**parent, "cwd": str(tmp_path)}, FORK)
+    assert after.wait(timeout=60).status is Status.SUCCEEDED, worker.log()[-3000:]
+    assert worker.process.poll() is None, worker.log()[-3000:]
+    assert "Unrecoverable error" not in worker.log()
+    assert "Connection to broker lost" not in worker.log()  # what a bad control message did: a reconnect
+    # and the fork that ran meanwhile was untouched: it succeeded on its first attempt
+    result = running.wait(timeout=60)
+    assert (result.status, running.status().attempt) == (Status.SUCCEEDED, 1), result.error
+    # and every item is in the dead letters, its bytes kept (the first 64 KiB), with a reason naming the fault
+    letters = _dead_letters(redis_client)
+    for what, item in NOT_ENVELOPES.items():
+        kept = [letter for letter in letters if _keeps(letter, item)]
+        assert len(kept) == 1, f"{what}: not dead-lettered; dead letters: {[letter['reason'] for letter in letters]}"
+        assert kept[0]["queue"] == TEST_QUEUE and kept[0]["reason"], (what, kept)
+    # and so is every control message, under the worker's control queue
+    others = [letter for letter in letters if letter["queue"] != TEST_QUEUE]
+    assert sorted(_raw_of(letter) for letter in others) == sorted(control), others
+    assert all(letter["queue"].endswith(".celery.pidbox") for letter in others), others
+    assert len(letters) == len(NOT_ENVELOPES) + len(control), [letter["reason"] for letter in letters]
+
+
+@pytest.mark.slow
+def test_a_worker_starts_and_serves_when_the_unacked_hash_holds_entries_kombu_did_not_write(
+    client: ForkClient,
+    worker_process: Callable[..., WorkerProcess],
+    redis_client: redis.Redis,
+    parent: dict[str, Any],
+    tmp_path: Path,
+) -> None:
+    # Given entries in kombu's unacked hash, past their visibility timeout, that are not kombu's JSON
+    entries = {"evil-1": b"not json", "evil-2": b"[1]"}
+    redis_client.hset("unacked", mapping=entries)
+    redis_client.zadd("unacked_index", dict.fromkeys(entries, 1))
+
+    # When a worker starts (it restores unacked messages whose timeout passed)
+    worker = worker_process(FORKQ_PROVIDER="scripted")
+    handle = client.launch({**parent, "cwd": str(tmp_path)}, FORK)
+
+    # Then it serves, and the entries are out of kombu's hash and in the dead letters
+    assert handle.wait(timeout=60).status is Status.SUCCEEDED, worker.log()[-3000:]
+    wait_until(lambda: len(_dead_letters(redis_client)) == len(entries), 30, "the entries to be dead-lettered")
+    assert worker.process.poll() is None and "Unrecoverable error" not in worker.log(), worker.log()[-3000:]
+    assert sorted(_raw_of(letter) for letter in _dead_letters(redis_client)) == sorted(entries.values())
+    assert {letter["queue"] for letter in _dead_letters(redis_client)} == {"unacked"}
+    # (the fork's own job may still be unacked for a moment: its ack follows its result)
+    assert redis_client.hmget("unacked", list(entries)) == [None] * len(entries)
+    assert [redis_client.zscore("unacked_index", tag) for tag in entries] == [None] * len(entries)
+
+
+def _keeps(letter: dict[str, Any], item: bytes) -> bool:
+    """The dead letter holds `item`: all of it, or its first bytes and its size."""
+    raw = _raw_of(letter)
+    return letter.get("raw_bytes") == len(item) and (raw == item or (letter["raw_truncated"] and item.startswith(raw)))
+
+
+def _rss_kib(pid: int, field: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no {field} in /proc/{pid}/status")
+
+
+@pytest.mark.slow
+def test_a_compressed_bomb_is_dead_lettered_before_it_is_inflated(
+    client: ForkClient,
+    worker_process: Callable[..., WorkerProcess],
+    redis_client: redis.Redis,
+    parent: dict[str, Any],
+    tmp_path: Path,
+) -> None:
+    # Given an idle worker process that has run a fork (so its resident size has settled)
+    worker = worker_process(FORKQ_PROVIDER="scripted")
+    first = client.launch({**parent, "cwd": str(tmp_path)}, FORK)
+    assert first.wait(timeout=60).status is Status.SUCCEEDED, worker.log()[-3000:]
+    idle_kib = _rss_kib(worker.process.pid, "VmHWM")
+
+    # When a ~255 KiB message that inflates to 256 MiB reaches its queue (gzip, as kombu names zlib)
+    bomb = zlib.compress(b"\0" * (256 * 1024 * 1024), 9)
+    assert len(bomb) < 300 * 1024
+    envelope = json.loads(kombu_envelope(bomb, queue=TEST_QUEUE, task_id="bomb-1"))
+    envelope["headers"]["compression"] = "application/x-gzip"
+    item = json.dumps(envelope).encode()
+    redis_client.lpush(TEST_QUEUE, item)
+
+    # Then the worker handles it (before forkq refused it, Celery logged a decode error after inflating it)
+    handled = ("Can't decode message body", "Unrecoverable error")
+    wait_until(lambda: bool(_dead_letters(redis_client)) or any(h in worker.log() for h in handled), 60, "the bomb")
+    # without ever growing past twice its idle size
+    peak_kib = _rss_kib(worker.process.pid, "VmHWM")
+    assert peak_kib <= 2 * idle_kib, f"peak RSS {peak_kib:,} KiB, idle {idle_kib:,} KiB"
+    # and it is dead-lettered, with the reason
+    wait_until(lambda: bool(_dead_letters(redis_client)), 15, "the bomb to be dead-lettered")
+    [letter] = _dead_letters(redis_client)
+    assert letter["task_id"] == "bomb-1" and "compress" in letter["reason"], letter
+    assert letter["raw_bytes"] == len(item) and letter["raw_truncated"] is True
+    # and it keeps serving
+    after = client.launch({**parent, "cwd": str(tmp_path)}, FORK)
+    assert after.wait(timeout=60).status is Status.SUCCEEDED, worker.log()[-3000:]
+    assert worker.process.poll() is None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -92,6 +93,25 @@ def test_a_plain_redis_url_is_opened_with_the_given_options(redis_url: str) -> N
     with redis_client(Settings(redis_url=redis_url), socket_timeout=2) as client:
         assert client.ping()
         assert client.connection_pool.connection_kwargs["socket_timeout"] == 2
+
+
+def test_a_sized_pool_makes_a_command_wait_for_a_free_connection_instead_of_failing(redis_url: str) -> None:
+    # Given a client whose pool has one connection, held by a thread blocked in BLPOP for a second
+    with redis_client(Settings(redis_url=redis_url), max_connections=1, pool_timeout_s=10) as client:
+        blocked = threading.Thread(target=client.blpop, args=(["forkq-test-nothing"], 1))
+        blocked.start()
+        with redis.Redis.from_url(redis_url) as observer:
+            deadline = time.monotonic() + 10
+            while not any(c.get("cmd") == "blpop" for c in observer.client_list()) and time.monotonic() < deadline:
+                time.sleep(0.01)
+        try:
+            # When another thread runs a command, it waits for that connection instead of raising at once
+            started = time.monotonic()
+            assert client.ping()
+            waited = time.monotonic() - started
+        finally:
+            blocked.join()
+        assert waited > 0.2 and client.connection_pool.max_connections == 1
 
 
 def test_a_sentinel_url_reaches_the_primary_that_sentinel_names(

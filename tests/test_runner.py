@@ -2,17 +2,27 @@
 
 from __future__ import annotations
 
+import contextlib
+import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
+import redis
+from conftest import WorkerProcess
+from live import wait_until
 
 from broker_config.settings import Settings
+from workers.app import make_app
 from workers.client import ForkClient
 from workers.journal import RequestDigests
 from workers.lease import Leases
 from workers.messages import Content, FunctionCall, Part
 from workers.providers import ModelRequest, ModelResponse
 from workers.records import Status
+from workers.redis_server import RedisServer
 from workers.runner import RunForkJob, WorkerRuntime, run_fork_job
 from workers.tools import Tool, ToolContext, ToolRegistry
 
@@ -260,3 +270,60 @@ def test_replay_keeps_a_garbled_call_unrunnable_when_it_was_not_answered_yet() -
     state = replay(ForkSeed(initial_messages=[], task_prompt="go"), entries)
     # Then the pending call carries the provider's error, so the loop answers it without running it
     assert [(p.call.id, p.invalid) for p in state.pending] == [("c1", "bad arguments")]
+
+
+# ── the worker's Redis connection pool ───────────────────────────────────────────────────────
+
+
+@pytest.mark.slow
+def test_every_fork_slot_gets_a_redis_connection_even_when_all_wait_on_a_frozen_redis(
+    make_settings: Callable[..., Settings],
+    fresh_redis: RedisServer,
+    worker_process: Callable[..., WorkerProcess],
+    parent: dict[str, Any],
+    tmp_path: Path,
+) -> None:
+    # Given a worker of 120 slots (redis-py's default pool has 100 connections), its forks' records on one
+    # Redis and its jobs on another (the broker), and a queued job for every slot
+    slots = 120
+    settings = make_settings(redis_url=fresh_redis.url, broker_url=make_settings().redis_url)
+    broker = redis.Redis.from_url(settings.effective_broker_url)
+    app = make_app(settings)
+    env = {"FORKQ_REDIS_URL": fresh_redis.url, "FORKQ_BROKER_URL": settings.effective_broker_url}
+    env |= {"FORKQ_PROVIDER": "scripted", "FORKQ_HEARTBEAT_FILE": str(tmp_path / "heartbeat")}
+    with ForkClient(settings, app=app) as client, contextlib.closing(broker), contextlib.closing(app):
+        fork = {"description": "t", "prompt": "report", "subagent_type": "fork", "fork_turns": "1"}
+        handles = [client.launch({**parent, "cwd": str(tmp_path)}, fork) for _ in range(slots)]
+        jobs = broker.lrange(settings.queue, 0, -1)
+        broker.delete(settings.queue)
+        worker = worker_process(concurrency=slots, **env)
+        warm = client.launch({**parent, "cwd": str(tmp_path)}, fork)
+        assert warm.wait(timeout=60).status is Status.SUCCEEDED, worker.log()[-3000:]
+
+        # When the records Redis freezes, and every slot takes a job and waits on it at once (for less than
+        # redis-py's 5 s socket timeout: this is about connections, not timeouts)
+        records_port = fresh_redis.port
+
+        def holding() -> int:
+            connections = psutil.Process(worker.process.pid).net_connections()
+            return sum(1 for c in connections if c.raddr and c.raddr.port == records_port)
+
+        fresh_redis.pause()
+        try:
+            broker.rpush(settings.queue, *jobs)
+            deadline = time.monotonic() + 3
+            while holding() < slots and time.monotonic() < deadline:  # each waiting slot holds a connection
+                time.sleep(0.1)
+            held = holding()
+        finally:
+            fresh_redis.resume()
+
+        # Then every fork runs once Redis answers: none crashed for want of a connection
+        def crashed() -> int:
+            return worker.log().count("raised unexpected: network:MaxConnectionsError")
+
+        ended = lambda: all(client.status(h.fork_id).status.terminal for h in handles)  # noqa: E731
+        wait_until(lambda: crashed() > 0 or ended(), 120, "every fork to end")
+        assert crashed() == 0, f"{crashed()} of {slots} runs crashed on MaxConnectionsError; {held} connections held"
+        assert [client.status(h.fork_id).status for h in handles] == [Status.SUCCEEDED] * slots
+        assert held >= slots, f"{held} connections held by {slots} waiting slots"

@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import base64
 import json
+import os
 import pickle
+import socket
+import subprocess
+import sys
 import threading
+import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -15,17 +23,20 @@ import redis
 from celery import Celery
 from celery.signals import task_postrun
 from celery.worker import WorkController
+from conftest import REPO_ROOT
 from live import body, envelopes, event_types, job_body, push_raw, queue_drained, wait_until
 
 from broker_config.celery import RUN_FORK_TASK
 from broker_config.settings import Settings
 from workers import codec
-from workers.app import make_app
+from workers.app import make_app, runtime_of
 from workers.client import ForkClient, ForkHandle
 from workers.errors import ForkTimeout
 from workers.history import build_fork_seed
 from workers.records import Status, split_seed
 from workers.snapshot import parse_parent_snapshot
+from workers.store import ForkEvent
+from workers.tasks import make_sweeper, previous_run_end
 
 FORK = {"description": "write expiry tests", "prompt": "Write the expiry tests.", "subagent_type": "fork"}
 
@@ -84,7 +95,7 @@ def test_the_job_message_is_msgpack_carrying_fork_id_digest_seed_chunks_and_reco
     assert all(type(chunk) is bytes for chunk in chunks)
 
 
-def test_argsrepr_shows_the_fork_id_and_sizes_never_the_seed_bytes(
+def test_argsrepr_names_the_fork_its_description_and_parent_session_and_sizes_never_the_seed_bytes(
     client: ForkClient, settings: Settings, redis_client: redis.Redis, parent: dict[str, Any]
 ) -> None:
     handle = client.launch(parent, {**FORK, "fork_turns": "all"})
@@ -93,10 +104,12 @@ def test_argsrepr_shows_the_fork_id_and_sizes_never_the_seed_bytes(
     _, _, chunks, _record = body(envelope)[0]
     argsrepr = envelope["headers"]["argsrepr"]
     assert handle.fork_id in argsrepr
+    assert f"description={FORK['description']!r}" in argsrepr
+    assert f"parent={parent['session_id']!r}" in argsrepr
     assert handle.digest[:12] in argsrepr
     assert f"{len(chunks)} chunks" in argsrepr
     assert f"{sum(map(len, chunks)):,} bytes" in argsrepr
-    assert len(argsrepr) < 200
+    assert len(argsrepr) < 300
     assert "parts" not in argsrepr and "\\x" not in argsrepr
     assert envelope["headers"]["kwargsrepr"] == "{}"
 
@@ -320,6 +333,31 @@ def test_malformed_jobs_are_rejected_and_the_worker_runs_the_fork_afterwards(
     assert handle.wait(timeout=15).status is Status.SUCCEEDED
 
 
+@pytest.mark.parametrize("fork_id", ["../{evil}", "f-1 2", "", "-f", "f" * 129, "f-\u00e9"])
+def test_a_job_whose_fork_id_is_not_a_fork_id_is_dead_lettered_and_the_worker_runs_the_next_fork(
+    fork_id: str,
+    client: ForkClient,
+    start_live_worker: Callable[[Celery], WorkController],
+    parent: dict[str, Any],
+    outcomes: list[tuple[str, Any, str]],
+) -> None:
+    # Given a job naming a fork id that does not match the id pattern, ahead of a real fork's job
+    redis_client, queue = client.redis, client.settings.queue
+    task_id = push_raw(redis_client, queue, job_body(fork_id, "0" * 64, None))
+    handle = client.launch(parent, {**FORK, "fork_turns": "1"})
+
+    # When a worker consumes both
+    start_live_worker(client.app)
+    result = handle.wait(timeout=15)
+
+    # Then the bad job was rejected and dead-lettered with the reason, and the real fork ran
+    wait_until(lambda: any(tid == task_id for tid, _, _ in outcomes), what="the bad job to be handled")
+    assert [(retval, state) for tid, retval, state in outcomes if tid == task_id] == [("rejected:malformed", "SUCCESS")]
+    [letter] = [json.loads(raw) for raw in redis_client.lrange(client.store.keys.dead_letters, 0, -1)]
+    assert letter["task_id"] == task_id and "fork_id" in letter["reason"], letter
+    assert result.status is Status.SUCCEEDED
+
+
 HOSTILE = {
     # pickle would create the marker file when loaded: forkq's workers accept msgpack only
     "pickle": (lambda marker: pickle.dumps(Pwned(marker)), "application/x-python-serialize", RUN_FORK_TASK),
@@ -354,3 +392,132 @@ def test_a_worker_process_survives_a_hostile_message_and_runs_the_next_fork(
     assert worker.process.poll() is None, worker.log()
     assert not marker.exists()
     wait_until(queue_drained(redis_client, queue), what="the queue to drain")
+
+
+# ── Flower: one final state for every ended delivery ─────────────────────────────────────────
+
+
+def _events(*types: str, attempt: int) -> list[ForkEvent]:
+    """Fork events newest first: the claim of `attempt`, then `types` (newest first), then the claim before."""
+    claim = [ForkEvent(id="9-0", type="started", data={"attempt": attempt})]
+    older = [ForkEvent(id=f"{8 - n}-0", type=t, data={}) for n, t in enumerate(types)]
+    return [*claim, *older, ForkEvent(id="1-0", type="started", data={"attempt": attempt - 1})]
+
+
+@pytest.mark.parametrize(
+    ("between", "event"),
+    [
+        (("revived", "step", "model_call"), "task-lost"),  # its worker was lost mid-step
+        (("revived",), "task-lost"),  # lost before its first step
+        (("approved", "denied", "awaiting_approval", "step"), "task-resumed"),  # parked, then decided
+        (("resumed", "paused"), "task-resumed"),  # paused on a missing tool, then resumed
+        (("released", "step"), None),  # its worker handed it over at shutdown: RELEASED already
+        (("step",), None),  # nothing says how it ended: leave its row as it is
+    ],
+)
+def test_the_run_before_a_claim_gets_lost_or_resumed_unless_it_ended_with_its_own_event(
+    between: tuple[str, ...], event: str | None
+) -> None:
+    assert previous_run_end(_events(*between, attempt=2), 2) == event
+
+
+def test_a_claim_whose_own_started_event_is_not_among_the_events_read_ends_no_run() -> None:
+    assert previous_run_end(_events("revived", attempt=3)[1:], 3) is None
+
+
+@pytest.fixture
+def flower(settings: Settings, tmp_path: Path) -> Iterator[Callable[[str], dict[str, Any]]]:
+    """A real Flower on the test broker (basic auth); yields a GET of its API, returning the parsed JSON."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FORKQ_", "FLOWER_"))}
+    env |= {"FORKQ_REDIS_URL": settings.redis_url, "FORKQ_NAMESPACE": settings.namespace}
+    env |= {"FORKQ_QUEUE": settings.queue, "FORKQ_PROVIDER": "scripted"}
+    argv = [sys.executable, "-m", "celery", "-A", "workers.app", "flower", "--address=127.0.0.1", f"--port={port}"]
+    with (tmp_path / "flower.log").open("wb") as log:
+        process = subprocess.Popen(
+            [*argv, "--basic-auth=ops:secret"], cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
+        )
+
+    def get(path: str) -> dict[str, Any]:
+        request = urllib.request.Request(f"http://127.0.0.1:{port}{path}")
+        request.add_header("Authorization", "Basic " + base64.b64encode(b"ops:secret").decode())
+        try:
+            with urllib.request.urlopen(request, timeout=5) as response:
+                data: dict[str, Any] = json.loads(response.read())
+                return data
+        except (urllib.error.URLError, ConnectionError, TimeoutError, ValueError):
+            return {}
+
+    try:
+        yield get
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+@pytest.mark.slow
+def test_flower_gives_a_lost_run_and_a_parked_run_a_final_state_once_their_fork_goes_on(
+    client: ForkClient,
+    worker_process: Callable[..., Any],
+    flower: Callable[[str], dict[str, Any]],
+    parent: dict[str, Any],
+    tmp_path: Path,
+) -> None:
+    # Given Flower, and a worker whose forks run a shell command (approval needed outside yolo), then list
+    script = tmp_path / "script.json"
+    shell = {"functionCall": {"id": "sh", "name": "run_shell_command", "args": {"command": "true"}}}
+    ls = {"functionCall": {"id": "ls", "name": "list_directory", "args": {"path": "."}}}
+    steps = [{"delay_s": 0.3, "content": {"role": "model", "parts": [shell]}}]
+    steps += [{"delay_s": 0.6, "content": {"role": "model", "parts": [ls]}} for _ in range(6)]
+    script.write_text(json.dumps({"steps": steps}))
+    env = {"FORKQ_PROVIDER": "scripted", "FORKQ_SCRIPT": str(script), "FORKQ_LEASE_TTL_S": "3"}
+    env |= {"FORKQ_HEARTBEAT_S": "1", "FORKQ_HEARTBEAT_FILE": str(tmp_path / "heartbeat")}
+    first = worker_process(**env)
+    # Flower learns workers from their events: once it lists this one, it receives its task events too
+    wait_until(lambda: any(flower("/api/workers?status=true").values()), 60, "Flower to see the worker")
+
+    # When one fork (yolo) runs on it, another (default mode, park) parks on its shell command
+    running = client.launch({**parent, "cwd": str(tmp_path), "approval_mode": "yolo"}, FORK)
+    parked = client.launch({**parent, "cwd": str(tmp_path)}, FORK, approval_policy="park")
+    rid, pid = running.fork_id, parked.fork_id
+    wait_until(lambda: parked.status().status is Status.AWAITING_APPROVAL, 30, "the second fork to park")
+    wait_until(lambda: flower(f"/api/task/info/{rid}.1").get("state") == "PROGRESS", 30, "the first run's progress")
+    assert flower(f"/api/task/info/{pid}.1").get("state") == "AWAITING_APPROVAL"
+    # and the worker running the first fork is lost (SIGKILL), and a sweeper revives the fork
+    first.process.kill()
+    sweeper = make_sweeper(client.app, runtime_of(client.app))
+    wait_until(lambda: sweeper.sweep_once().get("revive", 0) == 1, 30, "the lost fork to be revived")
+    # and another worker takes it over, and a person approves the parked call
+    worker_process(**env)
+    [call] = parked.status().pending_approval
+    client.approve(pid, call["call_id"])
+
+    # Then both forks succeed on their second run
+    assert running.wait(timeout=60).status is Status.SUCCEEDED
+    assert parked.wait(timeout=60).status is Status.SUCCEEDED
+    assert (running.status().attempt, parked.status().attempt) == (2, 2)
+    # and in Flower the lost run ended LOST and the parked run RESUMED, each naming the run that went on
+    ended = {f"{rid}.1": "LOST", f"{rid}.2": "SUCCESS", f"{pid}.1": "RESUMED", f"{pid}.2": "SUCCESS"}
+
+    def states() -> dict[str, Any]:
+        return {task_id: flower(f"/api/task/info/{task_id}").get("state") for task_id in ended}
+
+    deadline = time.monotonic() + 30
+    while states() != ended and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert states() == ended
+    assert f"{rid}.2" in flower(f"/api/task/info/{rid}.1")["result"]
+    assert f"{pid}.2" in flower(f"/api/task/info/{pid}.1")["result"]
+    # and no row of the two forks is left in a running state
+    tasks = flower("/api/tasks?limit=100")
+    live = {tid for tid, info in tasks.items() if info.get("state") in ("STARTED", "RECEIVED", "PROGRESS")}
+    assert not live & set(ended), tasks
+    # and the first run's row names what the fork is: its description and parent session
+    args = flower(f"/api/task/info/{rid}.1")["args"]
+    assert FORK["description"] in args and parent["session_id"] in args, args

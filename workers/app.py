@@ -13,7 +13,7 @@ from celery import Celery, bootsteps
 from celery.exceptions import CPendingDeprecationWarning
 
 from broker_config.celery import celery_config
-from broker_config.connection import ForkqAMQP
+from broker_config.connection import ForkqAMQP, Rejected
 from broker_config.settings import Settings
 from workers.errors import ConfigurationError
 from workers.health import check_redis
@@ -40,6 +40,7 @@ def make_app(settings: Settings) -> Celery:
     app.forkq_runtime = runtime  # type: ignore[attr-defined]
     register_tasks(app, runtime)
     app.steps["worker"].add(ForkqWorkerStep)
+    app.steps["consumer"].add(ForkqConsumerStep)
     return app
 
 
@@ -56,6 +57,9 @@ class ForkqWorkerStep(bootsteps.StartStopStep):
     def __init__(self, parent: Any, **kwargs: Any) -> None:
         super().__init__(parent, **kwargs)
         self.runtime = runtime_of(parent.app)
+        # the pool's real size (`celery worker -c` bypasses FORKQ_WORKER_CONCURRENCY): the Redis pool fits it
+        slots = max(int(parent.concurrency or 0), int(getattr(parent, "max_concurrency", None) or 0))
+        self.runtime.slots = slots or None
         settings = self.runtime.settings
         self.heartbeat = Heartbeat(settings.heartbeat_file, settings.heartbeat_s, str(parent.hostname))
         self.metrics_server: MetricsServer | None = None
@@ -87,6 +91,33 @@ class ForkqWorkerStep(bootsteps.StartStopStep):
         if self.metrics_server is not None:
             self.metrics_server.close()
             self.metrics_server = None
+
+
+class ForkqConsumerStep(bootsteps.StartStopStep):
+    """The consumer's step: the channels of its broker connection hand the items they refuse to forkq's
+    dead letters, and check the items on forkq's queue as forkq jobs.
+
+    It starts after Celery's task consumer and before the event loop consumes anything, and again
+    after every reconnect (the consumer restarts its steps on a new connection).
+    """
+
+    requires = ("celery.worker.consumer.tasks:Tasks",)
+
+    def start(self, parent: Any) -> None:
+        runtime = runtime_of(parent.app)
+        transport = parent.connection.transport
+        guard = getattr(transport, "guard", None)
+        if guard is None:  # not forkq's transport (another broker): kombu and Celery as they are
+            log.warning("broker transport %s does not check queue items", type(transport).__name__)
+            return
+        guard(lambda item: dead_letter_item(runtime, item), [runtime.settings.queue])
+
+
+def dead_letter_item(runtime: WorkerRuntime, item: Rejected) -> None:
+    """Keep a queue item the channel refused in forkq's dead letters, with its bytes and the reason."""
+    reason = f"queue item refused before delivery, nothing ran: {item.reason}"
+    runtime.store.dead_letter(item.task_id, reason, queue=item.queue, raw=item.raw, size=item.size, digest=item.digest)
+    runtime.metrics.skipped("rejected")
 
 
 def _serve_worker_metrics(runtime: WorkerRuntime, pool_cls: Any) -> MetricsServer | None:

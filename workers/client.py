@@ -271,6 +271,8 @@ class ForkClient:
             attempt=1,
             seed_chunks=inline,
             record=None if inline is None else record_bytes,
+            description=record.description,
+            parent_session=record.parent_session,
         )
         return ForkHandle(fork_id=fid, digest=digest, kind=record.kind, client=self)
 

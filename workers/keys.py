@@ -26,7 +26,9 @@ Each key: type; content; TTL; writer → readers.
 - `{ns}:running`: sorted set; fork ids of running forks scored by their lease deadline (Redis ms);
   none; worker (claim, heartbeat, finish) → sweeper. The one key shared by all forks.
 - `{ns}:dead`: list; JSON `{task_id, reason}` of rejected job messages, newest first, capped at
-  1,000; none; worker → operators.
+  1,000; a queue item refused before delivery (not an envelope, compressed, not a forkq job; a
+  control message; an `unacked` entry kombu cannot restore) also has `queue`, its first 64 KiB as
+  `raw` (UTF-8) or `raw_base64`, `raw_bytes`, `raw_truncated` and `raw_blake2b`; none; worker → operators.
 - `{ns}:{parent:<session>}:chunk:<digest>`: string; a chunk named by the BLAKE2b-256 of its bytes:
   canonical msgpack list of wire Contents (a seed chunk), or the parent's context (system instruction
   and tool declarations); retention, renewed on reuse; launch → worker, inspect.

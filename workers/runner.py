@@ -22,7 +22,7 @@ from workers.child import ChildLoop, Parked, Spawner, Stopped, first_model_call
 from workers.errors import ForkNotFound, ForkqError, LeaseLost, RecordDecodeError, RecordIntegrityError
 from workers.history import ForkSeed
 from workers.journal import JournalEntry, RequestDigests
-from workers.keys import Keys
+from workers.keys import FORK_ID_RE, Keys
 from workers.lease import Claim, LeaseKeeper, Leases, ride_out
 from workers.metrics import Metrics
 from workers.progress import Progress, RunObserver
@@ -41,6 +41,8 @@ MAX_INLINE_JOB_BYTES: Final = 4 * 1024 * 1024
 
 Requeue = Callable[[str, str, int], None]  # fork id, digest, attempt
 
+POOL_HEADROOM: Final = 16  # Redis connections of a worker process beyond one per fork slot
+
 
 class RunForkJob(BaseModel):
     """The payload of a `run_fork` job, validated before anything runs."""
@@ -51,6 +53,17 @@ class RunForkJob(BaseModel):
     digest: str = Field(pattern=r"^[0-9a-f]{64}$")
     seed_chunks: list[bytes] | None = None  # inline: the context chunk, then the seed's chunks
     record: bytes | None = Field(None, max_length=MAX_INLINE_JOB_BYTES)  # inline: the stored record bytes
+
+    @field_validator("fork_id")
+    @classmethod
+    def _an_id(cls, fork_id: str) -> str:
+        # the id names Redis keys: an id the key schema refuses is a malformed job, not a crash in the task
+        if not FORK_ID_RE.fullmatch(fork_id):
+            raise ValueError(
+                f"fork id {fork_id[:140]!r} is not a fork id: expected 1-128 letters, digits, '_', '.' or '-', "
+                "starting with a letter or digit (as `f-<hex>`, or `<id>.<step>.<index>` for nested subagents)"
+            )
+        return fork_id
 
     @field_validator("seed_chunks")
     @classmethod
@@ -68,11 +81,18 @@ class WorkerRuntime:
     settings: Settings
     requeue: Requeue | None = None  # set by make_app: enqueue a released fork again
     stopping: threading.Event = field(default_factory=threading.Event)  # set on worker shutdown
+    slots: int | None = None  # fork slots of the worker (its step sets it); None: FORKQ_WORKER_CONCURRENCY
 
     @cached_property
     def redis(self) -> redis.Redis:
-        """One client (one connection pool) per process."""
-        return redis_client(self.settings, health_check_interval=30)
+        """One client (one connection pool) per process, with a connection for every fork slot and the worker's own.
+
+        A run holds one connection at a time; the headroom is for the heartbeat, the dead letters and
+        beat sweeps. redis-py's default pool (100) failed runs at `--concurrency 1000` with
+        `MaxConnectionsError`; a full pool now makes a command wait for a connection instead.
+        """
+        slots = self.slots or self.settings.worker_concurrency
+        return redis_client(self.settings, health_check_interval=30, max_connections=slots + POOL_HEADROOM)
 
     @cached_property
     def store(self) -> ForkStore:
@@ -219,10 +239,16 @@ def new_owner() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{threading.get_ident()}:{uuid.uuid4().hex[:12]}"
 
 
-def run_fork_job(runtime: WorkerRuntime, job: RunForkJob, progress: Progress | None = None) -> str:
+def run_fork_job(
+    runtime: WorkerRuntime,
+    job: RunForkJob,
+    progress: Progress | None = None,
+    claimed: Callable[[Claim], None] | None = None,
+) -> str:
     """Run one delivery of a fork job; returns what happened (`succeeded`, `duplicate:<status>`, ...).
 
-    `progress` is called once per step (`workers.progress.step_progress` fields).
+    `progress` is called once per step (`workers.progress.step_progress` fields), `claimed` once the
+    delivery holds the fork (Flower's final state of the run before it); neither can stop the fork.
 
     A delivery whose digest is not the fork's launch digest is refused without touching the fork;
     a stored record that no longer matches its digest fails the fork; a delivery for a fork that is
@@ -250,6 +276,11 @@ def run_fork_job(runtime: WorkerRuntime, job: RunForkJob, progress: Progress | N
         return f"duplicate:{claim}"
     lost = runtime.keeper.hold(claim)
     run = RunObserver(runtime.metrics, runtime.tools.tools, claim.attempt, progress)
+    if claimed is not None:
+        try:
+            claimed(claim)
+        except Exception as exc:  # observability never stops a fork
+            log.warning("fork %s: the claim of attempt %d was not reported: %s", fid, claim.attempt, exc)
     try:
         return run.ended(_run_claimed(runtime, job, claim, lost, observe=run.observe, first=first))
     except LeaseLost as exc:

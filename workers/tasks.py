@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import Any, Final
 
 from celery import Celery, Task
 from celery.exceptions import InvalidTaskError
@@ -13,20 +13,38 @@ from pydantic import ValidationError
 
 from broker_config.celery import RUN_FORK_TASK, SWEEP_TASK
 from workers.errors import ForkNotFound, RecordDecodeError, RecordIntegrityError
+from workers.lease import Claim
 from workers.progress import Progress
 from workers.runner import RunForkJob, WorkerRuntime, run_fork_job
+from workers.store import ForkEvent
 from workers.sweeper import Sweeper
 
 log = logging.getLogger("forkq.worker")
 
 
-def job_argsrepr(fork_id: str, digest: str, seed_chunks: list[bytes] | None) -> str:
-    """What Flower shows for a job: the fork id, digest prefix and seed size, never the bytes."""
+ARGSREPR_TEXT_MAX: Final = 80  # characters of a description or session id a job's argsrepr shows
+
+
+def job_argsrepr(
+    fork_id: str,
+    digest: str,
+    seed_chunks: list[bytes] | None,
+    *,
+    description: str | None = None,
+    parent_session: str | None = None,
+) -> str:
+    """What Flower shows for a job: the fork id, its description and parent session when the sender knows
+    them, the digest prefix and the seed size, never the bytes."""
     if seed_chunks is None:
         seed = "seed in Redis"
     else:
         seed = f"seed inline: {len(seed_chunks)} chunks, {sum(map(len, seed_chunks)):,} bytes"
-    return f"({fork_id!r}, digest={digest[:12]}…, {seed})"
+    named = "".join(
+        f"{label}={text[:ARGSREPR_TEXT_MAX]!r}, "
+        for label, text in (("description", description), ("parent", parent_session))
+        if text
+    )
+    return f"({fork_id!r}, {named}digest={digest[:12]}…, {seed})"
 
 
 def enqueue_fork(
@@ -38,18 +56,21 @@ def enqueue_fork(
     attempt: int,
     seed_chunks: list[bytes] | None = None,
     record: bytes | None = None,
+    description: str | None = None,
+    parent_session: str | None = None,
 ) -> None:
     """Send a `run_fork` job (task id `<fork id>.<attempt>`, so Flower lists every run of a fork).
 
     With `record` (the stored record bytes) the worker prepares the first model call before its claim,
     which then also makes the checkpoint before that call (`workers.lease.Leases.claim`).
+    `description` and `parent_session` only name the job in Flower (`argsrepr`); the job is the same.
     """
     app.send_task(
         RUN_FORK_TASK,
         args=[fork_id, digest, seed_chunks] if record is None else [fork_id, digest, seed_chunks, record],
         queue=queue,
         task_id=f"{fork_id}.{attempt}",
-        argsrepr=job_argsrepr(fork_id, digest, seed_chunks),
+        argsrepr=job_argsrepr(fork_id, digest, seed_chunks, description=description, parent_session=parent_session),
         kwargsrepr="{}",
     )
 
@@ -110,6 +131,27 @@ class WorkerEvents:
         return dispatcher if pid == os.getpid() else None
 
 
+# the fork's events that end a run without a final event from its own worker, newest first from the claim
+# of the next run: a revival (its worker was lost: LOST), a park (AWAITING_APPROVAL or PAUSED until the
+# fork runs again: RESUMED); a release ended with its own RELEASED
+_RUN_ENDED_BY: Final = {"revived": "task-lost", "awaiting_approval": "task-resumed", "paused": "task-resumed"}
+_RUN_ENDS: Final = {*_RUN_ENDED_BY, "released", "started", "finished"}
+EVENTS_SCANNED: Final = 200  # events read back from a re-claim to the end of the run before it
+
+
+def previous_run_end(events: list[ForkEvent], attempt: int) -> str | None:
+    """The Celery event that ends run `attempt - 1` in Flower, from the fork's events newest first
+    (the claim of run `attempt` among them); None when that run ended with an event of its own."""
+    seen_claim = False
+    for event in events:
+        if not seen_claim:
+            seen_claim = event.type == "started" and event.data.get("attempt") == attempt
+            continue
+        if event.type in _RUN_ENDS:
+            return _RUN_ENDED_BY.get(event.type)
+    return None
+
+
 def final_event(outcome: object) -> str | None:
     """The Celery event that ends a `run_fork` delivery in Flower, for outcomes other than a fork's success.
 
@@ -118,7 +160,8 @@ def final_event(outcome: object) -> str | None:
     final state: `task-released` (RELEASED: handed to another worker at shutdown), `task-paused`,
     `task-awaiting_approval`, `task-cancelled`, `task-lease_lost`, `task-handed_back`,
     `task-duplicate` (a no-op delivery), and `task-rejected` (refused or malformed jobs, dead-lettered).
-    Flower shows the last event's subject as the state (AWAITING_APPROVAL, RELEASED, ...).
+    Flower shows the last event's subject as the state (AWAITING_APPROVAL, RELEASED, ...). A run that
+    sent none (its worker was lost) or parked gets `task-lost` / `task-resumed` later (`end_previous_run`).
     """
     if not isinstance(outcome, str):
         return None
@@ -173,8 +216,14 @@ def register_tasks(app: Celery, runtime: WorkerRuntime) -> None:
             runtime.store.dead_letter(str(self.request.id), f"malformed run_fork job: {exc}")
             runtime.metrics.skipped("rejected")
             return "rejected:malformed"
+        dispatcher = events.dispatcher()
         try:
-            return run_fork_job(runtime, job, progress=progress_events(self, events.dispatcher()))
+            return run_fork_job(
+                runtime,
+                job,
+                progress=progress_events(self, dispatcher),
+                claimed=lambda claim: end_previous_run(self, dispatcher, runtime, claim),
+            )
         except (RecordIntegrityError, RecordDecodeError, ForkNotFound) as exc:
             log.error("fork %s: refused: %s", job.fork_id, exc)
             runtime.store.dead_letter(str(self.request.id), str(exc))
@@ -187,6 +236,36 @@ def register_tasks(app: Celery, runtime: WorkerRuntime) -> None:
         return dict(make_sweeper(app, runtime).sweep_once())
 
 
+def end_previous_run(task: Task[Any, Any], dispatcher: Any, runtime: WorkerRuntime, claim: Claim) -> None:
+    """Give the fork's run before this claim its final state in Flower (LOST, RESUMED), if it has none.
+
+    A lost worker sent no final event, so its run's row stayed PROGRESS; a parked run's row stayed
+    AWAITING_APPROVAL after the fork went on. The worker that takes the fork over sends it, naming
+    the run that goes on (rows are task ids `<fork id>.<attempt>`, as `enqueue_fork` sends them).
+    """
+    if claim.attempt <= 1 or not task.app.conf.worker_send_task_events:
+        return
+    events = runtime.store.latest_events(claim.fork_id, count=EVENTS_SCANNED)
+    event = previous_run_end(events, claim.attempt)
+    if event is None:
+        return
+    went_on = f"{claim.fork_id}.{claim.attempt}"
+    word = "lost (its worker stopped renewing the lease)" if event == "task-lost" else "resumed"
+    send_task_event(
+        task, dispatcher, event, f"{claim.fork_id}.{claim.attempt - 1}", result=f"{word}; went on as {went_on}"
+    )
+
+
+def send_task_event(task: Task[Any, Any], dispatcher: Any, event: str, task_id: str, **fields: Any) -> None:
+    """A task event for `task_id`: through the worker's buffered dispatcher when there is one, else its own
+    connection (`retry=False`: a broker hiccup loses one event, never holds up a fork)."""
+    if dispatcher is not None and dispatcher.enabled:
+        dispatcher.send(event, uuid=task_id, **fields)
+        return
+    with task.app.events.default_dispatcher(hostname=task.request.hostname) as own:
+        own.send(event, uuid=task_id, retry=False, **fields)
+
+
 def progress_events(task: Task[Any, Any], dispatcher: Any = None) -> Progress | None:
     """Each step of the running delivery as a `task-progress` Celery event (None when task events are off).
 
@@ -196,14 +275,10 @@ def progress_events(task: Task[Any, Any], dispatcher: Any = None) -> Progress | 
     """
     if not task.app.conf.worker_send_task_events:
         return None
-    task_id = task.request.id
+    task_id = str(task.request.id)
 
     def send(fields: dict[str, Any]) -> None:
-        if dispatcher is not None and dispatcher.enabled:
-            dispatcher.send("task-progress", uuid=task_id, **fields)
-            return
-        # retry=False: a broker hiccup loses one progress event, it never holds up the fork
-        task.send_event("task-progress", retry=False, **fields)
+        send_task_event(task, dispatcher, "task-progress", task_id, **fields)
 
     return send
 
