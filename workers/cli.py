@@ -66,7 +66,9 @@ def _print_json(value: Any) -> None:
 
 def cmd_launch(args: argparse.Namespace) -> int:
     """Launch a fork (or subagent) from a parent snapshot file."""
-    default_description = " ".join(args.prompt.split()[:5])[:DEFAULT_DESCRIPTION_CHARS]
+    # the prompt's own words, made valid text: a bad byte in the prompt is then reported as the prompt's
+    words = args.prompt.encode("utf-8", "replace").decode("utf-8").split()
+    default_description = " ".join(words[:5])[:DEFAULT_DESCRIPTION_CHARS]
     params: dict[str, Any] = {
         "description": args.description if args.description is not None else default_description,
         "prompt": args.prompt,

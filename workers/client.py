@@ -15,10 +15,10 @@ from celery import Celery
 from broker_config.redis_client import redis_client as connect_redis
 from broker_config.settings import Settings
 from workers.app import make_app
-from workers.errors import ForkNotEnded, ForkParked, ForkTimeout, InvalidAgentParams
+from workers.errors import ForkNotEnded, ForkParked, ForkTimeout, InvalidAgentParams, InvalidApproval
 from workers.keys import FORK_ID_RE, Keys
 from workers.lease import Leases
-from workers.limits import MAX_LAUNCH_TURNS, MAX_LAUNCH_WALL_S, nesting_problem, shown, too_deep
+from workers.limits import MAX_LAUNCH_TURNS, MAX_LAUNCH_WALL_S, bad_text, nesting_problem, shown, text_problem, too_deep
 from workers.notification import render_task_notification
 from workers.params import AgentParams, revalidate, validate_agent_params
 from workers.policy import APPROVAL_POLICIES, ApprovalPolicy, depth_error
@@ -86,7 +86,16 @@ def launch_options(
     if output_schema is not None:
         if too_deep(output_schema):  # jsonschema recurses, canonical msgpack stops at 255 levels
             raise InvalidAgentParams(nesting_problem("output_schema"), field="output_schema")
+        problem = bad_text("output_schema", output_schema)  # canonical msgpack stores UTF-8 only
+        if problem is not None:
+            raise InvalidAgentParams(problem, field="output_schema")
         options["output_schema"] = check_schema(output_schema)
+    return {**options, **_limits(max_wall_s, max_turns)}
+
+
+def _limits(max_wall_s: float | None, max_turns: int | None) -> dict[str, Any]:
+    """A launch's own limits, checked: each positive, finite, at most its bound (workers.limits)."""
+    options: dict[str, Any] = {}
     if max_wall_s is not None:
         # `not 0 < x <= max` also refuses NaN and infinity, which compare false or past the bound
         if (
@@ -389,10 +398,17 @@ class ForkClient:
         return self._decide(fork_id, call_id, "approve", None)
 
     def deny(self, fork_id: str, call_id: str, reason: str | None = None) -> str:
-        """Deny a parked call: the model reads the denial (with `reason`) and goes on without it."""
+        """Deny a parked call: the model reads the denial (with `reason`) and goes on without it.
+
+        Raises:
+            InvalidApproval: as `approve`, or `reason` is not valid Unicode text.
+        """
         return self._decide(fork_id, call_id, "deny", reason)
 
     def _decide(self, fork_id: str, call_id: str, decision: str, reason: str | None) -> str:
+        problem = None if reason is None else text_problem("the reason of a denial", reason)
+        if problem is not None:  # the journal stores it as UTF-8
+            raise InvalidApproval(problem, fork_id=fork_id)
         outcome = self.store.decide(fork_id, call_id, decision, reason)
         if outcome == "queued":
             self._enqueue_again(fork_id)
