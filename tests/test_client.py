@@ -6,6 +6,7 @@ import copy
 import hashlib
 import json
 import re
+import threading
 import time
 from typing import Any
 
@@ -546,3 +547,25 @@ def test_a_denial_whose_reason_is_not_valid_unicode_is_refused_and_the_call_stil
 
     state = client.status(fork_id)
     assert (state.status, state.pending_approval) == (Status.AWAITING_APPROVAL, calls)
+
+
+@pytest.mark.parametrize("timeout", [float("nan"), float("inf"), -1, "5", True], ids=repr)
+def test_wait_refuses_a_timeout_that_is_not_a_finite_number_of_seconds(client: ForkClient, timeout: Any) -> None:
+    with pytest.raises(ValueError, match="timeout must be a finite number of seconds, 0 or more, or None"):
+        client.wait("f-any", timeout=timeout)
+
+
+def test_wait_with_a_huge_finite_timeout_follows_the_fork_until_it_ends(
+    client: ForkClient, parent: dict[str, Any]
+) -> None:
+    # Given a queued fork that is cancelled a moment after the wait begins
+    handle = client.launch(parent, FORK)
+    canceller = threading.Timer(0.3, client.cancel, args=[handle.fork_id])
+    canceller.start()
+
+    # When the parent waits with a timeout of 1e308 s (its milliseconds overflow a float)
+    result = handle.wait(timeout=1e308)
+
+    # Then the wait ends with the fork, not with an OverflowError
+    canceller.join()
+    assert result.status is Status.CANCELLED

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import secrets
 import time
 from collections.abc import Iterator, Mapping
@@ -152,6 +153,21 @@ def parked_error(state: ForkState) -> ForkParked:
         pending=list(state.pending_approval),
         reason=state.error,
     )
+
+
+def check_timeout(timeout: object) -> None:
+    """A wait's timeout: None (no limit) or a finite number of seconds, 0 or more.
+
+    Raises:
+        ValueError: it is not (NaN, infinity, negative, not a number), naming what to pass instead.
+    """
+    if timeout is None:
+        return
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 <= timeout < math.inf:
+        raise ValueError(
+            f"timeout must be a finite number of seconds, 0 or more, or None to wait without a limit; "
+            f"got {shown(timeout)}"
+        )
 
 
 def new_fork_id() -> str:
@@ -343,10 +359,12 @@ class ForkClient:
         or deny them (or `resume` a paused fork), then wait again.
 
         Raises:
+            ValueError: `timeout` is not None nor a finite number of seconds, 0 or more.
             ForkParked: the fork is awaiting approval or paused.
             ForkTimeout: the fork did not end within `timeout` seconds.
             ForkNotFound: the fork does not exist.
         """
+        check_timeout(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         after = "0-0"
         while True:
@@ -356,7 +374,8 @@ class ForkClient:
             state = self.store.state(fork_id)  # ForkNotFound for a fork that does not exist
             if state.status in (Status.AWAITING_APPROVAL, Status.PAUSED):
                 raise parked_error(state)
-            left_ms = 1000 if deadline is None else int((deadline - time.monotonic()) * 1000)
+            # at most a second per read, computed in seconds first: a timeout of 1e308 s must not overflow
+            left_ms = 1000 if deadline is None else int(min(deadline - time.monotonic(), 1.0) * 1000)
             if left_ms <= 0:
                 hint = (
                     "check that a worker consumes the queue (forkq check --worker / Flower)"
