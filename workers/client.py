@@ -278,12 +278,16 @@ class ForkClient:
             seed = self._seeds.build(snapshot, fork_turns=agent.fork_turns, directive=agent.prompt, keep=reused)
         else:  # regular subagents and named teammates inherit no history
             seed = SeedChunks(chunks=[], digests=[], count=0, task_prompt=agent.prompt)
-        chunks = seed.chunks
         record = self._record(
             fid, snapshot, agent, seed, tools_json=self._declarations_json(snapshot, keep=reused), options=options
         )
         record_bytes, digest = record.encode()
-        self.store.put_launch(record, record_bytes, digest, chunks)
+        self.store.put_launch(record, record_bytes, digest, seed.chunks)
+        self._enqueue_first(record, record_bytes, digest, seed.chunks)
+        return ForkHandle(fork_id=fid, digest=digest, kind=record.kind, client=self)
+
+    def _enqueue_first(self, record: BootstrapRecord, record_bytes: bytes, digest: str, chunks: list[bytes]) -> None:
+        """Send a launched fork's first job: a small one carries its chunks and record, a large one neither."""
         inline: list[bytes] | None = [record.context_blob(), *chunks]
         if sum(map(len, inline or [])) > self.settings.inline_seed_max_bytes:
             inline = None
@@ -291,13 +295,12 @@ class ForkClient:
         enqueue_fork(
             self.app,
             self.settings.queue,
-            fid,
+            record.fork_id,
             digest,
             attempt=1,
             seed_chunks=inline,
             record=None if inline is None else record_bytes,
         )
-        return ForkHandle(fork_id=fid, digest=digest, kind=record.kind, client=self)
 
     def _declarations_json(self, snapshot: ParentSnapshot, *, keep: bool = True) -> str:
         """The snapshot's tool declarations as the record keeps them (key order kept); sibling launches
