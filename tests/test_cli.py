@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 from collections.abc import Callable
@@ -15,12 +16,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 from celery.worker import WorkController
 from cli_support import FORKQ, PARENT, PROMPT, Run, launch, wait_for
 
 from broker_config.settings import Settings
 from workers.cli import main
 from workers.history import build_fork_seed
+from workers.keys import Keys
+from workers.lease import Leases
 from workers.params import MSG_FORK_TURNS_VALUE
 from workers.snapshot import load_parent_snapshot
 
@@ -76,7 +80,7 @@ def test_result_without_wait_says_there_is_no_result_yet(forkq: Run) -> None:
     assert code == 1
     assert f"fork {fork_id} is queued: no result yet" in err
     assert json_code == 1
-    assert json.loads(out) == {"fork_id": fork_id, "status": "queued", "output": None, "usage": None}
+    assert json.loads(out) == {"fork_id": fork_id, "status": "queued", "output": None, "usage": None, "error": None}
 
 
 def test_result_wait_times_out_with_exit_1_when_no_worker_runs(forkq: Run) -> None:
@@ -272,6 +276,50 @@ def test_check_json_reports_ok_or_the_problems(forkq: Run, monkeypatch: pytest.M
     assert (code, err, report["ok"]) == (1, "", False)
     assert report["worker_heartbeat"] == str(tmp_path / "no-worker.heartbeat")
     assert len(report["problems"]) == 1 and "no-worker.heartbeat" in report["problems"][0]
+
+
+def test_result_notification_json_prints_the_notification_with_the_fork_id_and_status(forkq: Run) -> None:
+    fork_id = launch(forkq)
+    forkq("cancel", fork_id)
+
+    code, out, err = forkq("result", fork_id, "--notification", "--json")
+    _, text, _ = forkq("result", fork_id, "--notification")
+
+    printed = json.loads(out)
+    assert (code, err) == (1, "")  # cancelled: not succeeded
+    assert printed == {"fork_id": fork_id, "status": "cancelled", "notification": text.rstrip("\n")}
+    assert "<status>cancelled</status>" in printed["notification"]
+
+
+@pytest.mark.slow
+def test_sweep_json_prints_json_lines_while_it_runs_and_stops_with_0_on_sigterm(
+    forkq: Run, forkq_env: Settings, tmp_path: Path, redis_client: redis.Redis
+) -> None:
+    # Given a fork whose worker claimed it and went silent past its lease
+    fork_id = launch(forkq)
+    leases = Leases(redis_client, Keys(forkq_env.namespace), ttl_ms=200, retention_s=60)
+    assert not isinstance(leases.claim(fork_id, "gone-worker"), str)
+
+    # When `forkq sweep --json` runs (a pass every 0.2 s)
+    out = tmp_path / "sweep.out"
+    env = {**os.environ, "FORKQ_REDIS_URL": forkq_env.redis_url, "FORKQ_NAMESPACE": forkq_env.namespace}
+    with out.open("wb") as stdout:
+        sweep = subprocess.Popen(
+            [FORKQ, "sweep", "--json"],
+            env={**env, "FORKQ_QUEUE": forkq_env.queue, "FORKQ_SWEEP_S": "0.2"},
+            stdout=stdout,
+        )
+    try:
+        wait_for(lambda: out.read_text().count("\n") >= 2, "the start line and a pass that revived the fork")
+    finally:
+        sweep.send_signal(signal.SIGTERM)
+        code = sweep.wait(timeout=30)
+
+    # Then every line it printed is a JSON object: the start, then the pass that revived the fork
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert code == 0
+    assert lines[0] == {"event": "started", "every_s": 0.2, "redis": forkq_env.redis_url, "queue": forkq_env.queue}
+    assert lines[1:] == [{"event": "pass", "outcomes": {"revive": 1}}]
 
 
 def test_sweep_once_json_prints_the_outcomes_of_the_pass(forkq: Run) -> None:

@@ -13,6 +13,7 @@ import json
 import signal
 import sys
 import threading
+from collections import Counter
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
@@ -166,7 +167,8 @@ def cmd_result(args: argparse.Namespace) -> int:
                 if state.status.value in PARKED:
                     raise parked_error(state)
                 if args.json:
-                    _print_json({"fork_id": args.fork_id, "status": state.status.value, "output": None, "usage": None})
+                    fields = {"fork_id": args.fork_id, "status": state.status.value, "output": None, "usage": None}
+                    _print_json({**fields, "error": state.error or None})
                 else:
                     print(f"fork {args.fork_id} is {state.status.value}: no result yet (use --wait)", file=sys.stderr)
                 return EXIT_FAIL
@@ -174,18 +176,13 @@ def cmd_result(args: argparse.Namespace) -> int:
             _print_parked(parked, as_json=args.json)
             return EXIT_PARKED
         notification = client.notification(args.fork_id) if args.notification else None
-    if notification is not None:
+    fields = {"fork_id": result.fork_id, "status": result.status.value}
+    if notification is not None and args.json:
+        _print_json({**fields, "notification": notification})
+    elif notification is not None:
         print(notification)
     elif args.json:
-        _print_json(
-            {
-                "fork_id": result.fork_id,
-                "status": result.status.value,
-                "output": result.output,
-                "usage": result.usage.model_dump(),
-                "error": result.error,
-            }
-        )
+        _print_json({**fields, "output": result.output, "usage": result.usage.model_dump(), "error": result.error})
     else:
         print(result.output if result.output is not None else f"[{result.status.value}] {result.error}")
     return EXIT_OK if result.status.value == "succeeded" else EXIT_FAIL
@@ -358,13 +355,23 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     server = None if settings.metrics_port is None else serve_runtime_metrics(runtime, settings.metrics_port)
-    print(f"forkq sweep: every {settings.sweep_s} s on {redact_url(settings.redis_url)}; Ctrl-C stops", flush=True)
+    where = redact_url(settings.redis_url)
+    if args.json:  # JSON lines: the start, then each pass that found an expired lease
+        started = {"event": "started", "every_s": settings.sweep_s, "redis": where, "queue": settings.queue}
+        print(json.dumps(started), flush=True)
+    else:
+        print(f"forkq sweep: every {settings.sweep_s} s on {where}; Ctrl-C stops", flush=True)
     try:
-        sweeper.run(stop)
+        sweeper.run(stop, on_pass=_print_pass if args.json else None)
     finally:
         if server is not None:
             server.close()
     return EXIT_OK
+
+
+def _print_pass(outcomes: Counter[str]) -> None:
+    if outcomes:
+        print(json.dumps({"event": "pass", "outcomes": dict(sorted(outcomes.items()))}), flush=True)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

@@ -153,7 +153,9 @@ def _process_commands(add: Callable[..., Parser]) -> None:
     check.add_argument("--json", action="store_true", help="print JSON")
     sweep = add("sweep", "Revive forks whose worker died (lease expired).")
     sweep.add_argument("--once", action="store_true", help="one pass, then exit")
-    sweep.add_argument("--json", action="store_true", help="with --once: print the pass's outcomes as JSON")
+    sweep.add_argument(
+        "--json", action="store_true", help="print JSON: the pass's outcomes, or one line per event while it runs"
+    )
     demo = add("demo", "Launch forks from an example conversation on private workers (a tour: no --json).")
     demo.add_argument(
         "--private-redis",
