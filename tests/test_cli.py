@@ -399,3 +399,25 @@ def test_the_worker_exits_1_when_start_up_fails_and_0_after_a_warm_shutdown(
     healthy = worker_process(FORKQ_HEARTBEAT_FILE=str(heartbeat), FORKQ_PROVIDER="scripted")
     wait_for(heartbeat.exists, "the worker to beat", timeout=60)
     assert healthy.stop(timeout=30) == 0, healthy.log()
+
+
+def test_the_worker_exits_1_when_redis_is_unreachable_and_2_when_settings_or_redis_are_unfit(
+    forkq: Run, forkq_env: Settings, monkeypatch: pytest.MonkeyPatch, redis_client: redis.Redis
+) -> None:
+    # Redis down is an outage a supervisor waits out by restarting the worker: exit 1, as documented
+    monkeypatch.setenv("FORKQ_PROVIDER", "scripted")
+    monkeypatch.setenv("FORKQ_REDIS_URL", "redis://127.0.0.1:1/0")
+    down = forkq("worker")
+    # a Redis that may evict records, or no provider, are settings to fix: exit 2
+    monkeypatch.setenv("FORKQ_REDIS_URL", forkq_env.redis_url)
+    redis_client.config_set("maxmemory-policy", "allkeys-lru")
+    try:
+        evicting = forkq("worker")
+    finally:
+        redis_client.config_set("maxmemory-policy", "noeviction")
+    monkeypatch.delenv("FORKQ_PROVIDER")
+    no_provider = forkq("worker")
+
+    assert down[0] == 1 and down[2].startswith("forkq worker: cannot start: Redis at redis://127.0.0.1:1/0 is not")
+    assert evicting[0] == 2 and "maxmemory-policy 'allkeys-lru'" in evicting[2]
+    assert no_provider[0] == 2 and "FORKQ_PROVIDER" in no_provider[2]

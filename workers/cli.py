@@ -265,9 +265,12 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     settings = _settings()
     problems = provider_problems(settings)  # before Redis: naming no provider is the first thing to fix
-    problems += check_redis(settings).problems
-    if problems:
-        raise ConfigurationError("worker refuses to start: " + "; ".join(problems))
+    health = check_redis(settings)
+    if problems or (health.problems and health.reachable):  # settings to fix: exit 2
+        raise ConfigurationError("worker refuses to start: " + "; ".join(problems + health.problems))
+    if health.problems:  # an outage, not a usage error: exit 1, so that a supervisor retries
+        print(f"forkq worker: cannot start: {'; '.join(health.problems)}", file=sys.stderr)
+        return EXIT_FAIL
     # --pool/--concurrency go through the settings: Celery's CLI would let app.conf override a "prefork"
     settings = settings.model_copy(
         update={

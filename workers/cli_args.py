@@ -25,6 +25,10 @@ RESULT_EPILOG = (
     "with the pending calls, even with --wait"
 )
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL", "FATAL")  # Celery's; it raises on others
+WORKER_EPILOG = (
+    "exit codes: 0 after a warm shutdown; 1 Redis unreachable or Celery's start-up failed (a supervisor "
+    "restarts it); 2 invalid settings, no provider, or a Redis unfit for forkq (fix them first)"
+)
 
 
 def fork_id(text: str) -> str:
@@ -139,7 +143,7 @@ def _launch_arguments(launch: Parser) -> None:
 
 def _process_commands(add: Callable[..., Parser]) -> None:
     """The commands about processes rather than one fork: worker, check, sweep, demo."""
-    worker = add("worker", "Run a worker (a Celery worker for forkq's queue).")
+    worker = add("worker", "Run a worker (a Celery worker for forkq's queue).", epilog=WORKER_EPILOG)
     worker.add_argument("--concurrency", type=count, help="forks at once (default FORKQ_WORKER_CONCURRENCY)")
     worker.add_argument("--pool", choices=["threads", "prefork", "solo"], help="default FORKQ_WORKER_POOL")
     worker.add_argument("--loglevel", default="INFO", type=str.upper, choices=LOG_LEVELS, help="default INFO")
