@@ -267,3 +267,20 @@ def make_queued_fork(fork_store: ForkStore) -> Callable[..., tuple[str, str]]:
         return fid, digest
 
     return make
+
+
+# ── the forkq command, in-process ─────────────────────────────────────────────────────────────
+
+
+@pytest.fixture
+def forkq(forkq_env: Settings, capsys: pytest.CaptureFixture[str]) -> Callable[..., tuple[int, str, str]]:
+    """Run `forkq ARGS...` in-process with the test's FORKQ_* environment: (exit code, stdout, stderr)."""
+    from workers.cli import main
+
+    def run(*argv: str) -> tuple[int, str, str]:
+        capsys.readouterr()
+        code = main(list(argv))
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return run

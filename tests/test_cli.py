@@ -1,13 +1,16 @@
-"""The `forkq` command, in-process through `main` and once as the installed script with a worker process."""
+"""The `forkq` command, in-process through `main` and once as the installed script with a worker process.
+
+Launch and its bad input: test_cli_launch.py; forks parked, paused and cancelled on live workers:
+test_cli_parked.py; the argument types: test_cli_args.py.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
-import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -15,18 +18,16 @@ from typing import Any
 import pytest
 import redis
 from celery.worker import WorkController
-from celery.worker import state as worker_state
+from cli_support import FORKQ, PARENT, PROMPT, Run, launch, wait_for
 
-import workers
 from broker_config.settings import Settings
 from workers.cli import main
 from workers.history import build_fork_seed
+from workers.keys import Keys
+from workers.lease import Leases
 from workers.params import MSG_FORK_TURNS_VALUE
 from workers.snapshot import load_parent_snapshot
 
-PARENT = str(Path(workers.__file__).parent / "examples" / "parent.json")
-FORKQ = str(Path(sys.executable).parent / "forkq")
-PROMPT = "Write the expiry tests."
 INSPECT_KEYS = {
     "fork_id",
     "digest",
@@ -42,74 +43,6 @@ INSPECT_KEYS = {
     "depth",
     "fork_turns",
 }
-
-
-Run = Callable[..., tuple[int, str, str]]
-
-
-@pytest.fixture
-def forkq(forkq_env: Settings, capsys: pytest.CaptureFixture[str]) -> Run:
-    """Run `forkq ARGS...` in-process with the test's FORKQ_* environment: (exit code, stdout, stderr)."""
-
-    def run(*argv: str) -> tuple[int, str, str]:
-        capsys.readouterr()
-        code = main(list(argv))
-        out, err = capsys.readouterr()
-        return code, out, err
-
-    return run
-
-
-def launch(forkq: Run, *extra: str) -> str:
-    code, out, err = forkq("launch", "--parent", PARENT, "--prompt", PROMPT, "--subagent-type", "fork", *extra)
-    assert code == 0, err
-    return out.strip()
-
-
-# ── launch ────────────────────────────────────────────────────────────────────────────────────
-
-
-def test_launch_json_prints_the_fork_id_and_its_status(forkq: Run) -> None:
-    code, out, err = forkq(
-        "launch", "--parent", PARENT, "--prompt", PROMPT, "--subagent-type", "fork", "--fork-turns", "3", "--json"
-    )
-
-    assert (code, err) == (0, "")
-    printed = json.loads(out)
-    assert set(printed) == {"fork_id", "status"}
-    assert printed["status"] == "queued"
-    assert printed["fork_id"].startswith("f-")
-
-
-def test_launch_prints_just_the_fork_id_without_json(forkq: Run) -> None:
-    fork_id = launch(forkq, "--fork-turns", "all")
-
-    code, out, _ = forkq("status", fork_id)
-    assert code == 0
-    assert out.startswith(f"{fork_id} queued attempt=0")
-
-
-def test_an_invalid_fork_turns_exits_2_with_the_validation_message_and_writes_nothing(
-    forkq: Run, redis_client: redis.Redis, forkq_env: Settings
-) -> None:
-    code, out, err = forkq(
-        "launch", "--parent", PARENT, "--prompt", PROMPT, "--subagent-type", "fork", "--fork-turns", "0"
-    )
-
-    assert (code, out) == (2, "")
-    assert err == f"forkq launch: {MSG_FORK_TURNS_VALUE}\n"
-    assert redis_client.dbsize() == 0
-
-
-def test_an_invalid_parent_file_exits_2_naming_the_field(forkq: Run, tmp_path: Path, redis_client: redis.Redis) -> None:
-    bad = tmp_path / "parent.json"
-    bad.write_text(json.dumps({"session_id": "s-1", "approval_mode": "sometimes"}))
-
-    code, _, err = forkq("launch", "--parent", str(bad), "--prompt", PROMPT)
-
-    assert code == 2
-    assert "approval_mode" in err and str(bad) in err
-    assert redis_client.dbsize() == 0
 
 
 # ── following a fork ──────────────────────────────────────────────────────────────────────────
@@ -147,7 +80,7 @@ def test_result_without_wait_says_there_is_no_result_yet(forkq: Run) -> None:
     assert code == 1
     assert f"fork {fork_id} is queued: no result yet" in err
     assert json_code == 1
-    assert json.loads(out) == {"fork_id": fork_id, "status": "queued", "output": None, "usage": None}
+    assert json.loads(out) == {"fork_id": fork_id, "status": "queued", "output": None, "usage": None, "error": None}
 
 
 def test_result_wait_times_out_with_exit_1_when_no_worker_runs(forkq: Run) -> None:
@@ -295,285 +228,10 @@ def test_the_forkq_script_launches_a_fork_that_a_worker_process_runs(
     rejected = forkq_script("launch", "--parent", PARENT, "--prompt", PROMPT, "--fork-turns", "0")
     assert rejected.returncode == 2
     assert MSG_FORK_TURNS_VALUE in rejected.stderr
-
-
-# ── bad input at launch: exit 2, one line naming the field, nothing written ───────────────────
-
-
-def nested(levels: int, leaf: Any = "x") -> Any:
-    """A value `levels` objects deep, built without recursion."""
-    value = leaf
-    for _ in range(levels):
-        value = {"a": value}
-    return value
-
-
-def parent_file(tmp_path: Path, name: str = "parent.json", **overrides: Any) -> str:
-    """The example parent with `overrides`, written as a JSON file."""
-    data = {**json.loads(Path(PARENT).read_text(encoding="utf-8")), **overrides}
-    path = tmp_path / name
-    path.write_text(json.dumps(data), encoding="utf-8")
-    return str(path)
-
-
-def deep_history_parent(tmp_path: Path) -> str:
-    history = json.loads(Path(PARENT).read_text(encoding="utf-8"))["history"]
-    deep_call = {"role": "model", "parts": [{"functionCall": {"name": "read_file", "args": nested(600)}}]}
-    return parent_file(tmp_path, history=[*history[:-1], deep_call, history[-1]])
-
-
-def written(path: Path, data: bytes) -> str:
-    path.write_bytes(data)
-    return str(path)
-
-
-FORK_ARGS = ["--prompt", PROMPT, "--subagent-type", "fork"]
-DEEP_TOOL = {"name": "deep", "description": "d", "parameters": nested(300, {"type": "object"})}
-LATIN1 = '{"session_id": "s-1", "cwd": "/tmp/caf\xe9"}'.encode("latin-1")
-DEEP_JSON = ('{"session_id": "s-1", "tools": ' + "[" * 200_000 + "]" * 200_000 + "}").encode()
-
-# each bad input of a launch: (launch arguments built in a temporary directory, what the message must name)
-BAD_LAUNCHES: dict[str, Callable[[Path], tuple[list[str], str]]] = {
-    "parent-not-utf8": lambda d: (["--parent", written(d / "latin1.json", LATIN1), *FORK_ARGS], "UTF-8"),
-    "json-200000-deep": lambda d: (
-        ["--parent", written(d / "deep.json", DEEP_JSON), *FORK_ARGS],
-        "nested more than 100 levels",
-    ),
-    "history-600-deep": lambda d: (["--parent", deep_history_parent(d), *FORK_ARGS], "history[43]"),
-    "fork-turns-5000-digits": lambda d: (["--parent", PARENT, *FORK_ARGS, "--fork-turns", "9" * 5000], "fork_turns"),
-    "max-wall-s-nan": lambda d: (["--parent", PARENT, *FORK_ARGS, "--max-wall-s", "nan"], "max_wall_s"),
-    "max-wall-s-inf": lambda d: (["--parent", PARENT, *FORK_ARGS, "--max-wall-s", "inf"], "max_wall_s"),
-    "depth-string": lambda d: (["--parent", parent_file(d, depth="0"), *FORK_ARGS], "depth"),
-    "number-5000-digits": lambda d: (
-        ["--parent", written(d / "n.json", b'{"session_id": "s-1", "depth": ' + b"1" * 5000 + b"}"), *FORK_ARGS],
-        "4,300 digits",
-    ),
-    "tool-schema-300-deep": lambda d: (["--parent", parent_file(d, tools=[DEEP_TOOL]), *FORK_ARGS], "tools[0]"),
-    "output-schema-300-deep": lambda d: (
-        ["--parent", PARENT, *FORK_ARGS, "--output-schema", written(d / "s.json", json.dumps(DEEP_TOOL).encode())],
-        "output_schema",
-    ),
-    "fork-tools-200000-deep": lambda d: (
-        ["--parent", PARENT, *FORK_ARGS, "--fork-tools", "[" * 200_000 + "]" * 200_000],
-        "--fork-tools",
-    ),
-}
-
-
-@pytest.mark.parametrize("case", list(BAD_LAUNCHES))
-def test_bad_launch_input_exits_2_with_one_line_naming_the_field_and_writes_nothing(
-    forkq: Run, tmp_path: Path, redis_client: redis.Redis, case: str
-) -> None:
-    argv, named = BAD_LAUNCHES[case](tmp_path)
-
-    code, out, err = forkq("launch", *argv)
-
-    assert (code, out) == (2, ""), err
-    assert err.startswith("forkq launch: ") and err.count("\n") == 1, err
-    assert named in err
-    assert redis_client.dbsize() == 0
-
-
-def test_a_tool_schema_at_the_nesting_limit_is_accepted(forkq: Run, tmp_path: Path) -> None:
-    # 99 levels under the declaration object: 100 in all, the documented bound
-    tool = {"name": "deep", "description": "d", "parameters": nested(98, {"type": "object"})}
-
-    code, out, err = forkq("launch", "--parent", parent_file(tmp_path, tools=[tool]), "--prompt", PROMPT)
-
-    assert code == 0, err
-    assert out.startswith("f-")
-
-
-# ── live workers on a script: parked, paused, cancelled forks ─────────────────────────────────
-
-
-def step(*parts: dict[str, Any] | str, delay_s: float = 0.0) -> dict[str, Any]:
-    """One scripted model answer: texts and function calls."""
-    wire = [{"text": p} if isinstance(p, str) else p for p in parts]
-    return {"delay_s": delay_s, "content": {"role": "model", "parts": wire}}
-
-
-def call(call_id: str, name: str, **args: Any) -> dict[str, Any]:
-    return {"functionCall": {"id": call_id, "name": name, "args": args}}
-
-
-@pytest.fixture
-def scripted_worker(
-    make_settings: Callable[..., Settings], start_live_worker: Callable[..., WorkController], tmp_path: Path
-) -> Callable[[list[dict[str, Any]]], WorkController]:
-    """Start an in-process worker whose model answers with `steps` (on the CLI's Redis, namespace and queue)."""
-
-    def start(steps: list[dict[str, Any]]) -> WorkController:
-        script = tmp_path / "script.json"
-        script.write_text(json.dumps({"steps": steps}), encoding="utf-8")
-        from workers.app import make_app
-
-        return start_live_worker(make_app(make_settings(script=script, provider="scripted")))
-
-    return start
-
-
-def events_of(forkq: Run, fork_id: str) -> list[dict[str, Any]]:
-    code, out, err = forkq("events", fork_id, "--json")
-    assert code == 0, err
-    return [json.loads(line) for line in out.splitlines()]
-
-
-def wait_for(predicate: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
-        time.sleep(0.05)
-
-
-PARKING = [step(call("w1", "write_file", path="a.txt", content="a"), call("s1", "run_shell_command", command="true"))]
-
-
-def parked_fork(forkq: Run, tmp_path: Path) -> str:
-    """A fork launched through the CLI and parked on a file edit and a shell command (approval mode default)."""
-    work = tmp_path / "work"
-    work.mkdir(exist_ok=True)
-    parent = parent_file(tmp_path, cwd=str(work), approval_mode="default")
-    fork_id = launch(forkq, "--approval-policy", "park", "--parent", parent)
-    wait_for(lambda: forkq("status", fork_id)[1].startswith(f"{fork_id} awaiting_approval"), "the fork to park")
-    return fork_id
-
-
-def test_result_wait_on_a_fork_awaiting_approval_exits_3_at_once_with_its_pending_calls(
-    forkq: Run, tmp_path: Path, scripted_worker: Callable[..., WorkController]
-) -> None:
-    scripted_worker([*PARKING, step("done")])
-    fork_id = parked_fork(forkq, tmp_path)
-
-    started = time.monotonic()
-    code, out, _ = forkq("result", fork_id, "--wait", "--timeout", "20", "--json")
-    text_code, _, err = forkq("result", fork_id, "--wait", "--timeout", "20")
-    waited = time.monotonic() - started
-
-    assert (code, text_code) == (3, 3)
-    assert waited < 10  # at once, not at the end of the timeout
-    printed = json.loads(out)
-    assert (printed["status"], printed["output"], printed["usage"]) == ("awaiting_approval", None, None)
-    assert [(c["call_id"], c["name"]) for c in printed["pending_approval"]] == [
-        ("w1", "write_file"),
-        ("s1", "run_shell_command"),
-    ]
-    assert "awaiting_approval" in err and f"forkq approve {fork_id} CALL_ID" in err
-    assert "awaiting approval: w1 write_file" in err and "worker" not in err.split("\n")[0].split(":")[-1]
-
-
-def test_approve_and_deny_json_print_the_decision_and_the_fork_then_succeeds(
-    forkq: Run, tmp_path: Path, scripted_worker: Callable[..., WorkController]
-) -> None:
-    scripted_worker([*PARKING, step("done")])
-    fork_id = parked_fork(forkq, tmp_path)
-
-    approved = forkq("approve", fork_id, "w1", "--json")
-    denied = forkq("deny", fork_id, "s1", "--reason", "not here", "--json")
-
-    assert approved[0] == 0 and json.loads(approved[1]) == {
-        "fork_id": fork_id,
-        "call_id": "w1",
-        "decision": "approve",
-        "outcome": "recorded",
-    }
-    assert denied[0] == 0 and json.loads(denied[1]) == {
-        "fork_id": fork_id,
-        "call_id": "s1",
-        "decision": "deny",
-        "outcome": "queued",
-    }
-    code, out, err = forkq("result", fork_id, "--wait", "--timeout", "30", "--json")
-    assert code == 0, err
-    assert json.loads(out)["status"] == "succeeded"
-
-
-def test_a_fork_cancelled_after_two_model_calls_keeps_their_usage_in_its_result_and_notification(
-    forkq: Run, tmp_path: Path, scripted_worker: Callable[..., WorkController]
-) -> None:
-    # Given a fork whose model answers twice with a tool call, then takes its time over the third answer
-    work = tmp_path / "work"
-    work.mkdir()
-    listing = [step(call("l1", "list_directory")), step(call("l2", "list_directory")), step("late", delay_s=4)]
-    scripted_worker(listing)
-    fork_id = launch(forkq, "--parent", parent_file(tmp_path, cwd=str(work)))
-    wait_for(lambda: [e["type"] for e in events_of(forkq, fork_id)].count("model_call") == 3, "the third model call")
-
-    # When it is cancelled during that third call
-    code, out, _ = forkq("cancel", fork_id, "--json")
-
-    # Then its result and notification report the two model calls it made and their tokens
-    assert code == 0 and json.loads(out) == {"fork_id": fork_id, "status": "cancelled"}
-    steps = [e["data"] for e in events_of(forkq, fork_id) if e["type"] == "step"]
-    tokens = sum(s["input_tokens"] + s["output_tokens"] for s in steps)
-    _, out, _ = forkq("result", fork_id, "--json")
-    usage = json.loads(out)["usage"]
-    assert len(steps) == 2 and tokens > 0
-    assert (usage["model_calls"], usage["tool_uses"], usage["total_tokens"]) == (2, 2, tokens)
-    assert usage["input_tokens"] == sum(s["input_tokens"] for s in steps)
-    assert usage["duration_ms"] > 0
-    _, notification, _ = forkq("result", fork_id, "--notification")
-    assert "<status>cancelled</status>" in notification
-    assert f"<total_tokens>{tokens}</total_tokens><tool_uses>2</tool_uses>" in notification
-    assert "<duration_ms>0</duration_ms>" not in notification
-    finished = [e for e in events_of(forkq, fork_id) if e["type"] == "finished"]
-    assert finished[-1]["data"]["usage"]["model_calls"] == 2
-    wait_for(lambda: not worker_state.active_requests, "the cancelled run to see the cancel and end")
-
-
-class Died(BaseException):
-    """Stands for a worker process dying in the middle of a model call."""
-
-
-class DiesInTheModelCall:
-    name = "dies"
-
-    def generate(self, request: Any) -> Any:
-        raise Died
-
-
-def paused_fork(forkq: Run, settings: Settings) -> str:
-    """A fork launched through the CLI whose first worker died, revived by a worker that lacks its tools."""
-    from workers.runner import RunForkJob, WorkerRuntime, run_fork_job
-    from workers.tools import ToolRegistry
-
-    fork_id = launch(forkq, "--fork-turns", "1")
-    _, out, _ = forkq("status", fork_id, "--json")
-    job = RunForkJob(fork_id=fork_id, digest=json.loads(out)["digest"])
-    first = WorkerRuntime(settings)
-    first.provider = DiesInTheModelCall()  # cached properties: an instance attribute replaces them
-    with pytest.raises(Died):  # the first run records its tool surface (the built-in tools) and dies
-        run_fork_job(first, job)
-    first.leases.client.delete(first.leases.keys.lease(fork_id))  # its lease runs out
-    assert first.leases.revive(fork_id, max_attempts=3) == "revive"
-    second = WorkerRuntime(settings)
-    second.tools = ToolRegistry()  # a worker without the built-in tools the fork started with
-    assert run_fork_job(second, job) == "paused"
-    return fork_id
-
-
-def test_resume_queues_a_paused_fork_and_a_worker_runs_it_to_success(
-    forkq: Run, settings: Settings, scripted_worker: Callable[..., WorkController]
-) -> None:
-    # Given a fork paused because its reviving worker lacked tools it started with
-    fork_id = paused_fork(forkq, settings)
-    code, out, _ = forkq("result", fork_id, "--wait", "--timeout", "20", "--json")
-    assert code == 3
-    assert json.loads(out)["status"] == "paused" and "read_file" in json.loads(out)["error"]
-
-    # When an operator resumes it and a worker with the tools consumes the queue
-    code, out, err = forkq("resume", fork_id, "--json")
-    assert code == 0, err
-    assert json.loads(out) == {"fork_id": fork_id, "resumed": True, "status": "queued"}
-    scripted_worker([step("resumed and done")])
-
-    # Then it runs to success, and a second resume finds nothing to do
-    code, out, err = forkq("result", fork_id, "--wait", "--timeout", "30", "--json")
-    assert code == 0, err
-    assert (json.loads(out)["status"], json.loads(out)["output"]) == ("succeeded", "resumed and done")
-    again = forkq("resume", fork_id, "--json")
-    assert again[0] == 1 and json.loads(again[1]) == {"fork_id": fork_id, "resumed": False, "status": "succeeded"}
-    assert forkq("resume", fork_id)[:2] == (1, f"fork {fork_id} is succeeded, not paused: nothing to resume\n")
+    # a prompt holding the byte 0xff, which is not UTF-8, as a shell passes it: exit 2 and one line, no traceback
+    not_utf8 = forkq_script("launch", "--parent", PARENT, "--prompt", os.fsdecode(b"bad \xff byte"))
+    assert (not_utf8.returncode, not_utf8.stderr.count("\n")) == (2, 1), not_utf8.stderr
+    assert 'Parameter "prompt" is not valid Unicode text' in not_utf8.stderr
 
 
 # ── --json everywhere, and --version ──────────────────────────────────────────────────────────
@@ -618,6 +276,50 @@ def test_check_json_reports_ok_or_the_problems(forkq: Run, monkeypatch: pytest.M
     assert (code, err, report["ok"]) == (1, "", False)
     assert report["worker_heartbeat"] == str(tmp_path / "no-worker.heartbeat")
     assert len(report["problems"]) == 1 and "no-worker.heartbeat" in report["problems"][0]
+
+
+def test_result_notification_json_prints_the_notification_with_the_fork_id_and_status(forkq: Run) -> None:
+    fork_id = launch(forkq)
+    forkq("cancel", fork_id)
+
+    code, out, err = forkq("result", fork_id, "--notification", "--json")
+    _, text, _ = forkq("result", fork_id, "--notification")
+
+    printed = json.loads(out)
+    assert (code, err) == (1, "")  # cancelled: not succeeded
+    assert printed == {"fork_id": fork_id, "status": "cancelled", "notification": text.rstrip("\n")}
+    assert "<status>cancelled</status>" in printed["notification"]
+
+
+@pytest.mark.slow
+def test_sweep_json_prints_json_lines_while_it_runs_and_stops_with_0_on_sigterm(
+    forkq: Run, forkq_env: Settings, tmp_path: Path, redis_client: redis.Redis
+) -> None:
+    # Given a fork whose worker claimed it and went silent past its lease
+    fork_id = launch(forkq)
+    leases = Leases(redis_client, Keys(forkq_env.namespace), ttl_ms=200, retention_s=60)
+    assert not isinstance(leases.claim(fork_id, "gone-worker"), str)
+
+    # When `forkq sweep --json` runs (a pass every 0.2 s)
+    out = tmp_path / "sweep.out"
+    env = {**os.environ, "FORKQ_REDIS_URL": forkq_env.redis_url, "FORKQ_NAMESPACE": forkq_env.namespace}
+    with out.open("wb") as stdout:
+        sweep = subprocess.Popen(
+            [FORKQ, "sweep", "--json"],
+            env={**env, "FORKQ_QUEUE": forkq_env.queue, "FORKQ_SWEEP_S": "0.2"},
+            stdout=stdout,
+        )
+    try:
+        wait_for(lambda: out.read_text().count("\n") >= 2, "the start line and a pass that revived the fork")
+    finally:
+        sweep.send_signal(signal.SIGTERM)
+        code = sweep.wait(timeout=30)
+
+    # Then every line it printed is a JSON object: the start, then the pass that revived the fork
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert code == 0
+    assert lines[0] == {"event": "started", "every_s": 0.2, "redis": forkq_env.redis_url, "queue": forkq_env.queue}
+    assert lines[1:] == [{"event": "pass", "outcomes": {"revive": 1}}]
 
 
 def test_sweep_once_json_prints_the_outcomes_of_the_pass(forkq: Run) -> None:
@@ -697,3 +399,25 @@ def test_the_worker_exits_1_when_start_up_fails_and_0_after_a_warm_shutdown(
     healthy = worker_process(FORKQ_HEARTBEAT_FILE=str(heartbeat), FORKQ_PROVIDER="scripted")
     wait_for(heartbeat.exists, "the worker to beat", timeout=60)
     assert healthy.stop(timeout=30) == 0, healthy.log()
+
+
+def test_the_worker_exits_1_when_redis_is_unreachable_and_2_when_settings_or_redis_are_unfit(
+    forkq: Run, forkq_env: Settings, monkeypatch: pytest.MonkeyPatch, redis_client: redis.Redis
+) -> None:
+    # Redis down is an outage a supervisor waits out by restarting the worker: exit 1, as documented
+    monkeypatch.setenv("FORKQ_PROVIDER", "scripted")
+    monkeypatch.setenv("FORKQ_REDIS_URL", "redis://127.0.0.1:1/0")
+    down = forkq("worker")
+    # a Redis that may evict records, or no provider, are settings to fix: exit 2
+    monkeypatch.setenv("FORKQ_REDIS_URL", forkq_env.redis_url)
+    redis_client.config_set("maxmemory-policy", "allkeys-lru")
+    try:
+        evicting = forkq("worker")
+    finally:
+        redis_client.config_set("maxmemory-policy", "noeviction")
+    monkeypatch.delenv("FORKQ_PROVIDER")
+    no_provider = forkq("worker")
+
+    assert down[0] == 1 and down[2].startswith("forkq worker: cannot start: Redis at redis://127.0.0.1:1/0 is not")
+    assert evicting[0] == 2 and "maxmemory-policy 'allkeys-lru'" in evicting[2]
+    assert no_provider[0] == 2 and "FORKQ_PROVIDER" in no_provider[2]

@@ -6,6 +6,7 @@ import copy
 import hashlib
 import json
 import re
+import threading
 import time
 from typing import Any
 
@@ -21,6 +22,7 @@ from workers.errors import (
     ForkParked,
     ForkTimeout,
     InvalidAgentParams,
+    InvalidApproval,
     InvalidParentSnapshot,
     RecordExistsError,
     RecordIntegrityError,
@@ -386,6 +388,16 @@ def _huge_depth(parent: dict[str, Any]) -> dict[str, Any]:
     return parent
 
 
+def _lone_surrogate_in_history(parent: dict[str, Any]) -> dict[str, Any]:
+    parent["history"][5]["parts"].append({"text": "half a pair: \ud83d"})
+    return parent
+
+
+def _lone_surrogate_in_a_tool_key(parent: dict[str, Any]) -> dict[str, Any]:
+    parent["tools"][1] = {"name": "t", "parameters": {"type": "object", "properties": {"caf\udce9": {}}}}
+    return parent
+
+
 @pytest.mark.parametrize(
     ("spoil", "field"),
     [
@@ -394,8 +406,18 @@ def _huge_depth(parent: dict[str, Any]) -> dict[str, Any]:
         (_deep_system_instruction, "system_instruction"),
         (_depth_as_text, "depth"),
         (_huge_depth, "depth"),
+        (_lone_surrogate_in_history, "history[5]"),
+        (_lone_surrogate_in_a_tool_key, "tools[1]"),
     ],
-    ids=["history-600-deep", "tool-300-deep", "system-instruction-300-deep", "depth-text", "depth-5000-digits"],
+    ids=[
+        "history-600-deep",
+        "tool-300-deep",
+        "system-instruction-300-deep",
+        "depth-text",
+        "depth-5000-digits",
+        "history-lone-surrogate",
+        "tool-key-lone-surrogate",
+    ],
 )
 def test_a_parent_snapshot_past_its_bounds_is_refused_naming_the_field_and_writes_nothing(
     spoil: Any, field: str, client: ForkClient, redis_client: redis.Redis, parent: dict[str, Any]
@@ -420,6 +442,8 @@ def test_a_parent_snapshot_past_its_bounds_is_refused_naming_the_field_and_write
         ({"params": FORK, "max_turns": 10**5000}, "max_turns"),
         ({"params": FORK, "output_schema": nested(300, {"type": "object"})}, "output_schema"),
         ({"params": FORK, "fork_id": "../{evil}"}, "fork_id"),
+        ({"params": {**FORK, "prompt": "bad \udcff byte"}}, "prompt"),
+        ({"params": FORK, "output_schema": {"type": "object", "title": "\ud800"}}, "output_schema"),
     ],
     ids=[
         "fork-turns-5000-digits",
@@ -431,6 +455,8 @@ def test_a_parent_snapshot_past_its_bounds_is_refused_naming_the_field_and_write
         "turns-5000-digits",
         "schema-300-deep",
         "fork-id",
+        "prompt-lone-surrogate",
+        "schema-lone-surrogate",
     ],
 )
 def test_a_launch_past_its_bounds_raises_invalid_agent_params_naming_the_field_and_writes_nothing(
@@ -498,3 +524,48 @@ def test_wait_on_a_parked_fork_raises_fork_parked_at_once_with_the_pending_calls
         handle.fork_id,
     )
     assert f"forkq approve {handle.fork_id} CALL_ID" in str(caught.value) and "w1 (write_file)" in str(caught.value)
+
+
+def park(client: ForkClient, parent: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
+    """A fork parked on one call a person must decide, as a worker parks it: (fork id, pending calls)."""
+    handle = client.launch(parent, FORK, approval_policy="park")
+    leases = Leases(client.redis, client.store.keys, ttl_ms=10_000, retention_s=3600)
+    claim = leases.claim(handle.fork_id, "worker-1", handle.digest)
+    assert not isinstance(claim, str)
+    calls = [{"call_id": "w1", "index": 0, "step": 0, "name": "write_file", "args": {"path": "a"}}]
+    leases.park(claim, calls)
+    return handle.fork_id, calls
+
+
+def test_a_denial_whose_reason_is_not_valid_unicode_is_refused_and_the_call_still_waits(
+    client: ForkClient, parent: dict[str, Any]
+) -> None:
+    fork_id, calls = park(client, parent)
+
+    with pytest.raises(InvalidApproval, match=r"the reason of a denial is not valid Unicode text: character 4"):
+        client.deny(fork_id, "w1", "not \udcff now")
+
+    state = client.status(fork_id)
+    assert (state.status, state.pending_approval) == (Status.AWAITING_APPROVAL, calls)
+
+
+@pytest.mark.parametrize("timeout", [float("nan"), float("inf"), -1, "5", True], ids=repr)
+def test_wait_refuses_a_timeout_that_is_not_a_finite_number_of_seconds(client: ForkClient, timeout: Any) -> None:
+    with pytest.raises(ValueError, match="timeout must be a finite number of seconds, 0 or more, or None"):
+        client.wait("f-any", timeout=timeout)
+
+
+def test_wait_with_a_huge_finite_timeout_follows_the_fork_until_it_ends(
+    client: ForkClient, parent: dict[str, Any]
+) -> None:
+    # Given a queued fork that is cancelled a moment after the wait begins
+    handle = client.launch(parent, FORK)
+    canceller = threading.Timer(0.3, client.cancel, args=[handle.fork_id])
+    canceller.start()
+
+    # When the parent waits with a timeout of 1e308 s (its milliseconds overflow a float)
+    result = handle.wait(timeout=1e308)
+
+    # Then the wait ends with the fork, not with an OverflowError
+    canceller.join()
+    assert result.status is Status.CANCELLED

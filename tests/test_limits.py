@@ -7,7 +7,17 @@ from typing import Any
 
 import pytest
 
-from workers.limits import MAX_NESTING_DEPTH, nesting_depth, nesting_problem, shown, too_deep
+from workers.limits import (
+    MAX_NESTING_DEPTH,
+    bad_text,
+    find_bad_text,
+    has_bad_text,
+    nesting_depth,
+    nesting_problem,
+    shown,
+    text_problem,
+    too_deep,
+)
 
 
 def chain(levels: int) -> Any:
@@ -51,3 +61,50 @@ def test_the_nesting_message_names_the_thing_the_bound_and_the_fix() -> None:
 )
 def test_shown_values_are_brief_and_never_fail(value: Any, text: str) -> None:
     assert shown(value) == text
+
+
+@pytest.mark.parametrize(
+    ("value", "found"),
+    [
+        ("\udcff", ("", "\udcff")),
+        (["ok", {"a": [1, "caf\udce9"]}], ("[1].a[1]", "caf\udce9")),
+        ({"ok": 1, "b\ud800": 2}, ("[key 1]", "b\ud800")),
+        ({"weird key": {"x": "\ud800"}}, ("['weird key'].x", "\ud800")),
+        (("tuple", ["\udfff"]), ("[1][0]", "\udfff")),
+    ],
+    ids=["scalar", "nested-value", "dict-key", "quoted-key", "tuple"],
+)
+def test_find_bad_text_names_the_path_of_the_first_string_that_is_not_valid_unicode(value: Any, found: Any) -> None:
+    assert has_bad_text(value)
+    assert find_bad_text(value) == found
+
+
+@pytest.mark.parametrize(
+    "value",
+    ["plain", "café 😀 世界", {"ключ": ["\U0001f600", 5, None, 1.5, b"\xff"]}, chain(MAX_NESTING_DEPTH)],
+    ids=["ascii", "non-ascii", "nested-non-ascii", "deep"],
+)
+def test_valid_text_in_any_script_with_surrogate_pairs_is_accepted(value: Any) -> None:
+    assert not has_bad_text(value)
+    assert find_bad_text(value) is None and bad_text("x", value) is None
+
+
+def test_the_text_message_names_the_thing_the_character_and_the_byte_it_stands_for() -> None:
+    assert text_problem("the prompt", "ab\udcff") == (
+        "the prompt is not valid Unicode text: character 2 is a lone surrogate (U+DCFF, the byte 0xff that is not "
+        "UTF-8); send UTF-8 text"
+    )
+    assert bad_text("history[3]", {"parts": [{"text": "\ud83d"}]}) == (
+        "history[3].parts[0].text is not valid Unicode text: character 0 is a lone surrogate (U+D83D, such as a "
+        "\\ud83d escape without its pair); send UTF-8 text"
+    )
+    assert text_problem("x", "fine") is None
+
+
+def test_a_value_nested_200000_deep_is_searched_for_bad_text_without_recursion() -> None:
+    deep: Any = "\ud800"
+    for _ in range(200_000):
+        deep = [deep]
+
+    assert has_bad_text(deep)
+    assert find_bad_text(deep) == ("[0]" * 200_000, "\ud800")

@@ -269,3 +269,30 @@ def test_revalidate_keeps_a_validated_agent_params_as_it_was(raw: dict[str, Any]
     agent = validate_agent_params(raw)
 
     assert revalidate(agent) == agent
+
+
+@pytest.mark.parametrize("field", ["description", "prompt", "subagent_type", "name", "model"])
+def test_a_text_parameter_holding_a_lone_surrogate_is_refused_naming_it(field: str) -> None:
+    # what Python makes of the byte 0xff on a command line: it cannot be stored as UTF-8
+    regular = {"subagent_type": "general-purpose"} if field in ("name", "model") else {}
+
+    error = rejection(params(**regular, **{field: "bad \udcff byte"}))
+
+    assert error.field == field
+    assert str(error) == (
+        f'Parameter "{field}" is not valid Unicode text: character 4 is a lone surrogate (U+DCFF, the byte 0xff '
+        "that is not UTF-8); send UTF-8 text."
+    )
+
+
+def test_a_fork_tools_entry_holding_a_lone_surrogate_is_refused_naming_the_entry() -> None:
+    error = rejection(params(fork_tools=["read_file", "grep\ud800"]))
+
+    assert error.field == "fork_tools"
+    assert str(error).startswith('Parameter "fork_tools" entry 1 is not valid Unicode text: character 4')
+
+
+def test_text_parameters_in_any_script_with_surrogate_pairs_are_accepted() -> None:
+    agent = validate_agent_params(params(description="café 😀", prompt="Привет, 世界 \U0001f600"))
+
+    assert agent.prompt == "Привет, 世界 😀"

@@ -236,3 +236,30 @@ def test_a_snapshot_built_directly_is_bounded_like_a_parsed_one() -> None:
 
     assert (from_contents.value.field, from_wire.value.field) == ("history[1]", "history[0]")
     assert ParentSnapshot(session_id="s-1", history=[deep.model_copy(update={"parts": []})]).history[0].parts == []
+
+
+@pytest.mark.parametrize(
+    ("spoil", "field", "where"),
+    [
+        ({"history": [{"role": "user", "parts": [{"text": "\ud800"}]}]}, "history[0]", "history[0].parts[0].text"),
+        ({"system_instruction": "rules \udcff"}, "system_instruction", "field 'system_instruction'"),
+        ({"tools": [{"name": "t", "parameters": {"x\ud800": {}}}]}, "tools[0]", "field 'tools[0].parameters[key 0]'"),
+        ({"session_id": "s-\udcff"}, "session_id", "field 'session_id'"),
+        ({"cwd": "/srv/\udcff"}, "cwd", "field 'cwd'"),
+    ],
+    ids=["history-text", "system-instruction", "tool-key", "session-id", "cwd"],
+)
+def test_a_string_that_is_not_valid_unicode_is_refused_naming_where_it_is(
+    spoil: dict[str, Any], field: str, where: str
+) -> None:
+    error = rejection({"session_id": "s-1", **spoil})
+
+    assert error.field == field
+    assert f"{where} is not valid Unicode text: character" in str(error) and "send UTF-8 text" in str(error)
+
+
+def test_a_snapshot_built_directly_from_contents_is_checked_for_text_that_is_not_valid_unicode() -> None:
+    bad = Content.model_validate({"role": "user", "parts": [{"text": "ok"}, {"text": "\udfff"}]})
+
+    with pytest.raises(InvalidParentSnapshot, match=r"history\[1\]\.parts\[1\]\.text is not valid Unicode"):
+        ParentSnapshot(session_id="s-1", history=[Content(role="user"), bad])

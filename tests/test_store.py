@@ -351,6 +351,31 @@ def test_a_cancel_racing_a_running_fork_counts_every_entry_the_fork_wrote(store:
     assert (result.usage.model_calls, result.usage.input_tokens) == (len(journal), len(journal))
 
 
+def test_the_cancel_script_tallies_every_entry_appended_after_the_journal_the_client_read(
+    store: ForkStore, seed: ForkSeed
+) -> None:
+    # Given a running fork whose journal the client read when it held one model call
+    launch(store, seed)
+    leases = Leases(store.client, store.keys, ttl_ms=10_000, retention_s=TTL_S)
+    claim = leases.claim("f-1", "worker-1")
+    assert not isinstance(claim, str)
+    leases.append(claim, model_entry(0, 0, 100))
+    read = store.client.lrange(store.keys.journal("f-1"), 0, -1)
+    # and to which the fork appended a tool result and two more model calls before the cancel script ran
+    tool_result = JournalEntry(seq=1, step=0, kind="tool_result", call_index=0, response={"output": "ok"})
+    leases.append(claim, tool_result, model_entry(2, 1, 20))
+    leases.append(claim, model_entry(3, 2, 3))
+
+    # When the cancel runs with the stale read
+    assert store._cancel_tallied("f-1", read) is Status.CANCELLED
+
+    # Then the script counted the three entries the client never saw, and the result holds all four
+    result = store.result("f-1")
+    assert result is not None and len(read) == 1
+    assert (result.usage.model_calls, result.usage.tool_uses, result.usage.input_tokens) == (3, 1, 123)
+    assert result.usage.output_tokens == 3 and store.events("f-1")[-1].data["usage"] == result.usage.model_dump()
+
+
 @pytest.mark.parametrize("status", [Status.SUCCEEDED, Status.FAILED])
 def test_cancelling_a_finished_fork_leaves_it_as_it_was(store: ForkStore, seed: ForkSeed, status: Status) -> None:
     launch(store, seed)

@@ -13,6 +13,7 @@ import json
 import signal
 import sys
 import threading
+from collections import Counter
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
@@ -22,6 +23,7 @@ import redis
 from pydantic import ValidationError
 
 from broker_config.settings import Settings, redact_url
+from workers.cli_args import build_parser
 from workers.errors import (
     ConfigurationError,
     ForkParked,
@@ -37,7 +39,6 @@ from workers.limits import MAX_SCHEMA_FILE_BYTES
 from workers.snapshot import load_parent_snapshot, read_json_file
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_PARKED = 0, 1, 2, 3
-Parser = argparse.ArgumentParser
 PARKED: tuple[str, ...] = ("awaiting_approval", "paused")
 DEFAULT_DESCRIPTION_CHARS = 80  # the prompt's first words, when no --description is given
 
@@ -66,7 +67,9 @@ def _print_json(value: Any) -> None:
 
 def cmd_launch(args: argparse.Namespace) -> int:
     """Launch a fork (or subagent) from a parent snapshot file."""
-    default_description = " ".join(args.prompt.split()[:5])[:DEFAULT_DESCRIPTION_CHARS]
+    # the prompt's own words, made valid text: a bad byte in the prompt is then reported as the prompt's
+    words = args.prompt.encode("utf-8", "replace").decode("utf-8").split()
+    default_description = " ".join(words[:5])[:DEFAULT_DESCRIPTION_CHARS]
     params: dict[str, Any] = {
         "description": args.description if args.description is not None else default_description,
         "prompt": args.prompt,
@@ -164,7 +167,8 @@ def cmd_result(args: argparse.Namespace) -> int:
                 if state.status.value in PARKED:
                     raise parked_error(state)
                 if args.json:
-                    _print_json({"fork_id": args.fork_id, "status": state.status.value, "output": None, "usage": None})
+                    fields = {"fork_id": args.fork_id, "status": state.status.value, "output": None, "usage": None}
+                    _print_json({**fields, "error": state.error or None})
                 else:
                     print(f"fork {args.fork_id} is {state.status.value}: no result yet (use --wait)", file=sys.stderr)
                 return EXIT_FAIL
@@ -172,18 +176,13 @@ def cmd_result(args: argparse.Namespace) -> int:
             _print_parked(parked, as_json=args.json)
             return EXIT_PARKED
         notification = client.notification(args.fork_id) if args.notification else None
-    if notification is not None:
+    fields = {"fork_id": result.fork_id, "status": result.status.value}
+    if notification is not None and args.json:
+        _print_json({**fields, "notification": notification})
+    elif notification is not None:
         print(notification)
     elif args.json:
-        _print_json(
-            {
-                "fork_id": result.fork_id,
-                "status": result.status.value,
-                "output": result.output,
-                "usage": result.usage.model_dump(),
-                "error": result.error,
-            }
-        )
+        _print_json({**fields, "output": result.output, "usage": result.usage.model_dump(), "error": result.error})
     else:
         print(result.output if result.output is not None else f"[{result.status.value}] {result.error}")
     return EXIT_OK if result.status.value == "succeeded" else EXIT_FAIL
@@ -266,9 +265,12 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     settings = _settings()
     problems = provider_problems(settings)  # before Redis: naming no provider is the first thing to fix
-    problems += check_redis(settings).problems
-    if problems:
-        raise ConfigurationError("worker refuses to start: " + "; ".join(problems))
+    health = check_redis(settings)
+    if problems or (health.problems and health.reachable):  # settings to fix: exit 2
+        raise ConfigurationError("worker refuses to start: " + "; ".join(problems + health.problems))
+    if health.problems:  # an outage, not a usage error: exit 1, so that a supervisor retries
+        print(f"forkq worker: cannot start: {'; '.join(health.problems)}", file=sys.stderr)
+        return EXIT_FAIL
     # --pool/--concurrency go through the settings: Celery's CLI would let app.conf override a "prefork"
     settings = settings.model_copy(
         update={
@@ -356,13 +358,23 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     server = None if settings.metrics_port is None else serve_runtime_metrics(runtime, settings.metrics_port)
-    print(f"forkq sweep: every {settings.sweep_s} s on {redact_url(settings.redis_url)}; Ctrl-C stops", flush=True)
+    where = redact_url(settings.redis_url)
+    if args.json:  # JSON lines: the start, then each pass that found an expired lease
+        started = {"event": "started", "every_s": settings.sweep_s, "redis": where, "queue": settings.queue}
+        print(json.dumps(started), flush=True)
+    else:
+        print(f"forkq sweep: every {settings.sweep_s} s on {where}; Ctrl-C stops", flush=True)
     try:
-        sweeper.run(stop)
+        sweeper.run(stop, on_pass=_print_pass if args.json else None)
     finally:
         if server is not None:
             server.close()
     return EXIT_OK
+
+
+def _print_pass(outcomes: Counter[str]) -> None:
+    if outcomes:
+        print(json.dumps({"event": "pass", "outcomes": dict(sorted(outcomes.items()))}), flush=True)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -373,120 +385,28 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return code
 
 
-def _launch_arguments(launch: argparse.ArgumentParser) -> None:
-    launch.add_argument("--parent", required=True, help="parent snapshot JSON file (see docs/runtime.md)")
-    launch.add_argument("--prompt", required=True, help="the directive")
-    launch.add_argument("--description", help="short description (default: the prompt's first words)")
-    launch.add_argument("--subagent-type", dest="subagent_type", help='"fork" to inherit history')
-    launch.add_argument("--fork-turns", dest="fork_turns", help='"all" or a positive integer string')
-    launch.add_argument("--name", help="spawn a named teammate")
-    launch.add_argument("--model", help="model of a regular subagent")
-    launch.add_argument(
-        "--fork-tools", dest="fork_tools", help='tools a fork may run: JSON array or comma list ("" or [] for none)'
-    )
-    launch.add_argument(
-        "--approval-policy",
-        dest="approval_policy",
-        choices=["deny", "park"],
-        default="deny",
-        help="a call that needs approval: deny it (default) or park the fork until approve/deny",
-    )
-    launch.add_argument("--output-schema", dest="output_schema", help="JSON schema file the final answer must match")
-    launch.add_argument("--max-wall-s", dest="max_wall_s", type=float, help="wall-clock limit in seconds")
-    launch.add_argument("--max-turns", dest="max_turns", type=int, help="model calls at most")
-    launch.add_argument("--json", action="store_true", help="print JSON")
-
-
-RESULT_EPILOG = (
-    "exit codes: 0 succeeded; 1 failed or cancelled, no result yet, or --wait timed out; 2 bad input; 3 parked "
-    "(awaiting_approval: approve or deny its calls; paused: fix the reason, then forkq resume), said at once "
-    "with the pending calls, even with --wait"
-)
-
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("forkq")
-    except PackageNotFoundError:  # run from a source tree that was never installed
-        return "unknown (not installed)"
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of `forkq`."""
-    parser = argparse.ArgumentParser(
-        prog="forkq",
-        description="Background fork subagents on Celery and Redis.",
-        epilog="exit codes: 0 ok, 1 failed, 2 bad input or settings, 3 parked (forkq result)",
-    )
-    parser.add_argument("--version", action="version", version=f"forkq {_version()}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    def add(name: str, handler: Callable[[argparse.Namespace], int], help_text: str, **extra: Any) -> Parser:
-        command = sub.add_parser(name, help=help_text, description=help_text, **extra)
-        command.set_defaults(handler=handler)
-        return command
-
-    def by_id(name: str, handler: Callable[[argparse.Namespace], int], help_text: str, **extra: Any) -> Parser:
-        command = add(name, handler, help_text, **extra)
-        command.add_argument("fork_id")
-        command.add_argument("--json", action="store_true", help="print JSON")
-        return command
-
-    _launch_arguments(add("launch", cmd_launch, "Launch a fork or subagent from a parent snapshot."))
-    by_id("status", cmd_status, "Show a fork's state.")
-    by_id("cancel", cmd_cancel, "Cancel a fork.")
-    by_id("resume", cmd_resume, "Queue a paused fork again (once the tools it lacked are installed).")
-    result = by_id("result", cmd_result, "Show a fork's final output.", epilog=RESULT_EPILOG)
-    result.add_argument("--wait", action="store_true", help="block until the fork ends (or parks)")
-    result.add_argument("--timeout", type=float, default=None, help="seconds to wait at most")
-    result.add_argument(
-        "--notification", action="store_true", help="print the <task-notification> the parent's model reads"
-    )
-    by_id("approve", cmd_approve, "Approve a call a parked fork waits on; it resumes on any worker.").add_argument(
-        "call_id"
-    )
-    deny = by_id("deny", cmd_approve, "Deny a call a parked fork waits on; the model reads the denial.")
-    deny.add_argument("call_id")
-    deny.add_argument("--reason", help="why (the model reads it)")
-    events = by_id("events", cmd_events, "Print a fork's progress events (--json: one JSON object per line).")
-    events.add_argument("--follow", action="store_true", help="keep printing until the fork ends")
-    by_id("inspect", cmd_inspect, "Print a fork's bootstrap record and launch options.")
-    _process_commands(add)
-    return parser
-
-
-def _process_commands(add: Callable[..., Parser]) -> None:
-    """The commands about processes rather than one fork: worker, check, sweep, demo."""
-    worker = add("worker", cmd_worker, "Run a worker (a Celery worker for forkq's queue).")
-    worker.add_argument("--concurrency", type=int, help="forks at once (default FORKQ_WORKER_CONCURRENCY)")
-    worker.add_argument("--pool", choices=["threads", "prefork", "solo"], help="default FORKQ_WORKER_POOL")
-    worker.add_argument("--loglevel", default="INFO")
-    worker.add_argument("--hostname", help="Celery node name, e.g. worker1@%%h")
-    check = add("check", cmd_check, "Check that Redis is reachable and fit for forkq.")
-    check.add_argument(
-        "--worker",
-        action="store_true",
-        help="also check this host's worker heartbeat (FORKQ_HEARTBEAT_FILE): the worker probe",
-    )
-    check.add_argument("--json", action="store_true", help="print JSON")
-    sweep = add("sweep", cmd_sweep, "Revive forks whose worker died (lease expired).")
-    sweep.add_argument("--once", action="store_true", help="one pass, then exit")
-    sweep.add_argument("--json", action="store_true", help="with --once: print the pass's outcomes as JSON")
-    demo = add("demo", cmd_demo, "Launch forks from an example conversation on private workers.")
-    demo.add_argument(
-        "--private-redis",
-        action="store_true",
-        help="start a private redis-server even if one listens on 127.0.0.1:6379 (FORKQ_REDIS_URL still wins)",
-    )
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "launch": cmd_launch,
+    "status": cmd_status,
+    "cancel": cmd_cancel,
+    "resume": cmd_resume,
+    "result": cmd_result,
+    "approve": cmd_approve,
+    "deny": cmd_approve,
+    "events": cmd_events,
+    "inspect": cmd_inspect,
+    "worker": cmd_worker,
+    "check": cmd_check,
+    "sweep": cmd_sweep,
+    "demo": cmd_demo,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `forkq` console script."""
     args = build_parser().parse_args(argv)
     try:
-        code: int = args.handler(args)
+        code: int = COMMANDS[args.command](args)
     except (InvalidAgentParams, InvalidParentSnapshot, InvalidHistory, ConfigurationError) as exc:
         print(f"forkq {args.command}: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import secrets
 import time
 from collections.abc import Iterator, Mapping
@@ -15,10 +16,10 @@ from celery import Celery
 from broker_config.redis_client import redis_client as connect_redis
 from broker_config.settings import Settings
 from workers.app import make_app
-from workers.errors import ForkNotEnded, ForkParked, ForkTimeout, InvalidAgentParams
+from workers.errors import ForkNotEnded, ForkParked, ForkTimeout, InvalidAgentParams, InvalidApproval
 from workers.keys import FORK_ID_RE, Keys
 from workers.lease import Leases
-from workers.limits import MAX_LAUNCH_TURNS, MAX_LAUNCH_WALL_S, nesting_problem, shown, too_deep
+from workers.limits import MAX_LAUNCH_TURNS, MAX_LAUNCH_WALL_S, bad_text, nesting_problem, shown, text_problem, too_deep
 from workers.notification import render_task_notification
 from workers.params import AgentParams, revalidate, validate_agent_params
 from workers.policy import APPROVAL_POLICIES, ApprovalPolicy, depth_error
@@ -86,7 +87,16 @@ def launch_options(
     if output_schema is not None:
         if too_deep(output_schema):  # jsonschema recurses, canonical msgpack stops at 255 levels
             raise InvalidAgentParams(nesting_problem("output_schema"), field="output_schema")
+        problem = bad_text("output_schema", output_schema)  # canonical msgpack stores UTF-8 only
+        if problem is not None:
+            raise InvalidAgentParams(problem, field="output_schema")
         options["output_schema"] = check_schema(output_schema)
+    return {**options, **_limits(max_wall_s, max_turns)}
+
+
+def _limits(max_wall_s: float | None, max_turns: int | None) -> dict[str, Any]:
+    """A launch's own limits, checked: each positive, finite, at most its bound (workers.limits)."""
+    options: dict[str, Any] = {}
     if max_wall_s is not None:
         # `not 0 < x <= max` also refuses NaN and infinity, which compare false or past the bound
         if (
@@ -143,6 +153,21 @@ def parked_error(state: ForkState) -> ForkParked:
         pending=list(state.pending_approval),
         reason=state.error,
     )
+
+
+def check_timeout(timeout: object) -> None:
+    """A wait's timeout: None (no limit) or a finite number of seconds, 0 or more.
+
+    Raises:
+        ValueError: it is not (NaN, infinity, negative, not a number), naming what to pass instead.
+    """
+    if timeout is None:
+        return
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 <= timeout < math.inf:
+        raise ValueError(
+            f"timeout must be a finite number of seconds, 0 or more, or None to wait without a limit; "
+            f"got {shown(timeout)}"
+        )
 
 
 def new_fork_id() -> str:
@@ -253,12 +278,16 @@ class ForkClient:
             seed = self._seeds.build(snapshot, fork_turns=agent.fork_turns, directive=agent.prompt, keep=reused)
         else:  # regular subagents and named teammates inherit no history
             seed = SeedChunks(chunks=[], digests=[], count=0, task_prompt=agent.prompt)
-        chunks = seed.chunks
         record = self._record(
             fid, snapshot, agent, seed, tools_json=self._declarations_json(snapshot, keep=reused), options=options
         )
         record_bytes, digest = record.encode()
-        self.store.put_launch(record, record_bytes, digest, chunks)
+        self.store.put_launch(record, record_bytes, digest, seed.chunks)
+        self._enqueue_first(record, record_bytes, digest, seed.chunks)
+        return ForkHandle(fork_id=fid, digest=digest, kind=record.kind, client=self)
+
+    def _enqueue_first(self, record: BootstrapRecord, record_bytes: bytes, digest: str, chunks: list[bytes]) -> None:
+        """Send a launched fork's first job: a small one carries its chunks and record, a large one neither."""
         inline: list[bytes] | None = [record.context_blob(), *chunks]
         if sum(map(len, inline or [])) > self.settings.inline_seed_max_bytes:
             inline = None
@@ -266,7 +295,7 @@ class ForkClient:
         enqueue_fork(
             self.app,
             self.settings.queue,
-            fid,
+            record.fork_id,
             digest,
             attempt=1,
             seed_chunks=inline,
@@ -274,7 +303,6 @@ class ForkClient:
             description=record.description,
             parent_session=record.parent_session,
         )
-        return ForkHandle(fork_id=fid, digest=digest, kind=record.kind, client=self)
 
     def _declarations_json(self, snapshot: ParentSnapshot, *, keep: bool = True) -> str:
         """The snapshot's tool declarations as the record keeps them (key order kept); sibling launches
@@ -336,10 +364,12 @@ class ForkClient:
         or deny them (or `resume` a paused fork), then wait again.
 
         Raises:
+            ValueError: `timeout` is not None nor a finite number of seconds, 0 or more.
             ForkParked: the fork is awaiting approval or paused.
             ForkTimeout: the fork did not end within `timeout` seconds.
             ForkNotFound: the fork does not exist.
         """
+        check_timeout(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         after = "0-0"
         while True:
@@ -349,7 +379,8 @@ class ForkClient:
             state = self.store.state(fork_id)  # ForkNotFound for a fork that does not exist
             if state.status in (Status.AWAITING_APPROVAL, Status.PAUSED):
                 raise parked_error(state)
-            left_ms = 1000 if deadline is None else int((deadline - time.monotonic()) * 1000)
+            # at most a second per read, computed in seconds first: a timeout of 1e308 s must not overflow
+            left_ms = 1000 if deadline is None else int(min(deadline - time.monotonic(), 1.0) * 1000)
             if left_ms <= 0:
                 hint = (
                     "check that a worker consumes the queue (forkq check --worker / Flower)"
@@ -391,10 +422,17 @@ class ForkClient:
         return self._decide(fork_id, call_id, "approve", None)
 
     def deny(self, fork_id: str, call_id: str, reason: str | None = None) -> str:
-        """Deny a parked call: the model reads the denial (with `reason`) and goes on without it."""
+        """Deny a parked call: the model reads the denial (with `reason`) and goes on without it.
+
+        Raises:
+            InvalidApproval: as `approve`, or `reason` is not valid Unicode text.
+        """
         return self._decide(fork_id, call_id, "deny", reason)
 
     def _decide(self, fork_id: str, call_id: str, decision: str, reason: str | None) -> str:
+        problem = None if reason is None else text_problem("the reason of a denial", reason)
+        if problem is not None:  # the journal stores it as UTF-8
+            raise InvalidApproval(problem, fork_id=fork_id)
         outcome = self.store.decide(fork_id, call_id, decision, reason)
         if outcome == "queued":
             self._enqueue_again(fork_id)

@@ -13,10 +13,14 @@ from broker_config.settings import Settings, redact_url
 
 @dataclass
 class RedisHealth:
-    """Problems (forkq must not run) and warnings (it runs, at a risk) found on a Redis server."""
+    """Problems (forkq must not run) and warnings (it runs, at a risk) found on a Redis server.
+
+    `reachable` is False when Redis did not answer (an outage to wait out, not settings to fix).
+    """
 
     problems: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    reachable: bool = True
 
 
 def check_redis(settings: Settings, client: redis.Redis | None = None) -> RedisHealth:
@@ -36,6 +40,7 @@ def check_redis(settings: Settings, client: redis.Redis | None = None) -> RedisH
         return health
     except redis.RedisError as exc:
         health.problems.append(f"{where} is not reachable ({exc}); start it or fix FORKQ_REDIS_URL")
+        health.reachable = not isinstance(exc, redis.ConnectionError | redis.TimeoutError)
         return health
     finally:
         if own:

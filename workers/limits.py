@@ -6,6 +6,10 @@ refuses, up front and naming the field, anything nested deeper than `MAX_NESTING
 objects and arrays: each history message, each tool declaration, the system instruction and the
 output schema. The check walks the value with an explicit stack, so a value nested 200,000 deep is
 measured and refused, never recursed into.
+
+Every string a launch stores must also be valid Unicode: a lone surrogate (what Python makes of a byte
+that is not UTF-8 on a command line, or a `"\\ud800"` escape in JSON) cannot be encoded as UTF-8, so
+canonical msgpack refuses it. `text_problem` and `bad_text_path` find one, naming where it is.
 """
 
 from __future__ import annotations
@@ -53,6 +57,91 @@ def nesting_problem(what: str, limit: int = MAX_NESTING_DEPTH) -> str:
         f"{what} is nested more than {limit} levels deep (objects and arrays); forkq accepts at most "
         f"{limit} levels: flatten the value, or send the deep part as a JSON string"
     )
+
+
+def text_problem(what: str, value: str) -> str | None:
+    """Why `value` cannot be stored as UTF-8 text (it holds a lone surrogate), naming `what`; None when it can."""
+    if value.isascii():
+        return None
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return f"{what} is not valid Unicode text: {_surrogate(value, exc.start)}; send UTF-8 text"
+    return None
+
+
+def _surrogate(value: str, index: int) -> str:
+    code = ord(value[index])
+    where = f"character {index:,} is a lone surrogate (U+{code:04X}"
+    if 0xDC80 <= code <= 0xDCFF:  # surrogateescape: how Python keeps a byte that is not UTF-8 in argv or a file name
+        return f"{where}, the byte 0x{code - 0xDC00:02x} that is not UTF-8)"
+    return f"{where}, such as a \\u{code:04x} escape without its pair)"
+
+
+def has_bad_text(value: object) -> bool:
+    """True when a string in `value` (a value or a dict key, at any depth) is not valid Unicode text.
+
+    Iterative, and tight: it visits every string of a parent's history (bench/history.py).
+    """
+    stack: list[Any] = [[value]]
+    push = stack.append
+    while stack:
+        container = stack.pop()
+        if isinstance(container, dict):
+            for key in container:
+                if isinstance(key, str) and not key.isascii() and text_problem("", key) is not None:
+                    return True
+            container = container.values()
+        for item in container:
+            kind = type(item)
+            if kind is str:  # exact types first: the common case, checked without isinstance
+                if not item.isascii() and text_problem("", item) is not None:
+                    return True
+            elif kind is dict or kind is list:
+                push(item)
+            elif isinstance(item, str):
+                if text_problem("", item) is not None:
+                    return True
+            elif isinstance(item, _CONTAINERS):
+                push(item)
+    return False
+
+
+def find_bad_text(value: object, root: str = "") -> tuple[str, str] | None:
+    """The path (`root` then `.parts[0].text`, `[2]`, `[key 1]` for a dict's second key) and the string of the
+    first string in `value` that is not valid Unicode text; None when there is none. For errors: slower than
+    `has_bad_text`, which it runs first."""
+    if not has_bad_text(value):
+        return None
+    # each entry: the item and its path as a chain of (parent chain, segment), joined only for the one found
+    stack: list[tuple[Any, Any]] = [(value, None)]
+    while stack:
+        item, node = stack.pop()
+        if isinstance(item, str):
+            if text_problem("", item) is not None:
+                return root + _joined(node), item
+        elif isinstance(item, dict):
+            for n, (key, child) in reversed(list(enumerate(item.items()))):
+                name = f".{key}" if isinstance(key, str) and key.isidentifier() else f"[{shown(key, 40)}]"
+                stack += [(child, (node, name)), (key, (node, f"[key {n}]"))]
+        elif isinstance(item, list | tuple):
+            stack += [(child, (node, f"[{i}]")) for i, child in reversed(list(enumerate(item)))]
+    return None
+
+
+def _joined(node: Any) -> str:
+    segments: list[str] = []
+    while node is not None:
+        node, segment = node
+        segments.append(segment)
+    return "".join(reversed(segments))
+
+
+def bad_text(what: str, value: object) -> str | None:
+    """The message for the first string in `value` that is not valid Unicode text, naming where it is under
+    `what` (`history[3].parts[0].text`); None when there is none."""
+    found = find_bad_text(value, what)
+    return None if found is None else text_problem(found[0], found[1])
 
 
 def shown(value: object, limit: int = 60) -> str:

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError,
 from pydantic.alias_generators import to_camel
 
 from workers.errors import InvalidHistory
-from workers.limits import MAX_NESTING_DEPTH, nesting_problem, shown, too_deep
+from workers.limits import MAX_NESTING_DEPTH, bad_text, has_bad_text, nesting_problem, shown, too_deep
 
 Role = Literal["user", "model"]
 
@@ -144,7 +144,8 @@ def parse_history(raw: object) -> list[Content]:
 
     Raises:
         InvalidHistory: naming the first bad message (`.index`) and what is wrong with it, including a
-            message nested deeper than `workers.limits.MAX_NESTING_DEPTH`.
+            message nested deeper than `workers.limits.MAX_NESTING_DEPTH` or holding a string that is not
+            valid Unicode text (a lone surrogate).
     """
     if not isinstance(raw, list):
         raise InvalidHistory(
@@ -155,10 +156,22 @@ def parse_history(raw: object) -> list[Content]:
     if too_deep(raw, MAX_NESTING_DEPTH + 1):  # one walk of the whole list; per message only to name the culprit
         index = next(i for i, item in enumerate(raw) if too_deep(item))
         raise InvalidHistory(nesting_problem(f"history[{index}]"), index=index)
+    check_history_text(raw)
     try:  # one call into pydantic-core for the whole history; per-message only to explain a failure
         return load_contents(raw)
     except ValidationError:
         return [parse_content(item, index=i) for i, item in enumerate(raw)]
+
+
+def check_history_text(raw: list[Any]) -> None:
+    """Every string of a wire history (texts, arguments, keys) must be valid Unicode to be stored as UTF-8.
+
+    Raises:
+        InvalidHistory: naming the first message holding one that is not, and where in it.
+    """
+    if has_bad_text(raw):  # one walk of the whole list; per message only to name the culprit
+        index = next(i for i, item in enumerate(raw) if has_bad_text(item))
+        raise InvalidHistory(bad_text(f"history[{index}]", raw[index]) or f"history[{index}]", index=index)
 
 
 def parse_content(item: object, *, index: int) -> Content:

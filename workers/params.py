@@ -9,7 +9,7 @@ from typing import Any, Final, Literal
 from pydantic import BaseModel, ConfigDict
 
 from workers.errors import InvalidAgentParams
-from workers.limits import shown
+from workers.limits import shown, text_problem
 
 FORK_TYPE: Final = "fork"
 FORK_TURNS_PATTERN: Final = "^[1-9][0-9]*$"
@@ -112,12 +112,16 @@ def _require_text(raw: Mapping[str, Any], field: str) -> str:
 
 
 def _check_length(field: str, value: str) -> None:
+    """At most MAX_CHARS[field] characters, and valid Unicode (a lone surrogate cannot be stored as UTF-8)."""
     if len(value) > MAX_CHARS[field]:
         raise InvalidAgentParams(
             f'Parameter "{field}" is {len(value):,} characters long; at most {MAX_CHARS[field]:,} are accepted: '
             "shorten it.",
             field=field,
         )
+    problem = text_problem(f'Parameter "{field}"', value)
+    if problem is not None:
+        raise InvalidAgentParams(f"{problem}.", field=field)
 
 
 def _check_fork_turns(raw: Mapping[str, Any]) -> None:
@@ -159,6 +163,10 @@ def _check_fork_tools(raw: Mapping[str, Any]) -> tuple[str, ...] | None:
             f"characters; got {len(tools)} names, the longest of {max(map(len, tools))}.",
             field="fork_tools",
         )
+    for index, tool in enumerate(tools):
+        problem = text_problem(f'Parameter "fork_tools" entry {index}', tool)
+        if problem is not None:
+            raise InvalidAgentParams(f"{problem}.", field="fork_tools")
     if "*" in tools:
         raise InvalidAgentParams(MSG_FORK_TOOLS_STAR, field="fork_tools")
     if not all(is_valid_tool_pattern(t) for t in tools):

@@ -10,8 +10,17 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 from pydantic_core import PydanticCustomError
 
 from workers.errors import ForkqError, InvalidHistory, InvalidParentSnapshot
-from workers.limits import MAX_NESTING_DEPTH, MAX_PARENT_FILE_BYTES, MAX_SNAPSHOT_DEPTH, nesting_problem, too_deep
-from workers.messages import Content, dump_contents, parse_history
+from workers.limits import (
+    MAX_NESTING_DEPTH,
+    MAX_PARENT_FILE_BYTES,
+    MAX_SNAPSHOT_DEPTH,
+    find_bad_text,
+    has_bad_text,
+    nesting_problem,
+    text_problem,
+    too_deep,
+)
+from workers.messages import Content, check_history_text, dump_contents, parse_history
 
 ApprovalMode = Literal["plan", "default", "auto-edit", "yolo"]
 
@@ -19,9 +28,12 @@ _HISTORY_PARSED: Final = "history_parsed"  # validation context: parse_parent_sn
 
 
 def _shallow(value: Any) -> Any:
-    """A tool declaration or system instruction nested past MAX_NESTING_DEPTH cannot be encoded or sent."""
+    """A tool declaration or system instruction nested past MAX_NESTING_DEPTH, or holding a string that is
+    not valid Unicode, cannot be encoded or sent."""
     if too_deep(value):
         raise PydanticCustomError("too_deep", nesting_problem("the value"))
+    if has_bad_text(value):  # parse_parent_snapshot names the string, with the field's path
+        raise PydanticCustomError("bad_text", "a string in it is not valid Unicode text; send UTF-8 text")
     return value
 
 
@@ -56,6 +68,7 @@ class ParentSnapshot(BaseModel):
                 if too_deep(wire, MAX_NESTING_DEPTH + 1):
                     index = next(i for i, c in enumerate(wire) if too_deep(c))
                     raise InvalidHistory(nesting_problem(f"history[{index}]"), index=index)
+                check_history_text(wire)
                 return value
             return parse_history(value)
         except InvalidHistory as exc:
@@ -85,8 +98,12 @@ def parse_parent_snapshot(data: object, *, source: str = "parent snapshot") -> P
     except ValidationError as exc:
         first = exc.errors()[0]
         field = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in first["loc"]).lstrip(".")
-        hint = "" if first["type"] == "too_deep" else _HINTS.get(str(first["loc"][0]) if first["loc"] else "", "")
-        raise InvalidParentSnapshot(f"{source}: field {field!r}: {first['msg']}{hint}", field=field, cause=exc) from exc
+        message = f"field {field!r}: {first['msg']}"
+        found = find_bad_text(first["input"], field) if first["type"] in ("bad_text", "string_unicode") else None
+        if found is not None:  # pydantic's words do not say what is wrong with the text, nor where
+            message = text_problem(f"field {found[0]!r}", found[1]) or message
+        hint = "" if first["type"] in _OWN_MESSAGES else _HINTS.get(str(first["loc"][0]) if first["loc"] else "", "")
+        raise InvalidParentSnapshot(f"{source}: {message}{hint}", field=field, cause=exc) from exc
 
 
 def load_parent_snapshot(path: Path) -> ParentSnapshot:
@@ -128,6 +145,8 @@ def read_json_file(path: Path, *, what: str, max_bytes: int, error: type[ForkqEr
     except RecursionError as exc:  # the parser's own recursion limit, far past MAX_NESTING_DEPTH
         raise error(nesting_problem(what), field=field) from exc
 
+
+_OWN_MESSAGES: Final = ("too_deep", "bad_text", "string_unicode")  # they say the fix themselves
 
 _HINTS = {
     "session_id": " (a non-empty id without braces or spaces, such as the parent's session UUID)",

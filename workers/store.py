@@ -421,27 +421,14 @@ class ForkStore:
         Raises:
             ForkNotFound: the fork does not exist.
         """
-        journal = cast(list[bytes], self.client.lrange(self.keys.journal(fork_id), 0, -1))
-        usage = journal_usage(journal, fork_id)
-        outcome = self._cancel(
-            keys=[
-                self.keys.state(fork_id),
-                self.keys.events(fork_id),
-                self.keys.result(fork_id),
-                self.keys.bootstrap(fork_id),
-                self.keys.journal(fork_id),
-            ],
-            args=[
-                fork_id,
-                self.ttl_s,
-                len(journal),
-                usage.input_tokens,
-                usage.output_tokens,
-                usage.model_calls,
-                usage.tool_uses,
-            ],
-        )
-        outcome = cast(bytes, outcome).decode()
+        return self._cancel_tallied(fork_id, cast(list[bytes], self.client.lrange(self.keys.journal(fork_id), 0, -1)))
+
+    def _cancel_tallied(self, fork_id: str, journal: list[bytes]) -> Status:
+        """Cancel with the usage of `journal`, the entries read so far; the script tallies the ones after them."""
+        usage, k = journal_usage(journal, fork_id), self.keys
+        counted = [len(journal), usage.input_tokens, usage.output_tokens, usage.model_calls, usage.tool_uses]
+        keys = [k.state(fork_id), k.events(fork_id), k.result(fork_id), k.bootstrap(fork_id), k.journal(fork_id)]
+        outcome = cast(bytes, self._cancel(keys=keys, args=[fork_id, self.ttl_s, *counted])).decode()
         if outcome == "missing":
             raise ForkNotFound(f"fork {fork_id}: not found (never launched, or past its retention)", fork_id=fork_id)
         return Status(outcome)

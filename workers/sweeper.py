@@ -55,11 +55,14 @@ class Sweeper:
                 log.warning("fork %s: failed with worker_lost after %d lost runs", fork_id, self.max_attempts)
         return outcomes
 
-    def run(self, stop: threading.Event) -> None:
-        """Sweep every `interval_s` until `stop` is set; Redis or broker errors are logged and retried."""
+    def run(self, stop: threading.Event, on_pass: Callable[[Counter[str]], None] | None = None) -> None:
+        """Sweep every `interval_s` until `stop` is set (each pass's outcomes to `on_pass`); Redis or broker
+        errors are logged and retried."""
         while not stop.is_set():
             try:
-                self.sweep_once()
+                outcomes = self.sweep_once()
+                if on_pass is not None:
+                    on_pass(outcomes)
             except Exception as exc:  # Redis or broker down: the next pass retries, the sweeper lives on
                 log.warning("sweep failed, retrying in %.1f s: %s", self.interval_s, exc)
             stop.wait(self.interval_s)

@@ -3,7 +3,8 @@
 Contents become messages: the system instruction a `system` message; user text and media a `user`
 message; model text an `assistant` message whose `tool_calls` carry the model's function calls, their
 arguments as JSON strings; function responses `tool` messages whose `tool_call_id` answers the call
-just before them. Deliberate choices (spec §6):
+just before them. Deliberate choices (docs/capabilities.md, "Model providers"; the orphans of
+docs/fork-history.md, "Decisions where the contract leaves a choice"):
 
 - Calls without an id get `call_h<message index>_<i>`; a response without an id answers the first
   unanswered call of the same name. A response that answers no call of the preceding assistant

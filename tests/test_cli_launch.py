@@ -1,0 +1,181 @@
+"""`forkq launch`: what it prints, and bad input that exits 2 with one line naming the field, writing nothing."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from cli_support import PARENT, PROMPT, Run, launch, parent_file
+
+from broker_config.settings import Settings
+from workers.params import MSG_FORK_TURNS_VALUE
+
+
+def test_launch_json_prints_the_fork_id_and_its_status(forkq: Run) -> None:
+    code, out, err = forkq(
+        "launch", "--parent", PARENT, "--prompt", PROMPT, "--subagent-type", "fork", "--fork-turns", "3", "--json"
+    )
+
+    assert (code, err) == (0, "")
+    printed = json.loads(out)
+    assert set(printed) == {"fork_id", "status"}
+    assert printed["status"] == "queued"
+    assert printed["fork_id"].startswith("f-")
+
+
+def test_launch_prints_just_the_fork_id_without_json(forkq: Run) -> None:
+    fork_id = launch(forkq, "--fork-turns", "all")
+
+    code, out, _ = forkq("status", fork_id)
+    assert code == 0
+    assert out.startswith(f"{fork_id} queued attempt=0")
+
+
+def test_an_invalid_fork_turns_exits_2_with_the_validation_message_and_writes_nothing(
+    forkq: Run, redis_client: redis.Redis, forkq_env: Settings
+) -> None:
+    code, out, err = forkq(
+        "launch", "--parent", PARENT, "--prompt", PROMPT, "--subagent-type", "fork", "--fork-turns", "0"
+    )
+
+    assert (code, out) == (2, "")
+    assert err == f"forkq launch: {MSG_FORK_TURNS_VALUE}\n"
+    assert redis_client.dbsize() == 0
+
+
+def test_an_invalid_parent_file_exits_2_naming_the_field(forkq: Run, tmp_path: Path, redis_client: redis.Redis) -> None:
+    bad = tmp_path / "parent.json"
+    bad.write_text(json.dumps({"session_id": "s-1", "approval_mode": "sometimes"}))
+
+    code, _, err = forkq("launch", "--parent", str(bad), "--prompt", PROMPT)
+
+    assert code == 2
+    assert "approval_mode" in err and str(bad) in err
+    assert redis_client.dbsize() == 0
+
+
+# ── bad input at launch: exit 2, one line naming the field, nothing written ───────────────────
+
+
+def nested(levels: int, leaf: Any = "x") -> Any:
+    """A value `levels` objects deep, built without recursion."""
+    value = leaf
+    for _ in range(levels):
+        value = {"a": value}
+    return value
+
+
+def deep_history_parent(tmp_path: Path) -> str:
+    history = json.loads(Path(PARENT).read_text(encoding="utf-8"))["history"]
+    deep_call = {"role": "model", "parts": [{"functionCall": {"name": "read_file", "args": nested(600)}}]}
+    return parent_file(tmp_path, history=[*history[:-1], deep_call, history[-1]])
+
+
+def written(path: Path, data: bytes) -> str:
+    path.write_bytes(data)
+    return str(path)
+
+
+FORK_ARGS = ["--prompt", PROMPT, "--subagent-type", "fork"]
+HISTORY = json.loads(Path(PARENT).read_text(encoding="utf-8"))["history"]
+SURROGATE_CALL = {"role": "model", "parts": [{"functionCall": {"name": "read_file", "args": {"\udcff": 1}}}]}
+DEEP_TOOL = {"name": "deep", "description": "d", "parameters": nested(300, {"type": "object"})}
+LATIN1 = '{"session_id": "s-1", "cwd": "/tmp/caf\xe9"}'.encode("latin-1")
+DEEP_JSON = ('{"session_id": "s-1", "tools": ' + "[" * 200_000 + "]" * 200_000 + "}").encode()
+
+# each bad input of a launch: (launch arguments built in a temporary directory, what the message must name)
+BAD_LAUNCHES: dict[str, Callable[[Path], tuple[list[str], str]]] = {
+    "parent-not-utf8": lambda d: (["--parent", written(d / "latin1.json", LATIN1), *FORK_ARGS], "UTF-8"),
+    "json-200000-deep": lambda d: (
+        ["--parent", written(d / "deep.json", DEEP_JSON), *FORK_ARGS],
+        "nested more than 100 levels",
+    ),
+    "history-600-deep": lambda d: (["--parent", deep_history_parent(d), *FORK_ARGS], "history[43]"),
+    "fork-turns-5000-digits": lambda d: (["--parent", PARENT, *FORK_ARGS, "--fork-turns", "9" * 5000], "fork_turns"),
+    "max-wall-s-nan": lambda d: (["--parent", PARENT, *FORK_ARGS, "--max-wall-s", "nan"], "max_wall_s"),
+    "max-wall-s-inf": lambda d: (["--parent", PARENT, *FORK_ARGS, "--max-wall-s", "inf"], "max_wall_s"),
+    "depth-string": lambda d: (["--parent", parent_file(d, depth="0"), *FORK_ARGS], "depth"),
+    "number-5000-digits": lambda d: (
+        ["--parent", written(d / "n.json", b'{"session_id": "s-1", "depth": ' + b"1" * 5000 + b"}"), *FORK_ARGS],
+        "4,300 digits",
+    ),
+    "tool-schema-300-deep": lambda d: (["--parent", parent_file(d, tools=[DEEP_TOOL]), *FORK_ARGS], "tools[0]"),
+    "output-schema-300-deep": lambda d: (
+        ["--parent", PARENT, *FORK_ARGS, "--output-schema", written(d / "s.json", json.dumps(DEEP_TOOL).encode())],
+        "output_schema",
+    ),
+    "fork-tools-200000-deep": lambda d: (
+        ["--parent", PARENT, *FORK_ARGS, "--fork-tools", "[" * 200_000 + "]" * 200_000],
+        "--fork-tools",
+    ),
+    # a byte that is not UTF-8 on the command line reaches Python as a lone surrogate (surrogateescape),
+    # and so does a "\ud800" escape without its pair in a JSON file: neither can be stored as UTF-8
+    "prompt-byte-not-utf8": lambda d: (
+        ["--parent", PARENT, "--prompt", "bad \udcff byte", "--subagent-type", "fork"],
+        'Parameter "prompt" is not valid Unicode text: character 4 is a lone surrogate (U+DCFF, the byte 0xff',
+    ),
+    "description-byte-not-utf8": lambda d: (
+        ["--parent", PARENT, *FORK_ARGS, "--description", "caf\udce9"],
+        'Parameter "description"',
+    ),
+    "fork-tools-byte-not-utf8": lambda d: (
+        ["--parent", PARENT, *FORK_ARGS, "--fork-tools", "read_file,gr\udcffp"],
+        'Parameter "fork_tools" entry 1',
+    ),
+    "history-text-lone-surrogate": lambda d: (
+        ["--parent", parent_file(d, history=[{"role": "user", "parts": [{"text": "\ud800"}]}]), *FORK_ARGS],
+        "history[0].parts[0].text is not valid Unicode text: character 0 is a lone surrogate (U+D800",
+    ),
+    "history-args-key-lone-surrogate": lambda d: (
+        ["--parent", parent_file(d, history=[*HISTORY[:-1], SURROGATE_CALL, HISTORY[-1]]), *FORK_ARGS],
+        f"history[{len(HISTORY) - 1}].parts[0].functionCall.args[key 0]",
+    ),
+    "tool-declaration-lone-surrogate": lambda d: (
+        ["--parent", parent_file(d, tools=[{"name": "t", "description": "\udfff"}]), *FORK_ARGS],
+        "field 'tools[0].description' is not valid Unicode text",
+    ),
+    "system-instruction-lone-surrogate": lambda d: (
+        ["--parent", parent_file(d, system_instruction={"parts": [{"text": "\ud800"}]}), *FORK_ARGS],
+        "field 'system_instruction.parts[0].text' is not valid Unicode text",
+    ),
+    "cwd-byte-not-utf8": lambda d: (
+        ["--parent", parent_file(d, cwd="/srv/caf\udce9"), *FORK_ARGS],
+        "field 'cwd' is not valid Unicode text: character 8",
+    ),
+    "model-lone-surrogate": lambda d: (
+        ["--parent", parent_file(d, model="gpt\ud800"), *FORK_ARGS],
+        "field 'model' is not valid Unicode text",
+    ),
+    "output-schema-lone-surrogate": lambda d: (
+        ["--parent", PARENT, *FORK_ARGS, "--output-schema", written(d / "s.json", b'{"title": "\\ud800"}')],
+        "output_schema.title is not valid Unicode text",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_LAUNCHES))
+def test_bad_launch_input_exits_2_with_one_line_naming_the_field_and_writes_nothing(
+    forkq: Run, tmp_path: Path, redis_client: redis.Redis, case: str
+) -> None:
+    argv, named = BAD_LAUNCHES[case](tmp_path)
+
+    code, out, err = forkq("launch", *argv)
+
+    assert (code, out) == (2, ""), err
+    assert err.startswith("forkq launch: ") and err.count("\n") == 1, err
+    assert named in err
+    assert redis_client.dbsize() == 0
+
+
+def test_a_tool_schema_at_the_nesting_limit_is_accepted(forkq: Run, tmp_path: Path) -> None:
+    # 99 levels under the declaration object: 100 in all, the documented bound
+    tool = {"name": "deep", "description": "d", "parameters": nested(98, {"type": "object"})}
+
+    code, out, err = forkq("launch", "--parent", parent_file(tmp_path, tools=[tool]), "--prompt", PROMPT)
+
+    assert code == 0, err
+    assert out.startswith("f-")

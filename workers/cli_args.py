@@ -1,0 +1,168 @@
+"""The arguments of the `forkq` command: its parser, and the argument types that refuse bad values at once.
+
+A value argparse refuses (a fork id that is not one, a timeout that is not a finite number of seconds,
+a count that is not a positive whole number, text that is not valid Unicode) exits 2 with argparse's
+usage line and a message naming the option. Only light modules are imported here, so that
+`forkq status` starts fast; `workers.cli` maps each command to its handler.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+from workers.keys import FORK_ID_RE
+from workers.limits import shown, text_problem
+
+Parser = argparse.ArgumentParser
+
+RESULT_EPILOG = (
+    "exit codes: 0 succeeded; 1 failed or cancelled, no result yet, or --wait timed out; 2 bad input; 3 parked "
+    "(awaiting_approval: approve or deny its calls; paused: fix the reason, then forkq resume), said at once "
+    "with the pending calls, even with --wait"
+)
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL", "FATAL")  # Celery's; it raises on others
+WORKER_EPILOG = (
+    "exit codes: 0 after a warm shutdown; 1 Redis unreachable or Celery's start-up failed (a supervisor "
+    "restarts it); 2 invalid settings, no provider, or a Redis unfit for forkq (fix them first)"
+)
+
+
+def fork_id(text: str) -> str:
+    """A fork id as `forkq launch` prints it (it is part of every Redis key)."""
+    if not FORK_ID_RE.fullmatch(text):
+        raise argparse.ArgumentTypeError(
+            f"{shown(text)} is not a fork id: ids are 1-128 letters, digits, '_', '.', '-', starting with a "
+            "letter or digit, as `forkq launch` prints them"
+        )
+    return text
+
+
+def seconds(text: str) -> float:
+    """A finite number of seconds, 0 or more (`nan`, `inf` and negative values are refused)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(
+            f"{shown(text)} is not a finite number of seconds, 0 or more; give one such as 30 or 0.5"
+        )
+    return value
+
+
+def count(text: str) -> int:
+    """A positive whole number (digits only, at most 20 of them)."""
+    if not (text.isascii() and text.isdigit() and len(text) <= 20 and int(text) > 0):
+        raise argparse.ArgumentTypeError(f"{shown(text)} is not a positive whole number; give one such as 8")
+    return int(text)
+
+
+def text(value: str) -> str:
+    """Text that can be stored as UTF-8 (a byte that is not UTF-8 reaches Python as a lone surrogate)."""
+    problem = text_problem(shown(value), value)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem)
+    return value
+
+
+def _version() -> str:
+    try:
+        return version("forkq")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
+
+
+def build_parser() -> Parser:
+    """The argument parser of `forkq`; `args.command` names the command."""
+    parser = argparse.ArgumentParser(
+        prog="forkq",
+        description="Background fork subagents on Celery and Redis.",
+        epilog="exit codes: 0 ok, 1 failed, 2 bad input or settings, 3 parked (forkq result)",
+    )
+    parser.add_argument("--version", action="version", version=f"forkq {_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def add(name: str, help_text: str, **extra: Any) -> Parser:
+        return sub.add_parser(name, help=help_text, description=help_text, **extra)
+
+    def by_id(name: str, help_text: str, **extra: Any) -> Parser:
+        command = add(name, help_text, **extra)
+        command.add_argument("fork_id", type=fork_id)
+        command.add_argument("--json", action="store_true", help="print JSON")
+        return command
+
+    _launch_arguments(add("launch", "Launch a fork or subagent from a parent snapshot."))
+    by_id("status", "Show a fork's state.")
+    by_id("cancel", "Cancel a fork.")
+    by_id("resume", "Queue a paused fork again (once the tools it lacked are installed).")
+    result = by_id("result", "Show a fork's final output.", epilog=RESULT_EPILOG)
+    result.add_argument("--wait", action="store_true", help="block until the fork ends (or parks)")
+    result.add_argument("--timeout", type=seconds, default=None, help="seconds to wait at most (finite, 0 or more)")
+    result.add_argument(
+        "--notification", action="store_true", help="print the <task-notification> the parent's model reads"
+    )
+    by_id("approve", "Approve a call a parked fork waits on; it resumes on any worker.").add_argument("call_id")
+    deny = by_id("deny", "Deny a call a parked fork waits on; the model reads the denial.")
+    deny.add_argument("call_id")
+    deny.add_argument("--reason", type=text, help="why (the model reads it)")
+    events = by_id("events", "Print a fork's progress events (--json: one JSON object per line).")
+    events.add_argument("--follow", action="store_true", help="keep printing until the fork ends")
+    by_id("inspect", "Print a fork's bootstrap record and launch options.")
+    _process_commands(add)
+    return parser
+
+
+def _launch_arguments(launch: Parser) -> None:
+    launch.add_argument("--parent", required=True, help="parent snapshot JSON file (see docs/runtime.md)")
+    launch.add_argument("--prompt", required=True, help="the directive")
+    launch.add_argument("--description", help="short description (default: the prompt's first words)")
+    launch.add_argument("--subagent-type", dest="subagent_type", help='"fork" to inherit history')
+    launch.add_argument("--fork-turns", dest="fork_turns", help='"all" or a positive integer string')
+    launch.add_argument("--name", help="spawn a named teammate")
+    launch.add_argument("--model", help="model of a regular subagent")
+    launch.add_argument(
+        "--fork-tools", dest="fork_tools", help='tools a fork may run: JSON array or comma list ("" or [] for none)'
+    )
+    launch.add_argument(
+        "--approval-policy",
+        dest="approval_policy",
+        choices=["deny", "park"],
+        default="deny",
+        help="a call that needs approval: deny it (default) or park the fork until approve/deny",
+    )
+    launch.add_argument("--output-schema", dest="output_schema", help="JSON schema file the final answer must match")
+    # checked with the launch (exit 2, one line naming the field), like ForkClient.launch's own arguments
+    launch.add_argument("--max-wall-s", dest="max_wall_s", type=float, help="wall-clock limit in seconds")
+    launch.add_argument("--max-turns", dest="max_turns", type=int, help="model calls at most")
+    launch.add_argument("--json", action="store_true", help="print JSON")
+
+
+def _process_commands(add: Callable[..., Parser]) -> None:
+    """The commands about processes rather than one fork: worker, check, sweep, demo."""
+    worker = add("worker", "Run a worker (a Celery worker for forkq's queue).", epilog=WORKER_EPILOG)
+    worker.add_argument("--concurrency", type=count, help="forks at once (default FORKQ_WORKER_CONCURRENCY)")
+    worker.add_argument("--pool", choices=["threads", "prefork", "solo"], help="default FORKQ_WORKER_POOL")
+    worker.add_argument("--loglevel", default="INFO", type=str.upper, choices=LOG_LEVELS, help="default INFO")
+    worker.add_argument("--hostname", help="Celery node name, e.g. worker1@%%h")
+    check = add("check", "Check that Redis is reachable and fit for forkq.")
+    check.add_argument(
+        "--worker",
+        action="store_true",
+        help="also check this host's worker heartbeat (FORKQ_HEARTBEAT_FILE): the worker probe",
+    )
+    check.add_argument("--json", action="store_true", help="print JSON")
+    sweep = add("sweep", "Revive forks whose worker died (lease expired).")
+    sweep.add_argument("--once", action="store_true", help="one pass, then exit")
+    sweep.add_argument(
+        "--json", action="store_true", help="print JSON: the pass's outcomes, or one line per event while it runs"
+    )
+    demo = add("demo", "Launch forks from an example conversation on private workers (a tour: no --json).")
+    demo.add_argument(
+        "--private-redis",
+        action="store_true",
+        help="start a private redis-server even if one listens on 127.0.0.1:6379 (FORKQ_REDIS_URL still wins)",
+    )
