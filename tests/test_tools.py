@@ -867,6 +867,62 @@ def test_grep_search_refuses_an_overlong_pattern(registry: ToolRegistry, work: P
     assert "is too long (at most 2000)" in error(run(registry, work, "grep_search", pattern="a" * 2001))
 
 
+COMPILE_BOMBS = ["((a{200}){200}){200}", "(((a{100}){100}){100}){100}", "(a*){20000}", "a{1000000}"]
+
+
+@pytest.mark.parametrize("bomb", COMPILE_BOMBS)
+def test_a_pattern_too_large_to_compile_is_refused_at_once_without_stalling_other_threads(
+    registry: ToolRegistry, work: Path, bomb: str
+) -> None:
+    # unbounded, compiling the first held the GIL 6.5 s and the second grew to 24 GB
+    (work / "a.txt").write_text("aaaa\n", encoding="utf-8")
+    started = time.monotonic()
+    result, gap = longest_gap_while(lambda: run(registry, work, "grep_search", pattern=bomb))
+    message = error(result)
+    assert "too large once its counted repeats are expanded" in message and "at most 10,000" in message, message
+    assert time.monotonic() - started < 0.5 and gap < 0.5
+
+
+def test_grep_search_still_finds_patterns_with_counted_repeats_of_ordinary_size(
+    registry: ToolRegistry, work: Path
+) -> None:
+    (work / "ip.txt").write_text("at 10.0.0.1 now\nnone here\n", encoding="utf-8")
+    found = output(run(registry, work, "grep_search", pattern=r"\d{1,3}(\.\d{1,3}){3}"))
+    assert found == "ip.txt:1:at 10.0.0.1 now"
+
+
+LINE_SENSITIVE = [
+    r"\Aimport",
+    r"import b\Z",
+    r"b\n\Z",
+    r"(?<![a-z ])import",
+    r"(?<=^)import",
+    r"^(?!import)\w+",
+    r"(?s)import.",
+    r"(?m)^import",
+    r"x$",
+    r"\s*+import",
+    r"(?>\s*)import",
+    r"(?<=\n)x",
+    r"\Z",
+]
+
+
+@pytest.mark.parametrize("pattern", LINE_SENSITIVE)
+def test_grep_search_matches_each_line_as_if_searched_by_itself(
+    registry: ToolRegistry, work: Path, pattern: str
+) -> None:
+    text = "import a\nimport b\n  import c\nimport d\nxx\nx\nimport b"
+    (work / "m.py").write_text(text, encoding="utf-8")
+    lines = [line + "\n" for line in text.split("\n")]
+    lines[-1] = lines[-1][:-1]
+    expected = [f"m.py:{n}:{line.rstrip()}" for n, line in enumerate(lines, 1) if re.search(pattern, line)]
+    found = run(registry, work, "grep_search", pattern=pattern)
+    assert (output(found).splitlines() if expected else [output(found)]) == (
+        expected or [f"no matches for {pattern!r} under '.'"]
+    )
+
+
 # ── nothing a command starts outlives it (issue 11, item 9) ────────────────────────────────────
 
 LEFTOVERS = (
