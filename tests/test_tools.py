@@ -33,7 +33,7 @@ from live import wait_until
 from test_capabilities import FORK, call, parent_for, step, tool_results, workdir, write_script
 
 from broker_config.settings import Settings
-from workers import builtin_tools, search, shell
+from workers import builtin_tools, search, shell, shell_supervisor
 from workers.app import make_app, runtime_of
 from workers.client import ForkClient
 from workers.errors import ConfigurationError
@@ -947,6 +947,14 @@ def zombie_children() -> list[int]:
     return found
 
 
+def running(pid: int) -> bool:
+    """Whether `pid` is a live process (not gone, not a zombie)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text(encoding="utf-8").rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 @contextlib.contextmanager
 def killed_afterwards(pids_file: Path) -> Iterator[None]:
     """Kill whatever the pids file names once the test is over (a failing run must not leave sleepers)."""
@@ -978,6 +986,37 @@ def test_a_timed_out_command_takes_its_setsid_processes_with_it(registry: ToolRe
         [pid] = [int(pid) for pid in (work / "pids").read_text(encoding="utf-8").split()]
         assert not Path(f"/proc/{pid}").exists()
         assert zombie_children() == []
+
+
+def test_a_command_that_kills_its_parent_still_takes_its_setsid_processes_with_it(
+    registry: ToolRegistry, work: Path
+) -> None:
+    with killed_afterwards(work / "pids"):
+        command = "setsid sleep 77 & echo $! >> pids; sleep 77 & echo $! >> pids; kill -9 $PPID; sleep 77"
+        text = output(run(registry, work, "run_shell_command", command=command, timeout_s=60))
+        assert text.endswith("[killed by signal SIGKILL]"), text
+        pids = [int(pid) for pid in (work / "pids").read_text(encoding="utf-8").split()]
+        assert len(pids) == 2 and [pid for pid in pids if Path(f"/proc/{pid}").exists()] == []
+        assert zombie_children() == []
+
+
+def test_a_command_that_kills_its_supervisor_takes_the_processes_of_its_session_with_it(
+    registry: ToolRegistry, work: Path
+) -> None:
+    with killed_afterwards(work / "pids"):
+        supervisor = "$(cut -d' ' -f4 /proc/$PPID/stat)"  # the shell's parent's parent
+        command = f"sleep 77 & echo $! >> pids; (sleep 77 &); kill -9 {supervisor}; sleep 77"
+        text = output(run(registry, work, "run_shell_command", command=command, timeout_s=60))
+        assert text.endswith("[killed by signal SIGKILL]"), text
+        [pid] = [int(pid) for pid in (work / "pids").read_text(encoding="utf-8").split()]
+        # killed: its parent, killed too, may take a moment to go, and then init reaps it, not us
+        wait_until(lambda: not running(pid), timeout=5.0)
+        assert zombie_children() == []
+
+
+def test_the_supervisor_gets_longer_than_its_sweep_before_it_is_killed() -> None:
+    # killed mid-sweep, the supervisor orphaned whatever it had not killed yet
+    assert shell.SHELL_STOP_S >= shell_supervisor.SWEEP_MAX_S + 1.0
 
 
 # ── symlink races: resolve and open in one step (issue 11, item 8) ─────────────────────────────
