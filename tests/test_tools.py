@@ -10,6 +10,7 @@ poisonous pattern beside bystander forks, a call stuck on a FIFO, a symlink swap
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import re
@@ -30,6 +31,7 @@ from celery.contrib.testing.worker import start_worker
 from celery.signals import task_postrun
 from conftest import TEST_NAMESPACE, WorkerProcess
 from live import wait_until
+from prometheus_client import CollectorRegistry
 from test_capabilities import FORK, call, parent_for, step, tool_results, workdir, write_script
 
 from broker_config.settings import Settings
@@ -39,10 +41,12 @@ from workers.client import ForkClient
 from workers.errors import ConfigurationError
 from workers.keys import Keys
 from workers.messages import FunctionCall
+from workers.metrics import Metrics
 from workers.records import Status
 from workers.runner import WorkerRuntime
 from workers.tools import (
     ENTRY_POINT_GROUP,
+    TOOL_MAX_ABANDONED,
     TOOL_STOP_GRACE_S,
     TOOL_WAIT_POLL_S,
     Tool,
@@ -745,6 +749,32 @@ def test_a_handler_that_watches_its_context_stops_at_the_deadline_with_its_own_a
     registry = ToolRegistry(default_timeout_s=0.3)
     registry.register(Tool("patient", "Waits.", {"type": "object"}, patient))
     assert run(registry, work, "patient") == {"error": "stopped past the deadline"}
+
+
+def test_a_tool_with_four_abandoned_calls_still_running_is_refused_until_they_end(work: Path) -> None:
+    release = threading.Event()
+    registry = ToolRegistry(default_timeout_s=0.2)
+    registry.register(dataclasses.replace(blocking_tool(release), name="stuck_plugin"))
+    metrics = Metrics(CollectorRegistry())
+    call = FunctionCall(id="c1", name="stuck_plugin", args={})
+
+    def abandoned() -> float | None:
+        return metrics.registry.get_sample_value("forkq_tool_calls_abandoned", {"tool": "stuck_plugin"})
+
+    try:
+        for _ in range(TOOL_MAX_ABANDONED):
+            assert "did not finish within its time limit" in error(registry.run(call, context(work)))
+        assert abandoned() == TOOL_MAX_ABANDONED
+        started = time.monotonic()
+        message = error(registry.run(call, context(work)))
+        assert message.startswith("tool 'stuck_plugin' was not run: 4 earlier calls of it did not finish"), message
+        assert "Continue without it" in message and time.monotonic() - started < 0.1
+    finally:
+        release.set()
+    wait_until(lambda: abandoned() is None, timeout=5.0, what="the abandoned threads to end")
+    release.clear()
+    threading.Timer(0.05, release.set).start()
+    assert output(registry.run(call, context(work))) == "released"
 
 
 # ── special files: a FIFO or socket never hangs a call (issue 11, item 6) ───────────────────────

@@ -48,6 +48,44 @@ MAX_ERROR_MESSAGE_CHARS = 300
 DEFAULT_TOOL_TIMEOUT_S = 300.0  # a call's time limit when neither its tool nor the worker sets one
 TOOL_WAIT_POLL_S = 0.1  # how often a waiting caller asks `ctx.cancelled` (it may be a Redis round trip)
 TOOL_STOP_GRACE_S = 0.5  # after a cancel or the deadline: time a handler that watches `cancelled` gets to stop
+# abandoned calls of one tool whose threads still run in this process; past it the tool is refused: a
+# model retrying a stuck plugin call would otherwise leave one more thread behind at every retry
+TOOL_MAX_ABANDONED = 4
+
+
+class AbandonedCalls:
+    """Handler threads of this process whose caller gave up on them and that still run, by tool name."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_tool: dict[str, int] = {}
+
+    def add(self, tool: str) -> None:
+        """One more abandoned call of `tool` is running."""
+        with self._lock:
+            self._by_tool[tool] = self._by_tool.get(tool, 0) + 1
+
+    def remove(self, tool: str) -> None:
+        """An abandoned call of `tool` ended by itself."""
+        with self._lock:
+            left = self._by_tool.get(tool, 0) - 1
+            if left > 0:
+                self._by_tool[tool] = left
+            else:
+                self._by_tool.pop(tool, None)
+
+    def count(self, tool: str) -> int:
+        """Abandoned calls of `tool` still running."""
+        with self._lock:
+            return self._by_tool.get(tool, 0)
+
+    def snapshot(self) -> dict[str, int]:
+        """Abandoned calls still running, by tool (the gauge `forkq_tool_calls_abandoned`)."""
+        with self._lock:
+            return dict(self._by_tool)
+
+
+ABANDONED = AbandonedCalls()  # per process: the threads are the process's
 
 
 def never_cancelled() -> bool:
@@ -208,6 +246,12 @@ class ToolRegistry:
             return {"error": str(exc)}
         if errors:
             return {"error": invalid_arguments(tool, errors)}
+        if (stuck := ABANDONED.count(tool.name)) >= TOOL_MAX_ABANDONED:
+            return {
+                "error": f"tool {tool.name!r} was not run: {stuck} earlier calls of it did not finish within their "
+                f"time limit and still run on this worker (at most {TOOL_MAX_ABANDONED}), so it looks stuck (a hung "
+                "service or file system). Continue without it, or try again later"
+            }
         limit = tool.timeout_s if tool.timeout_s is not None else self.default_timeout_s
         return HandlerCall(tool, args, ctx, limit).result()
 
@@ -226,6 +270,8 @@ class HandlerCall:
         self.ctx = replace(ctx, deadline=self.started + self.limit_s, cancelled=self._cancelled)
         self.args = args
         self.done = threading.Event()
+        self.ending = threading.Lock()  # the handler ending and the caller abandoning it: one after the other
+        self.abandoned = False
         self.response: dict[str, Any] = {"error": f"tool {tool.name!r} ended without an answer"}
 
     def _cancelled(self) -> bool:
@@ -240,7 +286,19 @@ class HandlerCall:
         except Exception as exc:  # a tool's bug must not crash the fork: the model reads the error
             self.response = {"error": f"tool {self.tool.name!r} failed: {type(exc).__name__}: {exc}"}
         finally:
-            self.done.set()
+            with self.ending:
+                self.done.set()
+                if self.abandoned:
+                    ABANDONED.remove(self.tool.name)
+
+    def _abandon(self) -> bool:
+        """Count the handler as abandoned unless it has just ended; whether it was."""
+        with self.ending:
+            if self.done.is_set():
+                return False
+            self.abandoned = True
+            ABANDONED.add(self.tool.name)
+            return True
 
     def _wait(self) -> str:
         """`done`, `cancelled` or `deadline`: what ended the wait."""
@@ -263,6 +321,8 @@ class HandlerCall:
             return self.response
         self.given_up.set()
         if self.watching and self.done.wait(TOOL_STOP_GRACE_S):  # it noticed and stopped: its answer says most
+            return self.response
+        if not self._abandon():
             return self.response
         log.warning(
             "tool %s: the call did not end %s; it was abandoned, its thread is left to finish",
