@@ -464,6 +464,34 @@ def test_glob_results_are_bounded(registry: ToolRegistry, work: Path) -> None:
     assert listing.endswith("[... 3 more not shown; use a narrower pattern or path ...]")
 
 
+def test_glob_does_not_walk_a_symlink_to_a_directory_outside(registry: ToolRegistry, work: Path) -> None:
+    outside = work.parent / "outside"
+    for n in range(20):
+        (outside / f"d{n}").mkdir()
+        (outside / f"d{n}" / "f.txt").touch()
+    (work / "link").symlink_to(outside)
+    (work / "own").mkdir()
+    asked: list[bool] = []
+
+    def cancelled() -> bool:  # asked at every directory the walk enters
+        asked.append(True)
+        return False
+
+    ctx = context(work, cancelled=cancelled)
+    assert search.glob({"pattern": "link/**/*"}, ctx) == "no paths match 'link/**/*' under '.'"
+    assert search.glob({"pattern": "**/*"}, ctx) == "own/"  # the link points out: neither entered nor listed
+    assert len(asked) <= 4  # the working directory and own/, twice: none of the 21 outside
+
+
+def test_glob_stops_at_its_deadline_even_when_nothing_matches(work: Path) -> None:
+    for n in range(50):
+        (work / f"d{n}" / "deeper").mkdir(parents=True)
+    with pytest.raises(ToolError, match="did not finish within its time limit; use a narrower pattern or path"):
+        search.glob({"pattern": "**/*.nomatch"}, context(work, within_s=-0.1))
+    with pytest.raises(ToolError, match="did not finish within its time limit"):
+        search.glob({"pattern": "**/*.nomatch"}, context(work, cancelled=lambda: True))
+
+
 def test_grep_search_prints_path_line_text_and_skips_binaries_and_git(registry: ToolRegistry, work: Path) -> None:
     source_tree(work)
     assert output(run(registry, work, "grep_search", pattern=r"def \w+\(")).splitlines() == [

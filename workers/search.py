@@ -11,8 +11,13 @@ response naming the limit and how to fix the pattern, while other forks see noth
 Both walk the tree from descriptors: grep opens each directory with `O_DIRECTORY | O_NOFOLLOW` from
 its parent's descriptor and each file with `O_NONBLOCK | O_NOFOLLOW` from its directory's, so a
 swapped-in symlink is not followed out and a FIFO, socket or device is skipped without blocking;
-a symlinked file is read only while it resolves inside the working directory. glob lists names
-only, and reports a match only after opening it beneath the working directory.
+a symlinked file is read only while it resolves inside the working directory. glob walks the
+same way (a symlinked directory is never entered, the deadline and a cancel are checked at every
+directory), matches names only, and reports a match only after opening it beneath the working
+directory.
+
+`OutOfTime` is a private control-flow exception, not part of `workers.errors`: it never leaves
+this module (grep_search turns it into the ToolError the model reads).
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from itertools import islice
-from pathlib import Path, PurePosixPath
+from pathlib import PurePosixPath
 from typing import Any
 
 import regex
@@ -164,9 +169,8 @@ def _check_pattern(pattern: str) -> None:
         )
 
 
-def _confirmed(root: RootDir, match: Path) -> str | None:
-    """`match` relative to the working directory (`/` for a directory) if it opens beneath it; else None."""
-    rel = match.relative_to(root.path).as_posix()
+def _confirmed(root: RootDir, rel: str) -> str | None:
+    """`rel` (relative to the working directory; `/` added for a directory) if it opens beneath it; else None."""
     try:
         fd = root.open_beneath(rel, ANY)
     except (OSError, ValueError):  # outside (a symlink pointing out), vanished
@@ -177,31 +181,80 @@ def _confirmed(root: RootDir, match: Path) -> str | None:
         os.close(fd)
 
 
-def _glob_matches(root: RootDir, base: Path, pattern: str, ctx: ToolContext) -> Iterator[str]:
-    for alternative in expand_braces(pattern):
-        try:
-            for match in base.glob(alternative):
-                if ctx.seconds_left() <= 0 or ctx.cancelled():
-                    raise ToolError(
-                        f"glob {pattern!r} did not finish within its time limit; use a narrower pattern or path"
-                    )
-                if SKIPPED_DIRS.isdisjoint(match.relative_to(base).parts) and (shown := _confirmed(root, match)):
-                    yield shown
-        except (ValueError, NotImplementedError) as exc:
-            raise ToolError(f"glob pattern {pattern!r} is not valid: {exc}") from exc
+def _segments_match(segments: list[str], parts: list[str]) -> bool:
+    """Whether path `parts` match glob `segments` (`**`: any number of directories, none included)."""
+    reach = [True] + [False] * len(parts)  # reach[j]: the segments so far match parts[:j]
+    for segment in segments:
+        if segment == "**":
+            for j in range(1, len(reach)):
+                reach[j] = reach[j] or reach[j - 1]
+            continue
+        reach = [False] + [reach[j] and fnmatch.fnmatchcase(parts[j], segment) for j in range(len(parts))]
+    return reach[-1]
+
+
+class Glob:
+    """The alternatives of one glob pattern, matched against paths below the search base."""
+
+    def __init__(self, pattern: str, ctx: ToolContext) -> None:
+        self.pattern, self.ctx = pattern, ctx
+        self.alternatives = [[s for s in alt.split("/") if s not in ("", ".")] for alt in expand_braces(pattern)]
+        deep = any("**" in segments for segments in self.alternatives)
+        self.max_depth = GREP_MAX_DEPTH if deep else max(len(segments) for segments in self.alternatives)
+
+    def matches(self, below: str, is_dir: bool) -> bool:
+        """Whether the path `below` (relative to the base) matches; a trailing `**` matches directories only."""
+        parts = below.split("/")
+        return any(
+            _segments_match(segments, parts) and (is_dir or segments[-1:] != ["**"]) for segments in self.alternatives
+        )
+
+    def check_time(self) -> None:
+        """Refuse to go on past the call's deadline or a cancel (checked at every directory)."""
+        if self.ctx.seconds_left() <= 0 or self.ctx.cancelled():
+            raise ToolError(
+                f"glob {self.pattern!r} did not finish within its time limit; use a narrower pattern or path"
+            )
+
+    def walk(self, dir_fd: int, below: str = "", depth: int = 1) -> Iterator[tuple[str, bool]]:
+        """(path below the base, is a directory) of every entry, by descriptor: symlinks are never entered."""
+        self.check_time()
+        dirs, files = _entries(dir_fd)
+        for name in files:
+            yield f"{below}{name}", False
+        for name in dirs:
+            yield f"{below}{name}", True
+            if depth >= self.max_depth:
+                continue
+            try:
+                sub = os.open(name, WALK_DIR_FLAGS, dir_fd=dir_fd)  # O_NOFOLLOW: a symlink swapped in is not entered
+            except OSError:
+                continue
+            try:
+                yield from self.walk(sub, f"{below}{name}/", depth + 1)
+            finally:
+                os.close(sub)
+
+
+def _glob_matches(root: RootDir, base_fd: int, base: str, pattern: Glob) -> Iterator[str]:
+    prefix = "" if base == "." else f"{base}/"
+    for below, is_dir in pattern.walk(base_fd):
+        if pattern.matches(below, is_dir) and (shown := _confirmed(root, prefix + below)):
+            yield shown
 
 
 def glob(args: Mapping[str, Any], ctx: ToolContext) -> str:
     """Paths matching a glob pattern (`**` recurses), sorted, relative to the working directory."""
     pattern, path = str(args["pattern"]), str(args.get("path", "."))
     _check_pattern(pattern)
+    compiled = Glob(pattern, ctx)
     with root_of(ctx) as root:
         fd = open_directory(root, ctx, path)
         try:
-            base = Path(root.path, root.relative(fd, relative(root, ctx, path)))
+            base = root.relative(fd, relative(root, ctx, path))
+            found = set(islice(_glob_matches(root, fd, base, compiled), GLOB_MAX_SCANNED))
         finally:
             os.close(fd)
-        found = set(islice(_glob_matches(root, base, pattern, ctx), GLOB_MAX_SCANNED))
     if not found:
         return f"no paths match {pattern!r} under {path!r}"
     listing = bounded(sorted(found), GLOB_MAX_RESULTS, "use a narrower pattern or path")
