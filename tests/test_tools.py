@@ -1072,6 +1072,13 @@ def test_a_command_that_kills_its_supervisor_takes_the_processes_of_its_session_
         assert zombie_children() == []
 
 
+def test_a_command_is_not_started_when_the_fork_has_under_a_second_left_for_it(work: Path) -> None:
+    left = shell.SHELL_STOP_S + shell.SHELL_DRAIN_S + 0.5  # half a second for the command itself
+    with pytest.raises(ToolError, match=r"the command was not run: \d+\.\d s are left of the fork's wall-clock limit"):
+        shell.run_shell_command({"command": "touch ran"}, context(work, within_s=left))
+    assert not (work / "ran").exists()
+
+
 def test_the_supervisor_gets_longer_than_its_sweep_before_it_is_killed() -> None:
     # killed mid-sweep, the supervisor orphaned whatever it had not killed yet
     assert shell.SHELL_STOP_S >= shell_supervisor.SWEEP_MAX_S + 1.0

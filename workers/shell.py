@@ -37,6 +37,7 @@ from workers.tools import ToolContext, ToolError
 
 SHELL_DEFAULT_TIMEOUT_S = 120
 SHELL_MAX_TIMEOUT_S = 600
+SHELL_MIN_TIMEOUT_S = 1.0  # less left on the fork's clock than this (after the time to stop it): not run
 SHELL_OUTPUT_CAP = 64 * 1024  # bytes of combined stdout/stderr kept: the first and the last half
 SHELL_POLL_S = 0.05  # how often the command's exit is checked while its output is read
 SHELL_CANCEL_POLL_S = 0.1  # how often ctx.cancelled is asked (it may be a Redis round trip)
@@ -224,7 +225,14 @@ def run_shell_command(args: Mapping[str, Any], ctx: ToolContext) -> str:
     if ctx.cancelled():
         raise ToolError("the fork was cancelled; the command was not run")
     # stop before the call's deadline (the fork's wall-clock limit), leaving time to stop and drain
-    timeout_s = max(0.0, min(timeout_s, ctx.seconds_left() - SHELL_STOP_S - SHELL_DRAIN_S))
+    left = ctx.seconds_left()
+    timeout_s = min(timeout_s, left - SHELL_STOP_S - SHELL_DRAIN_S)
+    if timeout_s < SHELL_MIN_TIMEOUT_S:  # spawned with less, a command got ~50 ms: refuse, and run nothing
+        raise ToolError(
+            f"the command was not run: {max(left, 0.0):.1f} s are left of the fork's wall-clock limit "
+            f"(max_wall_s), and a command needs {SHELL_MIN_TIMEOUT_S:g} s plus {SHELL_STOP_S + SHELL_DRAIN_S:g} s "
+            "to be stopped; finish without it, or launch the fork with a larger max_wall_s"
+        )
     proc = _spawn(command, root)
     stdout = proc.stdout
     if stdout is None:  # pragma: no cover - stdout=PIPE always gives a pipe
