@@ -20,6 +20,7 @@ import subprocess
 import sys
 import threading
 import time
+import tracemalloc
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -402,6 +403,26 @@ def test_read_file_is_bounded_in_characters_and_clips_long_lines(registry: ToolR
     assert "call read_file with offset=" in page
 
 
+def test_read_file_never_holds_a_huge_line_whole(work: Path) -> None:
+    (work / "minified.js").write_bytes(b"first\n" + b"x" * (32 * 1024 * 1024) + b"\nlast\n")
+    tracemalloc.start()
+    try:
+        text = builtin_tools.read_file({"path": "minified.js"}, context(work))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    lines = text.splitlines()
+    assert lines[0] == "first" and lines[2] == "last"
+    assert lines[1] == "x" * 2000 + f"[... line truncated: {32 * 1024 * 1024 - 2000} chars omitted ...]"
+    assert peak < 4 * 1024 * 1024  # the 32 MiB line was read past, never held (it was: 96 MiB and more)
+
+
+def test_list_directory_does_not_follow_a_symlink_to_a_directory(registry: ToolRegistry, work: Path) -> None:
+    (work / "link").symlink_to(work.parent / "outside")
+    (work / "own").mkdir()
+    assert output(run(registry, work, "list_directory")) == "link\nown/"
+
+
 def test_list_directory_sorts_entries_and_marks_directories(registry: ToolRegistry, work: Path) -> None:
     (work / "b.txt").write_text("", encoding="utf-8")
     (work / "a").mkdir()
@@ -585,6 +606,19 @@ def test_edit_with_several_matches_says_to_include_more_context(registry: ToolRe
     (work / "o.txt").write_text("aaa", encoding="utf-8")  # overlapping occurrences are ambiguous too
     assert "occurs 2 times" in error(run(registry, work, "edit", path="o.txt", old_string="aa", new_string="b"))
     assert (work / "m.py").read_text(encoding="utf-8") == "x = 0\ny = 1\nx = 0\n"
+
+
+def test_edit_refuses_a_file_over_its_size_limit_and_points_to_write_file(registry: ToolRegistry, work: Path) -> None:
+    big = work / "big.txt"
+    with big.open("wb") as f:
+        f.write(b"needle\n")
+        f.truncate(builtin_tools.EDIT_MAX_BYTES + 1)
+    message = error(run(registry, work, "edit", path="big.txt", old_string="needle", new_string="pin"))
+    assert message == (
+        "'big.txt' is 16,777,217 bytes, larger than edit changes (at most 16,777,216); replace its whole "
+        "content with write_file, or use run_shell_command (sed) for a local change"
+    )
+    assert big.read_bytes()[:7] == b"needle\n"
 
 
 def test_edit_matches_newlines_in_a_crlf_file(registry: ToolRegistry, work: Path) -> None:
