@@ -904,6 +904,26 @@ def test_grep_search_skips_fifos_and_sockets_and_searches_the_rest(
         assert "'sock' is a socket" in error(run(registry, work, "read_file", path="sock"))
 
 
+def test_grep_search_does_not_open_a_special_file_it_skips(registry: ToolRegistry, work: Path) -> None:
+    # opening a FIFO for reading lets a writer blocked in open(2) through: an effect of merely looking
+    (work / "a.txt").write_text("needle\n", encoding="utf-8")
+    pipe = work / "pipe"
+    os.mkfifo(pipe)
+    writer = threading.Thread(target=lambda: os.close(os.open(pipe, os.O_WRONLY)), daemon=True)
+    writer.start()
+    try:
+        assert output(run(registry, work, "grep_search", pattern="needle")) == "a.txt:1:needle"
+        assert "is not a regular file or a directory" in error(
+            run(registry, work, "grep_search", pattern="x", path="pipe")
+        )
+        writer.join(0.5)
+        assert writer.is_alive()  # still waiting for a reader: grep never opened the FIFO
+    finally:
+        with contextlib.suppress(OSError):
+            os.close(os.open(pipe, os.O_RDONLY | os.O_NONBLOCK))
+        writer.join(5)
+
+
 # ── catastrophic patterns (issue 11, item 5) ───────────────────────────────────────────────────
 
 POISON_LINE = "a" * 28 + "!\n"  # `re` takes minutes on (a|a)+$ over it, holding the GIL all along

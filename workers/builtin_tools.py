@@ -138,6 +138,8 @@ def open_directory(root: RootDir, ctx: ToolContext, path: str) -> int:
     """A readable descriptor of the directory `path` beneath the working directory."""
     try:
         return open_path(root, ctx, path, os.O_RDONLY | os.O_DIRECTORY | os.O_NONBLOCK)
+    except PermissionError as exc:
+        raise ToolError(f"permission denied: directory {path!r} cannot be read; give a directory you can read") from exc
     except OSError as exc:
         raise ToolError(f"{path!r} is not a directory of the working directory; give a directory path") from exc
 

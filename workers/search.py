@@ -22,7 +22,6 @@ this module (grep_search turns it into the ToolError the model reads).
 
 from __future__ import annotations
 
-import errno
 import fnmatch
 import os
 import stat
@@ -405,22 +404,43 @@ def _tree(dir_fd: int, below: str, depth: int = 0) -> Iterator[tuple[int, str, s
             os.close(sub)
 
 
-def _open_entry(root: RootDir, dir_fd: int, name: str, shown: str) -> int | None:
-    """A descriptor of a regular, small enough file to search; None to skip it (special, huge, outside)."""
-    try:
-        fd = os.open(name, WALK_FILE_FLAGS, dir_fd=dir_fd)
-    except OSError as exc:
-        if exc.errno != errno.ELOOP:  # vanished, unreadable, a socket (ENXIO)
-            return None
-        try:  # a symlink: followed only while it resolves inside the working directory
-            fd = root.open_beneath(shown, os.O_RDONLY | os.O_NONBLOCK)
-        except (OSError, ValueError):
-            return None
+def _reopen(fd: int, flags: int) -> int:
+    """The object of the O_PATH descriptor `fd` opened for I/O (the very object: no name is resolved again)."""
+    return os.open(f"/proc/self/fd/{fd}", flags | os.O_NONBLOCK | os.O_CLOEXEC)
+
+
+def _searchable(fd: int) -> bool:
     info = os.fstat(fd)
-    if not stat.S_ISREG(info.st_mode) or info.st_size > GREP_MAX_FILE_BYTES:
-        os.close(fd)
+    return stat.S_ISREG(info.st_mode) and info.st_size <= GREP_MAX_FILE_BYTES
+
+
+def _open_entry(root: RootDir, dir_fd: int, name: str, shown: str) -> int | None:
+    """A descriptor of a regular, small enough file to search; None to skip it (special, huge, outside).
+
+    The name's object is looked at (O_PATH) before it is opened for reading, as `open_regular` does:
+    opening a device or FIFO for I/O can itself have an effect (a FIFO's writer is let through).
+    """
+    try:
+        fd = os.open(name, ANY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError:  # vanished
         return None
-    return fd
+    try:
+        if stat.S_ISLNK(os.fstat(fd).st_mode):  # a symlink: followed only while it resolves inside
+            link, fd = fd, -1
+            os.close(link)
+            fd = root.open_beneath(shown, ANY)
+        if not _searchable(fd):
+            return None
+        opened = _reopen(fd, os.O_RDONLY)
+    except (OSError, ValueError):
+        return None
+    finally:
+        if fd >= 0:
+            os.close(fd)
+    if not _searchable(opened):  # swapped meanwhile
+        os.close(opened)
+        return None
+    return opened
 
 
 def _hits(root: RootDir, base_fd: int, base: str, include: str | None, search: Search) -> Iterator[str]:
@@ -457,20 +477,33 @@ def _compile(pattern: str) -> regex.Pattern[str]:
 def _found(root: RootDir, ctx: ToolContext, path: str, include: Any, search: Search) -> list[str]:
     """Up to GREP_MAX_MATCHES + 1 hits for a file or directory `path`."""
     try:
-        fd = open_path(root, ctx, path, os.O_RDONLY | os.O_NONBLOCK)
+        fd = open_path(root, ctx, path, ANY)  # looked at before it is opened for I/O: a device is not opened
+    except PermissionError as exc:
+        raise ToolError(
+            f"permission denied: {path!r} cannot be searched; give a file or directory you can read"
+        ) from exc
     except OSError as exc:
         raise ToolError(f"{path!r} does not exist; give a file or directory inside the working directory") from exc
     try:
         mode = os.fstat(fd).st_mode
         base = root.relative(fd, relative(root, ctx, path))
-        if stat.S_ISDIR(mode):
-            return list(islice(_hits(root, fd, base, include, search), GREP_MAX_MATCHES + 1))
-        if not stat.S_ISREG(mode):
+        if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):
             raise ToolError(f"{path!r} is not a regular file or a directory; give a file or directory to search")
-        lines = search.lines_of(os.dup(fd), base)
-        return [f"{base}:{n}:{clip(text, GREP_LINE_MAX_CHARS)}" for n, text in islice(lines, GREP_MAX_MATCHES + 1)]
+        try:
+            opened = _reopen(fd, os.O_RDONLY | (os.O_DIRECTORY if stat.S_ISDIR(mode) else 0))
+        except OSError as exc:
+            raise ToolError(
+                f"cannot read {path!r}: {exc.strerror or exc}; give a file or directory you can read"
+            ) from exc
     finally:
         os.close(fd)
+    if stat.S_ISDIR(mode):
+        try:
+            return list(islice(_hits(root, opened, base, include, search), GREP_MAX_MATCHES + 1))
+        finally:
+            os.close(opened)
+    lines = search.lines_of(opened, base)  # closes it
+    return [f"{base}:{n}:{clip(text, GREP_LINE_MAX_CHARS)}" for n, text in islice(lines, GREP_MAX_MATCHES + 1)]
 
 
 def grep_search(args: Mapping[str, Any], ctx: ToolContext) -> str:

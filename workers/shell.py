@@ -86,6 +86,8 @@ class CappedOutput:
 
 
 def _child_env() -> dict[str, str]:
+    # os.environ here is not configuration (that is Settings' alone): it is the process's own
+    # environment, of which an allowlist is handed on to the command, as any shell would inherit it
     return {
         name: value
         for name, value in os.environ.items()
