@@ -1177,14 +1177,28 @@ def swapping(work: Path) -> Iterator[list[int]]:
 RACE_ATTEMPTS = 3000
 
 
+RACING_CALLS: list[Callable[[int], tuple[str, dict[str, Any]]]] = [
+    lambda i: ("write_file", {"path": f"dir/w{i}.txt", "content": "escaped?"}),
+    lambda i: ("write_file", {"path": f"dir/made{i}/w.txt", "content": "escaped?"}),
+    lambda i: ("read_file", {"path": "dir/secret.txt"}),
+    lambda i: ("edit", {"path": "dir/secret.txt", "old_string": "secret: the key is 42", "new_string": "stolen"}),
+    lambda i: ("list_directory", {"path": "dir"}),
+    lambda i: ("glob", {"pattern": "only-*", "path": "dir"}),
+    lambda i: ("glob", {"pattern": "dir/only-*"}),
+    lambda i: ("grep_search", {"pattern": "key is", "path": "dir/secret.txt"}),
+    lambda i: ("grep_search", {"pattern": "key is", "path": "dir", "include": "secret.txt"}),
+]
+
+
 def racing_calls(index: int) -> tuple[str, dict[str, Any]]:
-    """Attempt `index`: a write, a write that makes a parent directory, or a read, all below work/dir."""
-    kind = index % 3
-    if kind == 0:
-        return "write_file", {"path": f"dir/w{index}.txt", "content": "escaped?"}
-    if kind == 1:
-        return "write_file", {"path": f"dir/made{index}/w.txt", "content": "escaped?"}
-    return "read_file", {"path": "dir/secret.txt"}
+    """Attempt `index`: a write (one making a parent directory too), read, edit, listing, glob or grep in dir."""
+    return RACING_CALLS[index % len(RACING_CALLS)](index)
+
+
+def escaped(response: dict[str, Any]) -> bool:
+    """Whether a call read, listed or changed something of outside/ (it holds secret.txt and only-outside.txt)."""
+    text = str(response.get("output") or response.get("error"))
+    return "the key is 42" in text or "only-outside" in text or text.startswith("edited")
 
 
 @pytest.mark.parametrize("implementation", ["openat2", "walk"])
@@ -1195,6 +1209,7 @@ def test_no_write_or_read_escapes_while_a_directory_is_swapped_for_a_symlink_out
     if implementation == "walk":
         monkeypatch.setattr("workers.beneath.use_openat2", False)
     outside = work.parent / "outside"
+    (outside / "only-outside.txt").touch()
     (work / "dir").mkdir()
     (work / "dir" / "secret.txt").write_text("inside\n", encoding="utf-8")
     before = sorted(os.listdir(outside))
@@ -1211,9 +1226,8 @@ def test_no_write_or_read_escapes_while_a_directory_is_swapped_for_a_symlink_out
                 return
             name, args = racing_calls(index)
             response = run(registry, work, name, **args)
-            text = str(response.get("output") or response.get("error"))
             with lock:
-                outcomes.append("leak" if "the key is 42" in text else "ok" if "output" in response else "refused")
+                outcomes.append("leak" if escaped(response) else "ok" if "output" in response else "refused")
 
     # When 4 threads make 3000 calls meanwhile
     with swapping(work) as swaps:
@@ -1223,8 +1237,9 @@ def test_no_write_or_read_escapes_while_a_directory_is_swapped_for_a_symlink_out
         for thread in threads:
             thread.join()
 
-    # Then nothing appeared outside and nothing was read from there, while calls did land inside
+    # Then nothing appeared outside, nothing there was read, listed or edited, while calls did land inside
     assert sorted(os.listdir(outside)) == before
+    assert (outside / "secret.txt").read_text(encoding="utf-8") == "secret: the key is 42\n"
     assert outcomes.count("leak") == 0
     assert len(outcomes) == RACE_ATTEMPTS and outcomes.count("ok") > 0
     assert swaps[0] > 100  # the race was on
@@ -1445,7 +1460,8 @@ def test_a_catastrophic_pattern_in_one_fork_costs_the_forks_beside_it_nothing(
     # and the poisoned call got an error naming the time limit, after which that fork went on too
     assert poison.wait(timeout=30).status is Status.SUCCEEDED
     message = tool_results(journal_of(client.settings, poison.fork_id))["g1"]["error"]
-    assert message.startswith("grep_search stopped after 4 s, its time limit")
+    # the budget is what was left of the call's 4 s when the search began (a little less on a busy machine)
+    assert re.match(r"grep_search stopped after (4|3\.\d) s, its time limit", message), message
 
 
 @pytest.mark.slow
