@@ -73,6 +73,8 @@ class Settings(BaseSettings):
     tool_timeout_s: float = Field(
         300.0,
         gt=0,
+        le=86400,  # finite: `inf` or a huge value would let a stuck handler hold its thread for good
+        allow_inf_nan=False,
         description="Time limit of one tool call (run_shell_command: its own timeout_s); never past max_wall_s.",
     )
     schema_retries: int = Field(

@@ -224,3 +224,12 @@ def test_a_redis_url_with_a_password_serves_both_the_records_and_the_broker(
     # Then forks launch and run through it, and the password never reaches the broker URL shown to users
     assert run_one_fork(settings, start_live_worker, parent) is Status.SUCCEEDED
     assert "pa55-word" not in redact_url(settings.effective_broker_url)
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "86401", "0"])
+def test_a_tool_timeout_that_is_not_a_finite_positive_day_at_most_is_refused_naming_it(
+    monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    monkeypatch.setenv("FORKQ_TOOL_TIMEOUT_S", value)
+    with pytest.raises(ValidationError, match="tool_timeout_s"):
+        Settings()

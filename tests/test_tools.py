@@ -10,6 +10,7 @@ poisonous pattern beside bystander forks, a call stuck on a FIFO, a symlink swap
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import re
@@ -19,6 +20,7 @@ import subprocess
 import sys
 import threading
 import time
+import tracemalloc
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -30,19 +32,22 @@ from celery.contrib.testing.worker import start_worker
 from celery.signals import task_postrun
 from conftest import TEST_NAMESPACE, WorkerProcess
 from live import wait_until
+from prometheus_client import CollectorRegistry
 from test_capabilities import FORK, call, parent_for, step, tool_results, workdir, write_script
 
 from broker_config.settings import Settings
-from workers import builtin_tools, search, shell
+from workers import builtin_tools, search, shell, shell_supervisor
 from workers.app import make_app, runtime_of
 from workers.client import ForkClient
 from workers.errors import ConfigurationError
 from workers.keys import Keys
 from workers.messages import FunctionCall
+from workers.metrics import Metrics
 from workers.records import Status
 from workers.runner import WorkerRuntime
 from workers.tools import (
     ENTRY_POINT_GROUP,
+    TOOL_MAX_ABANDONED,
     TOOL_STOP_GRACE_S,
     TOOL_WAIT_POLL_S,
     Tool,
@@ -398,6 +403,26 @@ def test_read_file_is_bounded_in_characters_and_clips_long_lines(registry: ToolR
     assert "call read_file with offset=" in page
 
 
+def test_read_file_never_holds_a_huge_line_whole(work: Path) -> None:
+    (work / "minified.js").write_bytes(b"first\n" + b"x" * (32 * 1024 * 1024) + b"\nlast\n")
+    tracemalloc.start()
+    try:
+        text = builtin_tools.read_file({"path": "minified.js"}, context(work))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    lines = text.splitlines()
+    assert lines[0] == "first" and lines[2] == "last"
+    assert lines[1] == "x" * 2000 + f"[... line truncated: {32 * 1024 * 1024 - 2000} chars omitted ...]"
+    assert peak < 4 * 1024 * 1024  # the 32 MiB line was read past, never held (it was: 96 MiB and more)
+
+
+def test_list_directory_does_not_follow_a_symlink_to_a_directory(registry: ToolRegistry, work: Path) -> None:
+    (work / "link").symlink_to(work.parent / "outside")
+    (work / "own").mkdir()
+    assert output(run(registry, work, "list_directory")) == "link\nown/"
+
+
 def test_list_directory_sorts_entries_and_marks_directories(registry: ToolRegistry, work: Path) -> None:
     (work / "b.txt").write_text("", encoding="utf-8")
     (work / "a").mkdir()
@@ -458,6 +483,34 @@ def test_glob_results_are_bounded(registry: ToolRegistry, work: Path) -> None:
     listing = output(run(registry, work, "glob", pattern="*.txt"))
     assert listing.splitlines()[0] == "m00000.txt"
     assert listing.endswith("[... 3 more not shown; use a narrower pattern or path ...]")
+
+
+def test_glob_does_not_walk_a_symlink_to_a_directory_outside(registry: ToolRegistry, work: Path) -> None:
+    outside = work.parent / "outside"
+    for n in range(20):
+        (outside / f"d{n}").mkdir()
+        (outside / f"d{n}" / "f.txt").touch()
+    (work / "link").symlink_to(outside)
+    (work / "own").mkdir()
+    asked: list[bool] = []
+
+    def cancelled() -> bool:  # asked at every directory the walk enters
+        asked.append(True)
+        return False
+
+    ctx = context(work, cancelled=cancelled)
+    assert search.glob({"pattern": "link/**/*"}, ctx) == "no paths match 'link/**/*' under '.'"
+    assert search.glob({"pattern": "**/*"}, ctx) == "own/"  # the link points out: neither entered nor listed
+    assert len(asked) <= 4  # the working directory and own/, twice: none of the 21 outside
+
+
+def test_glob_stops_at_its_deadline_even_when_nothing_matches(work: Path) -> None:
+    for n in range(50):
+        (work / f"d{n}" / "deeper").mkdir(parents=True)
+    with pytest.raises(ToolError, match="did not finish within its time limit; use a narrower pattern or path"):
+        search.glob({"pattern": "**/*.nomatch"}, context(work, within_s=-0.1))
+    with pytest.raises(ToolError, match="did not finish within its time limit"):
+        search.glob({"pattern": "**/*.nomatch"}, context(work, cancelled=lambda: True))
 
 
 def test_grep_search_prints_path_line_text_and_skips_binaries_and_git(registry: ToolRegistry, work: Path) -> None:
@@ -553,6 +606,19 @@ def test_edit_with_several_matches_says_to_include_more_context(registry: ToolRe
     (work / "o.txt").write_text("aaa", encoding="utf-8")  # overlapping occurrences are ambiguous too
     assert "occurs 2 times" in error(run(registry, work, "edit", path="o.txt", old_string="aa", new_string="b"))
     assert (work / "m.py").read_text(encoding="utf-8") == "x = 0\ny = 1\nx = 0\n"
+
+
+def test_edit_refuses_a_file_over_its_size_limit_and_points_to_write_file(registry: ToolRegistry, work: Path) -> None:
+    big = work / "big.txt"
+    with big.open("wb") as f:
+        f.write(b"needle\n")
+        f.truncate(builtin_tools.EDIT_MAX_BYTES + 1)
+    message = error(run(registry, work, "edit", path="big.txt", old_string="needle", new_string="pin"))
+    assert message == (
+        "'big.txt' is 16,777,217 bytes, larger than edit changes (at most 16,777,216); replace its whole "
+        "content with write_file, or use run_shell_command (sed) for a local change"
+    )
+    assert big.read_bytes()[:7] == b"needle\n"
 
 
 def test_edit_matches_newlines_in_a_crlf_file(registry: ToolRegistry, work: Path) -> None:
@@ -747,6 +813,32 @@ def test_a_handler_that_watches_its_context_stops_at_the_deadline_with_its_own_a
     assert run(registry, work, "patient") == {"error": "stopped past the deadline"}
 
 
+def test_a_tool_with_four_abandoned_calls_still_running_is_refused_until_they_end(work: Path) -> None:
+    release = threading.Event()
+    registry = ToolRegistry(default_timeout_s=0.2)
+    registry.register(dataclasses.replace(blocking_tool(release), name="stuck_plugin"))
+    metrics = Metrics(CollectorRegistry())
+    call = FunctionCall(id="c1", name="stuck_plugin", args={})
+
+    def abandoned() -> float | None:
+        return metrics.registry.get_sample_value("forkq_tool_calls_abandoned", {"tool": "stuck_plugin"})
+
+    try:
+        for _ in range(TOOL_MAX_ABANDONED):
+            assert "did not finish within its time limit" in error(registry.run(call, context(work)))
+        assert abandoned() == TOOL_MAX_ABANDONED
+        started = time.monotonic()
+        message = error(registry.run(call, context(work)))
+        assert message.startswith("tool 'stuck_plugin' was not run: 4 earlier calls of it did not finish"), message
+        assert "Continue without it" in message and time.monotonic() - started < 0.1
+    finally:
+        release.set()
+    wait_until(lambda: abandoned() is None, timeout=5.0, what="the abandoned threads to end")
+    release.clear()
+    threading.Timer(0.05, release.set).start()
+    assert output(registry.run(call, context(work))) == "released"
+
+
 # ── special files: a FIFO or socket never hangs a call (issue 11, item 6) ───────────────────────
 
 
@@ -812,6 +904,26 @@ def test_grep_search_skips_fifos_and_sockets_and_searches_the_rest(
         assert "'sock' is a socket" in error(run(registry, work, "read_file", path="sock"))
 
 
+def test_grep_search_does_not_open_a_special_file_it_skips(registry: ToolRegistry, work: Path) -> None:
+    # opening a FIFO for reading lets a writer blocked in open(2) through: an effect of merely looking
+    (work / "a.txt").write_text("needle\n", encoding="utf-8")
+    pipe = work / "pipe"
+    os.mkfifo(pipe)
+    writer = threading.Thread(target=lambda: os.close(os.open(pipe, os.O_WRONLY)), daemon=True)
+    writer.start()
+    try:
+        assert output(run(registry, work, "grep_search", pattern="needle")) == "a.txt:1:needle"
+        assert "is not a regular file or a directory" in error(
+            run(registry, work, "grep_search", pattern="x", path="pipe")
+        )
+        writer.join(0.5)
+        assert writer.is_alive()  # still waiting for a reader: grep never opened the FIFO
+    finally:
+        with contextlib.suppress(OSError):
+            os.close(os.open(pipe, os.O_RDONLY | os.O_NONBLOCK))
+        writer.join(5)
+
+
 # ── catastrophic patterns (issue 11, item 5) ───────────────────────────────────────────────────
 
 POISON_LINE = "a" * 28 + "!\n"  # `re` takes minutes on (a|a)+$ over it, holding the GIL all along
@@ -867,6 +979,62 @@ def test_grep_search_refuses_an_overlong_pattern(registry: ToolRegistry, work: P
     assert "is too long (at most 2000)" in error(run(registry, work, "grep_search", pattern="a" * 2001))
 
 
+COMPILE_BOMBS = ["((a{200}){200}){200}", "(((a{100}){100}){100}){100}", "(a*){20000}", "a{1000000}"]
+
+
+@pytest.mark.parametrize("bomb", COMPILE_BOMBS)
+def test_a_pattern_too_large_to_compile_is_refused_at_once_without_stalling_other_threads(
+    registry: ToolRegistry, work: Path, bomb: str
+) -> None:
+    # unbounded, compiling the first held the GIL 6.5 s and the second grew to 24 GB
+    (work / "a.txt").write_text("aaaa\n", encoding="utf-8")
+    started = time.monotonic()
+    result, gap = longest_gap_while(lambda: run(registry, work, "grep_search", pattern=bomb))
+    message = error(result)
+    assert "too large once its counted repeats are expanded" in message and "at most 10,000" in message, message
+    assert time.monotonic() - started < 0.5 and gap < 0.5
+
+
+def test_grep_search_still_finds_patterns_with_counted_repeats_of_ordinary_size(
+    registry: ToolRegistry, work: Path
+) -> None:
+    (work / "ip.txt").write_text("at 10.0.0.1 now\nnone here\n", encoding="utf-8")
+    found = output(run(registry, work, "grep_search", pattern=r"\d{1,3}(\.\d{1,3}){3}"))
+    assert found == "ip.txt:1:at 10.0.0.1 now"
+
+
+LINE_SENSITIVE = [
+    r"\Aimport",
+    r"import b\Z",
+    r"b\n\Z",
+    r"(?<![a-z ])import",
+    r"(?<=^)import",
+    r"^(?!import)\w+",
+    r"(?s)import.",
+    r"(?m)^import",
+    r"x$",
+    r"\s*+import",
+    r"(?>\s*)import",
+    r"(?<=\n)x",
+    r"\Z",
+]
+
+
+@pytest.mark.parametrize("pattern", LINE_SENSITIVE)
+def test_grep_search_matches_each_line_as_if_searched_by_itself(
+    registry: ToolRegistry, work: Path, pattern: str
+) -> None:
+    text = "import a\nimport b\n  import c\nimport d\nxx\nx\nimport b"
+    (work / "m.py").write_text(text, encoding="utf-8")
+    lines = [line + "\n" for line in text.split("\n")]
+    lines[-1] = lines[-1][:-1]
+    expected = [f"m.py:{n}:{line.rstrip()}" for n, line in enumerate(lines, 1) if re.search(pattern, line)]
+    found = run(registry, work, "grep_search", pattern=pattern)
+    assert (output(found).splitlines() if expected else [output(found)]) == (
+        expected or [f"no matches for {pattern!r} under '.'"]
+    )
+
+
 # ── nothing a command starts outlives it (issue 11, item 9) ────────────────────────────────────
 
 LEFTOVERS = (
@@ -889,6 +1057,14 @@ def zombie_children() -> list[int]:
                 if fields[0] == "Z" and int(fields[1]) == os.getpid():
                     found.append(int(entry))
     return found
+
+
+def running(pid: int) -> bool:
+    """Whether `pid` is a live process (not gone, not a zombie)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text(encoding="utf-8").rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 @contextlib.contextmanager
@@ -922,6 +1098,44 @@ def test_a_timed_out_command_takes_its_setsid_processes_with_it(registry: ToolRe
         [pid] = [int(pid) for pid in (work / "pids").read_text(encoding="utf-8").split()]
         assert not Path(f"/proc/{pid}").exists()
         assert zombie_children() == []
+
+
+def test_a_command_that_kills_its_parent_still_takes_its_setsid_processes_with_it(
+    registry: ToolRegistry, work: Path
+) -> None:
+    with killed_afterwards(work / "pids"):
+        command = "setsid sleep 77 & echo $! >> pids; sleep 77 & echo $! >> pids; kill -9 $PPID; sleep 77"
+        text = output(run(registry, work, "run_shell_command", command=command, timeout_s=60))
+        assert text.endswith("[killed by signal SIGKILL]"), text
+        pids = [int(pid) for pid in (work / "pids").read_text(encoding="utf-8").split()]
+        assert len(pids) == 2 and [pid for pid in pids if Path(f"/proc/{pid}").exists()] == []
+        assert zombie_children() == []
+
+
+def test_a_command_that_kills_its_supervisor_takes_the_processes_of_its_session_with_it(
+    registry: ToolRegistry, work: Path
+) -> None:
+    with killed_afterwards(work / "pids"):
+        supervisor = "$(cut -d' ' -f4 /proc/$PPID/stat)"  # the shell's parent's parent
+        command = f"sleep 77 & echo $! >> pids; (sleep 77 &); kill -9 {supervisor}; sleep 77"
+        text = output(run(registry, work, "run_shell_command", command=command, timeout_s=60))
+        assert text.endswith("[killed by signal SIGKILL]"), text
+        [pid] = [int(pid) for pid in (work / "pids").read_text(encoding="utf-8").split()]
+        # killed: its parent, killed too, may take a moment to go, and then init reaps it, not us
+        wait_until(lambda: not running(pid), timeout=5.0)
+        assert zombie_children() == []
+
+
+def test_a_command_is_not_started_when_the_fork_has_under_a_second_left_for_it(work: Path) -> None:
+    left = shell.SHELL_STOP_S + shell.SHELL_DRAIN_S + 0.5  # half a second for the command itself
+    with pytest.raises(ToolError, match=r"the command was not run: \d+\.\d s are left of the fork's wall-clock limit"):
+        shell.run_shell_command({"command": "touch ran"}, context(work, within_s=left))
+    assert not (work / "ran").exists()
+
+
+def test_the_supervisor_gets_longer_than_its_sweep_before_it_is_killed() -> None:
+    # killed mid-sweep, the supervisor orphaned whatever it had not killed yet
+    assert shell.SHELL_STOP_S >= shell_supervisor.SWEEP_MAX_S + 1.0
 
 
 # ── symlink races: resolve and open in one step (issue 11, item 8) ─────────────────────────────
@@ -963,14 +1177,28 @@ def swapping(work: Path) -> Iterator[list[int]]:
 RACE_ATTEMPTS = 3000
 
 
+RACING_CALLS: list[Callable[[int], tuple[str, dict[str, Any]]]] = [
+    lambda i: ("write_file", {"path": f"dir/w{i}.txt", "content": "escaped?"}),
+    lambda i: ("write_file", {"path": f"dir/made{i}/w.txt", "content": "escaped?"}),
+    lambda i: ("read_file", {"path": "dir/secret.txt"}),
+    lambda i: ("edit", {"path": "dir/secret.txt", "old_string": "secret: the key is 42", "new_string": "stolen"}),
+    lambda i: ("list_directory", {"path": "dir"}),
+    lambda i: ("glob", {"pattern": "only-*", "path": "dir"}),
+    lambda i: ("glob", {"pattern": "dir/only-*"}),
+    lambda i: ("grep_search", {"pattern": "key is", "path": "dir/secret.txt"}),
+    lambda i: ("grep_search", {"pattern": "key is", "path": "dir", "include": "secret.txt"}),
+]
+
+
 def racing_calls(index: int) -> tuple[str, dict[str, Any]]:
-    """Attempt `index`: a write, a write that makes a parent directory, or a read, all below work/dir."""
-    kind = index % 3
-    if kind == 0:
-        return "write_file", {"path": f"dir/w{index}.txt", "content": "escaped?"}
-    if kind == 1:
-        return "write_file", {"path": f"dir/made{index}/w.txt", "content": "escaped?"}
-    return "read_file", {"path": "dir/secret.txt"}
+    """Attempt `index`: a write (one making a parent directory too), read, edit, listing, glob or grep in dir."""
+    return RACING_CALLS[index % len(RACING_CALLS)](index)
+
+
+def escaped(response: dict[str, Any]) -> bool:
+    """Whether a call read, listed or changed something of outside/ (it holds secret.txt and only-outside.txt)."""
+    text = str(response.get("output") or response.get("error"))
+    return "the key is 42" in text or "only-outside" in text or text.startswith("edited")
 
 
 @pytest.mark.parametrize("implementation", ["openat2", "walk"])
@@ -981,6 +1209,7 @@ def test_no_write_or_read_escapes_while_a_directory_is_swapped_for_a_symlink_out
     if implementation == "walk":
         monkeypatch.setattr("workers.beneath.use_openat2", False)
     outside = work.parent / "outside"
+    (outside / "only-outside.txt").touch()
     (work / "dir").mkdir()
     (work / "dir" / "secret.txt").write_text("inside\n", encoding="utf-8")
     before = sorted(os.listdir(outside))
@@ -997,9 +1226,8 @@ def test_no_write_or_read_escapes_while_a_directory_is_swapped_for_a_symlink_out
                 return
             name, args = racing_calls(index)
             response = run(registry, work, name, **args)
-            text = str(response.get("output") or response.get("error"))
             with lock:
-                outcomes.append("leak" if "the key is 42" in text else "ok" if "output" in response else "refused")
+                outcomes.append("leak" if escaped(response) else "ok" if "output" in response else "refused")
 
     # When 4 threads make 3000 calls meanwhile
     with swapping(work) as swaps:
@@ -1009,8 +1237,9 @@ def test_no_write_or_read_escapes_while_a_directory_is_swapped_for_a_symlink_out
         for thread in threads:
             thread.join()
 
-    # Then nothing appeared outside and nothing was read from there, while calls did land inside
+    # Then nothing appeared outside, nothing there was read, listed or edited, while calls did land inside
     assert sorted(os.listdir(outside)) == before
+    assert (outside / "secret.txt").read_text(encoding="utf-8") == "secret: the key is 42\n"
     assert outcomes.count("leak") == 0
     assert len(outcomes) == RACE_ATTEMPTS and outcomes.count("ok") > 0
     assert swaps[0] > 100  # the race was on
@@ -1231,7 +1460,8 @@ def test_a_catastrophic_pattern_in_one_fork_costs_the_forks_beside_it_nothing(
     # and the poisoned call got an error naming the time limit, after which that fork went on too
     assert poison.wait(timeout=30).status is Status.SUCCEEDED
     message = tool_results(journal_of(client.settings, poison.fork_id))["g1"]["error"]
-    assert message.startswith("grep_search stopped after 4 s, its time limit")
+    # the budget is what was left of the call's 4 s when the search began (a little less on a busy machine)
+    assert re.match(r"grep_search stopped after (4|3\.\d) s, its time limit", message), message
 
 
 @pytest.mark.slow

@@ -22,7 +22,7 @@ import errno
 import io
 import os
 import stat
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any
 
@@ -32,6 +32,8 @@ from workers.tools import ToolContext, ToolError, resolve_inside
 READ_MAX_LINES = 2000  # read_file's default and largest `limit`
 READ_MAX_CHARS = 256 * 1024  # a read stops at this many characters even before `limit` lines
 LINE_MAX_CHARS = 2000  # a longer line (minified code, data) is clipped
+READ_SKIP_CHARS = 64 * 1024  # the rest of a clipped line is read past this much at a time, never whole
+EDIT_MAX_BYTES = 16 * 1024 * 1024  # edit reads the whole file: larger ones are refused (write_file replaces them)
 LIST_MAX_ENTRIES = 1000
 BINARY_SNIFF_BYTES = 8192  # a NUL byte in the first 8 KiB marks a file as binary
 NOT_A_FILE = "is a directory, not a file; use list_directory to see what it holds"
@@ -136,15 +138,24 @@ def open_directory(root: RootDir, ctx: ToolContext, path: str) -> int:
     """A readable descriptor of the directory `path` beneath the working directory."""
     try:
         return open_path(root, ctx, path, os.O_RDONLY | os.O_DIRECTORY | os.O_NONBLOCK)
+    except PermissionError as exc:
+        raise ToolError(f"permission denied: directory {path!r} cannot be read; give a directory you can read") from exc
     except OSError as exc:
         raise ToolError(f"{path!r} is not a directory of the working directory; give a directory path") from exc
 
 
-def read_all(fd: int) -> bytes:
-    """Everything from `fd`'s current offset to the end."""
-    chunks = []
+def read_all(fd: int, cap: int) -> bytes:
+    """Everything from `fd`'s current offset to the end.
+
+    Raises:
+        ToolError: more than `cap` bytes (the file grew since it was measured).
+    """
+    chunks, total = [], 0
     while chunk := os.read(fd, 1024 * 1024):
         chunks.append(chunk)
+        total += len(chunk)
+        if total > cap:
+            raise ToolError(f"the file grew past {cap:,} bytes while it was read; try again")
     return b"".join(chunks)
 
 
@@ -174,16 +185,31 @@ def bounded(items: list[str], cap: int, hint: str) -> str:
 # ── read-only tools ────────────────────────────────────────────────────────────────────────────
 
 
+def _clipped_lines(stream: IO[str]) -> Iterator[str]:
+    """The lines of `stream`, each clipped to LINE_MAX_CHARS; a huge line is never held whole."""
+    while line := stream.readline(LINE_MAX_CHARS + 2):  # room for the line ending
+        if line.endswith(("\n", "\r")) or len(line) < LINE_MAX_CHARS + 2:
+            yield clip(line, LINE_MAX_CHARS)
+            continue
+        length, ending = len(line), ""
+        while more := stream.readline(READ_SKIP_CHARS):
+            body = more.rstrip("\r\n")
+            length += len(body)
+            if len(body) < len(more):
+                ending = more[len(body) :]
+                break
+        yield f"{line[:LINE_MAX_CHARS]}[... line truncated: {length - LINE_MAX_CHARS} chars omitted ...]{ending}"
+
+
 def _take_lines(stream: IO[str], offset: int, limit: int) -> tuple[list[str], int, bool]:
     """Up to `limit` lines after the first `offset`, within READ_MAX_CHARS; lines seen; whether more follow."""
     taken: list[str] = []
     size = seen = 0
-    for seen, line in enumerate(stream, start=1):
+    for seen, clipped in enumerate(_clipped_lines(stream), start=1):
         if seen <= offset:
             continue
         if len(taken) >= limit or size >= READ_MAX_CHARS:
             return taken, seen, True
-        clipped = clip(line, LINE_MAX_CHARS)
         taken.append(clipped)
         size += len(clipped)
     return taken, seen, False
@@ -224,7 +250,8 @@ def list_directory(args: Mapping[str, Any], ctx: ToolContext) -> str:
         fd = open_directory(root, ctx, path)
     try:
         with os.scandir(fd) as entries:
-            names = sorted(entry.name + ("/" if entry.is_dir() else "") for entry in entries)
+            # a symlink is listed by its own name, not followed: one to a directory (even outside) gets no `/`
+            names = sorted(entry.name + ("/" if entry.is_dir(follow_symlinks=False) else "") for entry in entries)
     finally:
         os.close(fd)
     if not names:
@@ -350,7 +377,12 @@ def edit(args: Mapping[str, Any], ctx: ToolContext) -> str:
     with root_of(ctx) as root:
         fd = open_regular(root, ctx, path, os.O_RDWR)
         try:
-            text = _text_of(read_all(fd), path)
+            if (size := os.fstat(fd).st_size) > EDIT_MAX_BYTES:
+                raise ToolError(
+                    f"{path!r} is {size:,} bytes, larger than edit changes (at most {EDIT_MAX_BYTES:,}); "
+                    "replace its whole content with write_file, or use run_shell_command (sed) for a local change"
+                )
+            text = _text_of(read_all(fd, EDIT_MAX_BYTES), path)
             changed, line = _replacement(text, old, new, path)
             data = changed.encode("utf-8")
             os.lseek(fd, 0, os.SEEK_SET)

@@ -14,16 +14,18 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Container
+from collections.abc import Container, Iterator
 from dataclasses import dataclass
 from typing import Final
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import start_http_server
 from prometheus_client.gc_collector import GCCollector
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
+from prometheus_client.registry import Collector
 
 log = logging.getLogger("forkq.metrics")
 
@@ -47,6 +49,56 @@ SWEEP_OUTCOMES: Final = ("revive", "requeue", "failed")
 # model calls and steps take seconds (tens with long outputs or retries); attempts are few
 LATENCY_BUCKETS: Final = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
 ATTEMPT_BUCKETS: Final = (1.0, 2.0, 3.0, 4.0, 5.0, 10.0)
+
+
+class AbandonedCalls:
+    """Handler threads of this process whose caller gave up on them and that still run, by tool name."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_tool: dict[str, int] = {}
+
+    def add(self, tool: str) -> None:
+        """One more abandoned call of `tool` is running."""
+        with self._lock:
+            self._by_tool[tool] = self._by_tool.get(tool, 0) + 1
+
+    def remove(self, tool: str) -> None:
+        """An abandoned call of `tool` ended by itself."""
+        with self._lock:
+            left = self._by_tool.get(tool, 0) - 1
+            if left > 0:
+                self._by_tool[tool] = left
+            else:
+                self._by_tool.pop(tool, None)
+
+    def count(self, tool: str) -> int:
+        """Abandoned calls of `tool` still running."""
+        with self._lock:
+            return self._by_tool.get(tool, 0)
+
+    def snapshot(self) -> dict[str, int]:
+        """Abandoned calls still running, by tool (the gauge `forkq_tool_calls_abandoned`)."""
+        with self._lock:
+            return dict(self._by_tool)
+
+
+ABANDONED = AbandonedCalls()  # per process: the threads are the process's
+
+
+class AbandonedToolCalls(Collector):
+    """`forkq_tool_calls_abandoned`: handler threads of this process given up on and still running, by tool."""
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        """The current counts (only registered tools are run, so the tool label is bounded)."""
+        family = GaugeMetricFamily(
+            "forkq_tool_calls_abandoned",
+            "Tool calls abandoned at their deadline or a cancel whose threads still run, by tool.",
+            labels=["tool"],
+        )
+        for tool, count in sorted(ABANDONED.snapshot().items()):
+            family.add_metric([tool], count)
+        yield family
 
 
 class Metrics:
@@ -108,6 +160,7 @@ class Metrics:
             "forkq_lease_losses", "Runs that stopped because their lease was lost (fenced out).", registry=registry
         )
         self.forks_running = Gauge("forkq_forks_running", "Forks this process runs now.", registry=registry)
+        registry.register(AbandonedToolCalls())
         self._zero_labels()
 
     def _zero_labels(self) -> None:

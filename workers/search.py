@@ -11,13 +11,17 @@ response naming the limit and how to fix the pattern, while other forks see noth
 Both walk the tree from descriptors: grep opens each directory with `O_DIRECTORY | O_NOFOLLOW` from
 its parent's descriptor and each file with `O_NONBLOCK | O_NOFOLLOW` from its directory's, so a
 swapped-in symlink is not followed out and a FIFO, socket or device is skipped without blocking;
-a symlinked file is read only while it resolves inside the working directory. glob lists names
-only, and reports a match only after opening it beneath the working directory.
+a symlinked file is read only while it resolves inside the working directory. glob walks the
+same way (a symlinked directory is never entered, the deadline and a cancel are checked at every
+directory), matches names only, and reports a match only after opening it beneath the working
+directory.
+
+`OutOfTime` is a private control-flow exception, not part of `workers.errors`: it never leaves
+this module (grep_search turns it into the ToolError the model reads).
 """
 
 from __future__ import annotations
 
-import errno
 import fnmatch
 import os
 import stat
@@ -25,7 +29,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from itertools import islice
-from pathlib import Path, PurePosixPath
+from pathlib import PurePosixPath
 from typing import Any
 
 import regex
@@ -40,6 +44,7 @@ from workers.builtin_tools import (
     relative,
     root_of,
 )
+from workers.pattern_size import GREP_MAX_PATTERN_SIZE, expanded_size
 from workers.tools import ToolContext, ToolError
 
 GLOB_MAX_RESULTS = 1000
@@ -77,6 +82,12 @@ class OutOfTime(Exception):
     """The search used up its time budget (or the fork was cancelled)."""
 
 
+# a pattern with any of these can match a line searched by itself but not inside a chunk of lines: the
+# start or end of the string, lookaround (it sees the neighbouring lines), atomic or possessive repeats
+# (they swallow the following lines), inline flags (`(?s)`, `(?m)`)
+_CHUNK_UNSAFE = regex.compile(r"\\[AZzGK]|\(\?[^:P]|\(\?P[>&]|[*+?}]\+")
+
+
 # ── glob ───────────────────────────────────────────────────────────────────────────────────────
 
 
@@ -89,9 +100,8 @@ def _check_pattern(pattern: str) -> None:
         )
 
 
-def _confirmed(root: RootDir, match: Path) -> str | None:
-    """`match` relative to the working directory (`/` for a directory) if it opens beneath it; else None."""
-    rel = match.relative_to(root.path).as_posix()
+def _confirmed(root: RootDir, rel: str) -> str | None:
+    """`rel` (relative to the working directory; `/` added for a directory) if it opens beneath it; else None."""
     try:
         fd = root.open_beneath(rel, ANY)
     except (OSError, ValueError):  # outside (a symlink pointing out), vanished
@@ -102,31 +112,80 @@ def _confirmed(root: RootDir, match: Path) -> str | None:
         os.close(fd)
 
 
-def _glob_matches(root: RootDir, base: Path, pattern: str, ctx: ToolContext) -> Iterator[str]:
-    for alternative in expand_braces(pattern):
-        try:
-            for match in base.glob(alternative):
-                if ctx.seconds_left() <= 0 or ctx.cancelled():
-                    raise ToolError(
-                        f"glob {pattern!r} did not finish within its time limit; use a narrower pattern or path"
-                    )
-                if SKIPPED_DIRS.isdisjoint(match.relative_to(base).parts) and (shown := _confirmed(root, match)):
-                    yield shown
-        except (ValueError, NotImplementedError) as exc:
-            raise ToolError(f"glob pattern {pattern!r} is not valid: {exc}") from exc
+def _segments_match(segments: list[str], parts: list[str]) -> bool:
+    """Whether path `parts` match glob `segments` (`**`: any number of directories, none included)."""
+    reach = [True] + [False] * len(parts)  # reach[j]: the segments so far match parts[:j]
+    for segment in segments:
+        if segment == "**":
+            for j in range(1, len(reach)):
+                reach[j] = reach[j] or reach[j - 1]
+            continue
+        reach = [False] + [reach[j] and fnmatch.fnmatchcase(parts[j], segment) for j in range(len(parts))]
+    return reach[-1]
+
+
+class Glob:
+    """The alternatives of one glob pattern, matched against paths below the search base."""
+
+    def __init__(self, pattern: str, ctx: ToolContext) -> None:
+        self.pattern, self.ctx = pattern, ctx
+        self.alternatives = [[s for s in alt.split("/") if s not in ("", ".")] for alt in expand_braces(pattern)]
+        deep = any("**" in segments for segments in self.alternatives)
+        self.max_depth = GREP_MAX_DEPTH if deep else max(len(segments) for segments in self.alternatives)
+
+    def matches(self, below: str, is_dir: bool) -> bool:
+        """Whether the path `below` (relative to the base) matches; a trailing `**` matches directories only."""
+        parts = below.split("/")
+        return any(
+            _segments_match(segments, parts) and (is_dir or segments[-1:] != ["**"]) for segments in self.alternatives
+        )
+
+    def check_time(self) -> None:
+        """Refuse to go on past the call's deadline or a cancel (checked at every directory)."""
+        if self.ctx.seconds_left() <= 0 or self.ctx.cancelled():
+            raise ToolError(
+                f"glob {self.pattern!r} did not finish within its time limit; use a narrower pattern or path"
+            )
+
+    def walk(self, dir_fd: int, below: str = "", depth: int = 1) -> Iterator[tuple[str, bool]]:
+        """(path below the base, is a directory) of every entry, by descriptor: symlinks are never entered."""
+        self.check_time()
+        dirs, files = _entries(dir_fd)
+        for name in files:
+            yield f"{below}{name}", False
+        for name in dirs:
+            yield f"{below}{name}", True
+            if depth >= self.max_depth:
+                continue
+            try:
+                sub = os.open(name, WALK_DIR_FLAGS, dir_fd=dir_fd)  # O_NOFOLLOW: a symlink swapped in is not entered
+            except OSError:
+                continue
+            try:
+                yield from self.walk(sub, f"{below}{name}/", depth + 1)
+            finally:
+                os.close(sub)
+
+
+def _glob_matches(root: RootDir, base_fd: int, base: str, pattern: Glob) -> Iterator[str]:
+    prefix = "" if base == "." else f"{base}/"
+    for below, is_dir in pattern.walk(base_fd):
+        if pattern.matches(below, is_dir) and (shown := _confirmed(root, prefix + below)):
+            yield shown
 
 
 def glob(args: Mapping[str, Any], ctx: ToolContext) -> str:
     """Paths matching a glob pattern (`**` recurses), sorted, relative to the working directory."""
     pattern, path = str(args["pattern"]), str(args.get("path", "."))
     _check_pattern(pattern)
+    compiled = Glob(pattern, ctx)
     with root_of(ctx) as root:
         fd = open_directory(root, ctx, path)
         try:
-            base = Path(root.path, root.relative(fd, relative(root, ctx, path)))
+            base = root.relative(fd, relative(root, ctx, path))
+            found = set(islice(_glob_matches(root, fd, base, compiled), GLOB_MAX_SCANNED))
         finally:
             os.close(fd)
-        found = set(islice(_glob_matches(root, base, pattern, ctx), GLOB_MAX_SCANNED))
     if not found:
         return f"no paths match {pattern!r} under {path!r}"
     listing = bounded(sorted(found), GLOB_MAX_RESULTS, "use a narrower pattern or path")
@@ -138,25 +197,40 @@ def glob(args: Mapping[str, Any], ctx: ToolContext) -> str:
 # ── grep_search ────────────────────────────────────────────────────────────────────────────────
 
 
+def _lines(text: str) -> Iterator[str]:
+    """The lines of `text`, each with its `\\n` (only `\\n` ends a line, as in the chunks' line numbers)."""
+    start = 0
+    while start < len(text):
+        end = text.find("\n", start) + 1 or len(text)
+        yield text[start:end]
+        start = end
+
+
 @dataclass
 class Search:
     """One search's pattern and time budget.
 
-    A file is searched a chunk of whole lines at a time: the pattern, compiled once more with
-    MULTILINE (so `^` and `$` match at every line), finds the next candidate line in the chunk in one
-    call, and the original pattern confirms it on that line alone (a match spanning lines does not
-    count, as when each line is searched by itself). A call of `regex` with a timeout costs about
-    2 µs, so lines that cannot match are never searched one by one.
+    A line matches when the pattern matches it searched by itself, its line ending included (as `re`
+    per line did). To be fast, a file is searched a chunk of whole lines at a time: the pattern,
+    compiled once more with MULTILINE (so `^` and `$` match at every line), finds the next candidate
+    line in one call, and the original pattern confirms it on that line alone. That pre-filter finds
+    every line that matches by itself only when the pattern does not look past its line (`\\A`,
+    `\\Z`, lookaround, atomic or possessive repeats, inline flags): such a pattern is searched line
+    by line (about 2 µs a line).
     """
 
     pattern: regex.Pattern[str]
     deadline: float
     cancelled: Callable[[], bool]
-    lines_pattern: regex.Pattern[str] = field(init=False)
+    lines_pattern: regex.Pattern[str] | None = field(init=False)  # None: search line by line
     where: str = ""  # the file being searched, for the message at the time limit
 
     def __post_init__(self) -> None:
-        self.lines_pattern = regex.compile(self.pattern.pattern, self.pattern.flags | regex.MULTILINE)
+        chunked = _CHUNK_UNSAFE.search(self.pattern.pattern) is None
+        # compiled once more: the size bound checked before the first compile covers this copy too
+        self.lines_pattern = (
+            regex.compile(self.pattern.pattern, self.pattern.flags | regex.MULTILINE) if chunked else None
+        )
 
     def _find(self, pattern: regex.Pattern[str], text: str, pos: int) -> regex.Match[str] | None:
         left = self.deadline - time.monotonic()
@@ -170,6 +244,11 @@ class Search:
 
     def _matching(self, text: str, first: int) -> Iterator[tuple[int, str]]:
         """(line number, line) of the matching lines of `text`, whole lines whose first is line `first`."""
+        if self.lines_pattern is None:
+            for number, line in enumerate(_lines(text), first):
+                if self._find(self.pattern, line, 0) is not None:
+                    yield number, line.rstrip("\r\n")
+            return
         pos = counted = 0
         number = first
         while pos < len(text) and (found := self._find(self.lines_pattern, text, pos)) is not None:
@@ -257,22 +336,43 @@ def _tree(dir_fd: int, below: str, depth: int = 0) -> Iterator[tuple[int, str, s
             os.close(sub)
 
 
-def _open_entry(root: RootDir, dir_fd: int, name: str, shown: str) -> int | None:
-    """A descriptor of a regular, small enough file to search; None to skip it (special, huge, outside)."""
-    try:
-        fd = os.open(name, WALK_FILE_FLAGS, dir_fd=dir_fd)
-    except OSError as exc:
-        if exc.errno != errno.ELOOP:  # vanished, unreadable, a socket (ENXIO)
-            return None
-        try:  # a symlink: followed only while it resolves inside the working directory
-            fd = root.open_beneath(shown, os.O_RDONLY | os.O_NONBLOCK)
-        except (OSError, ValueError):
-            return None
+def _reopen(fd: int, flags: int) -> int:
+    """The object of the O_PATH descriptor `fd` opened for I/O (the very object: no name is resolved again)."""
+    return os.open(f"/proc/self/fd/{fd}", flags | os.O_NONBLOCK | os.O_CLOEXEC)
+
+
+def _searchable(fd: int) -> bool:
     info = os.fstat(fd)
-    if not stat.S_ISREG(info.st_mode) or info.st_size > GREP_MAX_FILE_BYTES:
-        os.close(fd)
+    return stat.S_ISREG(info.st_mode) and info.st_size <= GREP_MAX_FILE_BYTES
+
+
+def _open_entry(root: RootDir, dir_fd: int, name: str, shown: str) -> int | None:
+    """A descriptor of a regular, small enough file to search; None to skip it (special, huge, outside).
+
+    The name's object is looked at (O_PATH) before it is opened for reading, as `open_regular` does:
+    opening a device or FIFO for I/O can itself have an effect (a FIFO's writer is let through).
+    """
+    try:
+        fd = os.open(name, ANY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError:  # vanished
         return None
-    return fd
+    try:
+        if stat.S_ISLNK(os.fstat(fd).st_mode):  # a symlink: followed only while it resolves inside
+            link, fd = fd, -1
+            os.close(link)
+            fd = root.open_beneath(shown, ANY)
+        if not _searchable(fd):
+            return None
+        opened = _reopen(fd, os.O_RDONLY)
+    except (OSError, ValueError):
+        return None
+    finally:
+        if fd >= 0:
+            os.close(fd)
+    if not _searchable(opened):  # swapped meanwhile
+        os.close(opened)
+        return None
+    return opened
 
 
 def _hits(root: RootDir, base_fd: int, base: str, include: str | None, search: Search) -> Iterator[str]:
@@ -294,6 +394,12 @@ def _hits(root: RootDir, base_fd: int, base: str, include: str | None, search: S
 def _compile(pattern: str) -> regex.Pattern[str]:
     if len(pattern) > GREP_MAX_PATTERN_CHARS:
         raise ToolError(f"pattern of {len(pattern)} characters is too long (at most {GREP_MAX_PATTERN_CHARS})")
+    if (size := expanded_size(pattern)) > GREP_MAX_PATTERN_SIZE:
+        raise ToolError(
+            f"pattern {pattern!r} is too large once its counted repeats are expanded (about {size:,} "
+            f"elements, at most {GREP_MAX_PATTERN_SIZE:,}): nested repeats such as (a{{100}}){{100}} multiply; "
+            "use smaller counts or `+` / `*` instead of large {m,n} bounds"
+        )
     try:
         return regex.compile(pattern)
     except (regex.error, ValueError, OverflowError) as exc:
@@ -303,20 +409,33 @@ def _compile(pattern: str) -> regex.Pattern[str]:
 def _found(root: RootDir, ctx: ToolContext, path: str, include: Any, search: Search) -> list[str]:
     """Up to GREP_MAX_MATCHES + 1 hits for a file or directory `path`."""
     try:
-        fd = open_path(root, ctx, path, os.O_RDONLY | os.O_NONBLOCK)
+        fd = open_path(root, ctx, path, ANY)  # looked at before it is opened for I/O: a device is not opened
+    except PermissionError as exc:
+        raise ToolError(
+            f"permission denied: {path!r} cannot be searched; give a file or directory you can read"
+        ) from exc
     except OSError as exc:
         raise ToolError(f"{path!r} does not exist; give a file or directory inside the working directory") from exc
     try:
         mode = os.fstat(fd).st_mode
         base = root.relative(fd, relative(root, ctx, path))
-        if stat.S_ISDIR(mode):
-            return list(islice(_hits(root, fd, base, include, search), GREP_MAX_MATCHES + 1))
-        if not stat.S_ISREG(mode):
+        if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):
             raise ToolError(f"{path!r} is not a regular file or a directory; give a file or directory to search")
-        lines = search.lines_of(os.dup(fd), base)
-        return [f"{base}:{n}:{clip(text, GREP_LINE_MAX_CHARS)}" for n, text in islice(lines, GREP_MAX_MATCHES + 1)]
+        try:
+            opened = _reopen(fd, os.O_RDONLY | (os.O_DIRECTORY if stat.S_ISDIR(mode) else 0))
+        except OSError as exc:
+            raise ToolError(
+                f"cannot read {path!r}: {exc.strerror or exc}; give a file or directory you can read"
+            ) from exc
     finally:
         os.close(fd)
+    if stat.S_ISDIR(mode):
+        try:
+            return list(islice(_hits(root, opened, base, include, search), GREP_MAX_MATCHES + 1))
+        finally:
+            os.close(opened)
+    lines = search.lines_of(opened, base)  # closes it
+    return [f"{base}:{n}:{clip(text, GREP_LINE_MAX_CHARS)}" for n, text in islice(lines, GREP_MAX_MATCHES + 1)]
 
 
 def grep_search(args: Mapping[str, Any], ctx: ToolContext) -> str:

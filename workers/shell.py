@@ -11,6 +11,11 @@ reparented to it, and it kills all of it when the shell ends, when the call time
 is cancelled (it is sent SIGTERM), and when the worker thread that started it ends, the worker's
 death included (`PR_SET_PDEATHSIG`). The worker process itself is never a subreaper, so no orphan
 of a call (or of anything else the worker runs) waits on it to be reaped.
+
+The limits: a command can find its supervisor in the process table (it runs as the same user) and
+SIGKILL it; the worker then kills every process left in the call's session, but one that moved to
+a session of its own before escapes. Processes handed to another service (`at`, `systemd-run`) are
+not the call's descendants, and one in uninterruptible sleep past the sweep (`SWEEP_MAX_S`) is left.
 """
 
 from __future__ import annotations
@@ -27,14 +32,18 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from workers.shell_supervisor import SWEEP_MAX_S
 from workers.tools import ToolContext, ToolError
 
 SHELL_DEFAULT_TIMEOUT_S = 120
 SHELL_MAX_TIMEOUT_S = 600
+SHELL_MIN_TIMEOUT_S = 1.0  # less left on the fork's clock than this (after the time to stop it): not run
 SHELL_OUTPUT_CAP = 64 * 1024  # bytes of combined stdout/stderr kept: the first and the last half
 SHELL_POLL_S = 0.05  # how often the command's exit is checked while its output is read
 SHELL_CANCEL_POLL_S = 0.1  # how often ctx.cancelled is asked (it may be a Redis round trip)
-SHELL_STOP_S = 3.0  # after SIGTERM: how long the supervisor gets to kill the command's processes
+# after SIGTERM: how long the supervisor gets to kill the command's processes; longer than its sweep
+# may take, so it is never killed mid-sweep (that orphaned the rest)
+SHELL_STOP_S = SWEEP_MAX_S + 1.0
 SHELL_DRAIN_S = 1.0  # after the supervisor ended: how long to wait for the pipe's end of file
 # the registry's time limit of a call: the longest command plus the time its stop may take
 SHELL_CALL_LIMIT_S = SHELL_MAX_TIMEOUT_S + SHELL_STOP_S + SHELL_DRAIN_S + 5
@@ -77,6 +86,8 @@ class CappedOutput:
 
 
 def _child_env() -> dict[str, str]:
+    # os.environ here is not configuration (that is Settings' alone): it is the process's own
+    # environment, of which an allowlist is handed on to the command, as any shell would inherit it
     return {
         name: value
         for name, value in os.environ.items()
@@ -109,6 +120,14 @@ def _exited(pid: int) -> bool:
         return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
     except ChildProcessError:
         return True
+
+
+def _killed(pid: int) -> bool:
+    """Whether the exited (unreaped) supervisor was killed by SIGKILL, so its sweep never ran."""
+    with contextlib.suppress(ChildProcessError):
+        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        return info is not None and info.si_code == os.CLD_KILLED and info.si_status == signal.SIGKILL
+    return False
 
 
 def _read_until(fd: int, output: CappedOutput, seconds: float) -> bool:
@@ -155,14 +174,39 @@ def _wait_exit(pid: int, seconds: float) -> bool:
     return True
 
 
+def _session_members(sid: int) -> list[int]:
+    """The processes of the session `sid` (the supervisor's: each call's processes start in it)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with (
+                contextlib.suppress(OSError, IndexError, ValueError),
+                open(f"/proc/{entry}/stat", encoding="ascii", errors="replace") as stat,
+            ):
+                if int(stat.read().rsplit(")", 1)[1].split()[3]) == sid:  # field 6, the session
+                    found.append(int(entry))
+    return found
+
+
+def _kill_session(sid: int) -> None:
+    """SIGKILL every process left in the session `sid`: the supervisor is gone without its sweep."""
+    for pid in _session_members(sid):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+
+
 def _stop(proc: subprocess.Popen[bytes], fd: int, output: CappedOutput) -> None:
     """Have the supervisor kill what is left of the command, take the last output, reap the supervisor."""
     if not _exited(proc.pid):
         with contextlib.suppress(ProcessLookupError):
             os.kill(proc.pid, signal.SIGTERM)
-        if not _wait_exit(proc.pid, SHELL_STOP_S):  # a supervisor that does not answer: its session, at least
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGKILL)
+        _wait_exit(proc.pid, SHELL_STOP_S)
+    if not _exited(proc.pid) or _killed(proc.pid):
+        # a supervisor that does not answer, or was killed (by the command): what is left in its session
+        # (the supervisor still unreaped, so its pid cannot name another session meanwhile)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGKILL)
+        _kill_session(proc.pid)
     _read_until(fd, output, SHELL_DRAIN_S)
     proc.wait()
 
@@ -183,7 +227,14 @@ def run_shell_command(args: Mapping[str, Any], ctx: ToolContext) -> str:
     if ctx.cancelled():
         raise ToolError("the fork was cancelled; the command was not run")
     # stop before the call's deadline (the fork's wall-clock limit), leaving time to stop and drain
-    timeout_s = max(0.0, min(timeout_s, ctx.seconds_left() - SHELL_STOP_S - SHELL_DRAIN_S))
+    left = ctx.seconds_left()
+    timeout_s = min(timeout_s, left - SHELL_STOP_S - SHELL_DRAIN_S)
+    if timeout_s < SHELL_MIN_TIMEOUT_S:  # spawned with less, a command got ~50 ms: refuse, and run nothing
+        raise ToolError(
+            f"the command was not run: {max(left, 0.0):.1f} s are left of the fork's wall-clock limit "
+            f"(max_wall_s), and a command needs {SHELL_MIN_TIMEOUT_S:g} s plus {SHELL_STOP_S + SHELL_DRAIN_S:g} s "
+            "to be stopped; finish without it, or launch the fork with a larger max_wall_s"
+        )
     proc = _spawn(command, root)
     stdout = proc.stdout
     if stdout is None:  # pragma: no cover - stdout=PIPE always gives a pipe

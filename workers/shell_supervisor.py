@@ -10,9 +10,15 @@ SIGTERM (the call's timeout or cancellation, or the worker thread that started i
 process's own children are reparented to it in turn. It exits with the shell's status (a shell
 killed by a signal: the same signal).
 
-What escapes it: only processes that are not descendants of the call (a job handed to another
-service, such as `at`, `systemd-run` or a container runtime), and processes stuck in uninterruptible
-sleep for longer than the sweep waits (`SWEEP_MAX_S`).
+The shell does not run as the supervisor's child but as its grandchild, under a small "shell
+parent" process: the shell's `$PPID` is that parent, so `kill -9 $PPID` orphans the shell to the
+supervisor, which then sweeps it like any other orphan.
+
+What escapes it: processes that are not descendants of the call (a job handed to another service,
+such as `at`, `systemd-run` or a container runtime); processes stuck in uninterruptible sleep for
+longer than the sweep waits (`SWEEP_MAX_S`); and a command that searches the process table for the
+supervisor (it runs as the same user) and kills it with SIGKILL: the worker then kills what is
+left in the call's session, but a process that moved to a session of its own before is not found.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from types import FrameType
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
-SWEEP_MAX_S = 5.0  # a process that does not die this long after SIGKILL is left to init
+SWEEP_MAX_S = 2.0  # a process that does not die this long after SIGKILL is left (it is in uninterruptible sleep)
 
 
 class Stop(Exception):
@@ -88,29 +94,58 @@ def _wait_for(shell: int) -> int:
             return status
 
 
-def _start(shell: str, command: str) -> int:
-    pid = os.fork()
-    if pid == 0:  # the shell: a process group of its own, default signal handling
-        try:
-            # Python ignores SIGPIPE and SIGXFSZ, and an ignored signal stays ignored across exec
-            for signum in (signal.SIGTERM, signal.SIGPIPE, signal.SIGXFSZ):
-                signal.signal(signum, signal.SIG_DFL)
-            os.setpgid(0, 0)
+def _run_shell(shell: str, command: str) -> None:
+    """The shell's parent: run the shell, then end as it ended. Never returns."""
+    try:
+        # Python ignores SIGPIPE and SIGXFSZ, and an ignored signal stays ignored across exec
+        for signum in (signal.SIGTERM, signal.SIGPIPE, signal.SIGXFSZ):
+            signal.signal(signum, signal.SIG_DFL)
+        os.setpgid(0, 0)
+        pid = os.fork()
+        if pid == 0:
             os.execv(shell, [shell, "-c", command])
-        except BaseException as exc:
-            os.write(2, f"cannot start the shell {shell!r}: {exc}\n".encode())
-        finally:
-            os._exit(127)
+        status = os.waitpid(pid, 0)[1]
+        if os.WIFSIGNALED(status):
+            with contextlib.suppress(OSError, ValueError):  # SIGKILL and SIGSTOP have no handler to reset
+                signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
+            os.kill(os.getpid(), os.WTERMSIG(status))
+        os._exit(os.waitstatus_to_exitcode(status))
+    except BaseException as exc:
+        os.write(2, f"cannot start the shell {shell!r}: {exc}\n".encode())
+    finally:
+        os._exit(127)
+
+
+def _start(shell: str, command: str) -> int:
+    """The pid of the shell's parent, a process between the supervisor and the shell.
+
+    The shell's `$PPID` is that process, not the supervisor: a command that kills its parent
+    (`kill -9 $PPID`) only orphans the shell and what it started, and they are reparented to the
+    supervisor, which sees the parent die and sweeps them.
+    """
+    pid = os.fork()
+    if pid == 0:  # a process group of its own, default signal handling
+        _run_shell(shell, command)
     return pid
+
+
+def _prctl(option: int, value: int) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(option, value, 0, 0, 0) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"prctl({option}) failed: {os.strerror(errno)}; the command was not run")
 
 
 def main(argv: list[str]) -> int:
     """Run `argv[3]` with the shell `argv[2]` for the worker process `argv[1]`; the shell's exit code."""
     parent, shell, command = int(argv[1]), argv[2], argv[3]
     signal.signal(signal.SIGTERM, _stop)
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    try:  # without them, what the command leaves behind would outlive it: refuse rather than run it
+        _prctl(PR_SET_CHILD_SUBREAPER, 1)
+        _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError as exc:
+        os.write(2, f"{exc.strerror}\n".encode())
+        return 126
     if os.getppid() != parent:  # the worker was gone before the death signal was set up
         return 128 + signal.SIGTERM
     status = None

@@ -12,6 +12,9 @@ Every call has a deadline: the tool's own time limit (`Tool.timeout_s`, else the
 handler blocked where Python cannot interrupt it (a FIFO, a hung network mount, a plugin's stuck
 call) costs its call an error response at the deadline, or at once when the fork is cancelled,
 and never the worker slot: the caller goes on, and the handler's thread is left to end by itself.
+Those threads are counted per tool (`workers.metrics.ABANDONED`, the gauge
+`forkq_tool_calls_abandoned`): a tool with TOOL_MAX_ABANDONED of them still running is refused until
+one ends, so a model retrying a stuck call cannot pile up threads.
 
 The built-in coding tools are declared at the end of this module and implemented in
 `workers.builtin_tools`, `workers.search` and `workers.shell`; deployers add their own through the
@@ -36,6 +39,7 @@ from jsonschema.validators import Draft202012Validator, validator_for
 
 from workers.errors import ConfigurationError, ForkqError
 from workers.messages import FunctionCall
+from workers.metrics import ABANDONED
 
 log = logging.getLogger("forkq.tools")
 
@@ -48,6 +52,9 @@ MAX_ERROR_MESSAGE_CHARS = 300
 DEFAULT_TOOL_TIMEOUT_S = 300.0  # a call's time limit when neither its tool nor the worker sets one
 TOOL_WAIT_POLL_S = 0.1  # how often a waiting caller asks `ctx.cancelled` (it may be a Redis round trip)
 TOOL_STOP_GRACE_S = 0.5  # after a cancel or the deadline: time a handler that watches `cancelled` gets to stop
+# abandoned calls of one tool whose threads still run in this process; past it the tool is refused: a
+# model retrying a stuck plugin call would otherwise leave one more thread behind at every retry
+TOOL_MAX_ABANDONED = 4
 
 
 def never_cancelled() -> bool:
@@ -208,6 +215,12 @@ class ToolRegistry:
             return {"error": str(exc)}
         if errors:
             return {"error": invalid_arguments(tool, errors)}
+        if (stuck := ABANDONED.count(tool.name)) >= TOOL_MAX_ABANDONED:
+            return {
+                "error": f"tool {tool.name!r} was not run: {stuck} earlier calls of it did not finish within their "
+                f"time limit and still run on this worker (at most {TOOL_MAX_ABANDONED}), so it looks stuck (a hung "
+                "service or file system). Continue without it, or try again later"
+            }
         limit = tool.timeout_s if tool.timeout_s is not None else self.default_timeout_s
         return HandlerCall(tool, args, ctx, limit).result()
 
@@ -226,6 +239,8 @@ class HandlerCall:
         self.ctx = replace(ctx, deadline=self.started + self.limit_s, cancelled=self._cancelled)
         self.args = args
         self.done = threading.Event()
+        self.ending = threading.Lock()  # the handler ending and the caller abandoning it: one after the other
+        self.abandoned = False
         self.response: dict[str, Any] = {"error": f"tool {tool.name!r} ended without an answer"}
 
     def _cancelled(self) -> bool:
@@ -240,7 +255,19 @@ class HandlerCall:
         except Exception as exc:  # a tool's bug must not crash the fork: the model reads the error
             self.response = {"error": f"tool {self.tool.name!r} failed: {type(exc).__name__}: {exc}"}
         finally:
-            self.done.set()
+            with self.ending:
+                self.done.set()
+                if self.abandoned:
+                    ABANDONED.remove(self.tool.name)
+
+    def _abandon(self) -> bool:
+        """Count the handler as abandoned unless it has just ended; whether it was."""
+        with self.ending:
+            if self.done.is_set():
+                return False
+            self.abandoned = True
+            ABANDONED.add(self.tool.name)
+            return True
 
     def _wait(self) -> str:
         """`done`, `cancelled` or `deadline`: what ended the wait."""
@@ -263,6 +290,8 @@ class HandlerCall:
             return self.response
         self.given_up.set()
         if self.watching and self.done.wait(TOOL_STOP_GRACE_S):  # it noticed and stopped: its answer says most
+            return self.response
+        if not self._abandon():
             return self.response
         log.warning(
             "tool %s: the call did not end %s; it was abandoned, its thread is left to finish",
