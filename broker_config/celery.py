@@ -46,7 +46,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         # redelivery of unacked jobs: forkq revives forks through its own leases, so this only
         # bounds how long a job of a vanished worker waits in the broker; Sentinel: the master to ask for
         "broker_transport_options": transport_options(settings),
-        # threads: a fork waits on model HTTP calls almost all the time (DESIGN.md, Concurrency)
+        # threads: a fork waits on model HTTP calls almost all the time (docs/operations.md, Sizing)
         "worker_pool": settings.worker_pool,
         "worker_concurrency": settings.worker_concurrency,
         # no Celery-level retries: a fork's failure is recorded in its state, not retried blindly
