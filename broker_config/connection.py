@@ -27,6 +27,7 @@ and handed to `on_rejected` too. The worker goes on serving.
 
 from __future__ import annotations
 
+import binascii
 import functools
 import hashlib
 import logging
@@ -37,19 +38,26 @@ from typing import Any, Final, cast
 import kombu
 import redis
 from celery.app.amqp import AMQP
+from kombu import serialization
 from kombu.connection import ConnectionPool, PooledConnection
+from kombu.exceptions import DecodeError
 from kombu.transport import redis as kombu_redis
 from kombu.utils import json as kombu_json
 from kombu.utils.collections import HashedSeq
 from kombu.utils.encoding import bytes_to_str
 
-from broker_config.celery import JOB_CONTENT_TYPE, JOB_TASKS
+from broker_config.celery import JOB_BODY_MAX_BYTES, JOB_CONTENT_TYPE, JOB_TASKS
 
 log = logging.getLogger("forkq.broker")
 
-# a job carries at most 4 MiB of inline chunks and a 4 MiB record (workers.runner.MAX_INLINE_JOB_BYTES):
-# base64 in a JSON envelope, well under this; a larger item is refused before it is parsed
-MAX_ENVELOPE_BYTES: Final = 16 * 1024 * 1024
+# the largest legal job body (broker_config.celery.JOB_BODY_MAX_BYTES, about 8.7 MiB: 4 MiB of inline chunks,
+# a 4 MiB record, framing) in base64, plus 64 KiB for the envelope's headers and properties: about 11.7 MiB.
+# A larger item is refused before it is parsed.
+MAX_ENVELOPE_BYTES: Final = 4 * -(-JOB_BODY_MAX_BYTES // 3) + 64 * 1024
+# `[` and `{` an item may hold before it is parsed: a legal envelope has about ten objects, and Flower's
+# argsrepr a few brackets; a body is base64 (no brackets). 16 MiB of `{}`s grew a worker by 355 MiB.
+MAX_ENVELOPE_BRACKETS: Final = 4096
+ENVELOPE_KEYS: Final = frozenset({"body", "content-encoding", "content-type", "headers", "properties"})
 RAW_KEPT: Final = 64 * 1024  # bytes of a refused item its dead letter keeps
 HELD_MAX: Final = 16  # refused items a transport keeps until it has a sink (a worker's first restore comes first)
 _MAX_TAG: Final = 256
@@ -80,6 +88,12 @@ def read_item(item: bytes, *, job: bool) -> tuple[Any, str | None]:
     """A popped queue item's envelope and, if it cannot be delivered, why (`job`: the item is on a job queue)."""
     if len(item) > MAX_ENVELOPE_BYTES:
         return None, f"it is {len(item):,} bytes, more than the {MAX_ENVELOPE_BYTES:,} any forkq job needs"
+    brackets = item.count(b"[") + item.count(b"{")
+    if brackets > MAX_ENVELOPE_BRACKETS:
+        return None, (
+            f"it holds {brackets:,} `[` and `{{`, more than the {MAX_ENVELOPE_BRACKETS:,} a kombu envelope has; "
+            "not parsed"
+        )
     try:
         envelope = kombu_json.loads(item)  # kombu's own loads: its type markers fail here, not in kombu
     except (ValueError, TypeError, RecursionError) as exc:
@@ -89,9 +103,7 @@ def read_item(item: bytes, *, job: bool) -> tuple[Any, str | None]:
 
 def envelope_problem(envelope: Any, *, job: bool) -> str | None:
     """Why kombu or Celery could not take this decoded envelope (None when they can); `job`: on a job queue."""
-    if not isinstance(envelope, dict):
-        return f"it is {_kind(envelope)}, not a JSON object: not a kombu envelope"
-    problem = _properties_problem(envelope.get("properties"))
+    problem = _shape_problem(envelope) or _properties_problem(envelope.get("properties"))
     if problem is not None:
         return problem
     headers = envelope.get("headers")
@@ -109,6 +121,15 @@ def envelope_problem(envelope: Any, *, job: bool) -> str | None:
             "jobs and inflates nothing from the queue (a small compressed body can inflate to gigabytes)"
         )
     return _job_problem(envelope, headers or {}) if job else None
+
+
+def _shape_problem(envelope: Any) -> str | None:
+    if not isinstance(envelope, dict):
+        return f"it is {_kind(envelope)}, not a JSON object: not a kombu envelope"
+    unknown = sorted(set(envelope) - ENVELOPE_KEYS)
+    if unknown:
+        return f"it has the keys {_kind(unknown)}; a kombu envelope has only {', '.join(sorted(ENVELOPE_KEYS))}"
+    return None
 
 
 def _properties_problem(properties: Any) -> str | None:
@@ -141,6 +162,20 @@ def _job_problem(envelope: dict[str, Any], headers: dict[str, Any]) -> str | Non
     task_id = headers.get("id")
     if not isinstance(task_id, str) or not 0 < len(task_id) <= _MAX_TAG:
         return f"headers.id is {_kind(task_id)}; expected the task id, a string of 1-{_MAX_TAG} characters"
+    return _body_problem(envelope)
+
+
+def _body_problem(envelope: dict[str, Any]) -> str | None:
+    """Why the job's body is not one Celery could decode: forkq's registered msgpack loader, with its bounds."""
+    body = envelope.get("body") or ""
+    try:
+        if str(envelope["properties"].get("body_encoding") or "").lower() == "base64":
+            data = binascii.a2b_base64(body)
+        else:
+            data = body.encode()
+        serialization.loads(data, JOB_CONTENT_TYPE, "binary", accept={JOB_CONTENT_TYPE})
+    except (binascii.Error, ValueError, DecodeError) as exc:
+        return f"its body is not a forkq job: {str(exc)[:500]}"
     return None
 
 

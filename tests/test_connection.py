@@ -18,7 +18,7 @@ from kombu import Exchange, Producer, Queue
 from kombu.transport import redis as kombu_redis
 from live import job_body, kombu_envelope, wait_until
 
-from broker_config.connection import ForkqConnection, RedisTransport, SentinelTransport
+from broker_config.connection import MAX_ENVELOPE_BYTES, ForkqConnection, RedisTransport, SentinelTransport
 from broker_config.settings import Settings
 from workers.app import make_app
 from workers.client import ForkClient
@@ -300,3 +300,55 @@ def test_a_compressed_bomb_is_dead_lettered_before_it_is_inflated(
     after = client.launch({**parent, "cwd": str(tmp_path)}, FORK)
     assert after.wait(timeout=60).status is Status.SUCCEEDED, worker.log()[-3000:]
     assert worker.process.poll() is None
+
+
+def _array32(items: bytes, n: int) -> bytes:
+    return b"\xdd" + n.to_bytes(4, "big") + items
+
+
+def _empty_arrays_body() -> bytes:
+    """An 8 MiB Celery body `[[[], [], ...] x 1,000, {}, {}]`: each byte an empty array, a Python list each."""
+    inner = _array32(b"\x90" * 8_000, 8_000)
+    return b"\x93" + _array32(inner * 1_000, 1_000) + b"\x80\x80"
+
+
+def _braces_envelope() -> bytes:
+    """A job envelope with an extra top-level key holding 11 MiB of `{}`s, a Python dict each."""
+    envelope = json.loads(kombu_envelope(job_body("f-braces", "0" * 64, None), queue=TEST_QUEUE, task_id="braces-1"))
+    return json.dumps(envelope)[:-1].encode() + b', "x": [' + b"{}," * (11 * 1024 * 1024 // 3) + b"{}]}"
+
+
+@pytest.mark.slow
+def test_items_that_would_build_millions_of_objects_are_dead_lettered_before_they_are_built(
+    client: ForkClient,
+    worker_process: Callable[..., WorkerProcess],
+    redis_client: redis.Redis,
+    parent: dict[str, Any],
+    tmp_path: Path,
+) -> None:
+    # Given an idle worker process that has run a fork (so its resident size has settled)
+    worker = worker_process(FORKQ_PROVIDER="scripted")
+    first = client.launch({**parent, "cwd": str(tmp_path)}, FORK)
+    assert first.wait(timeout=60).status is Status.SUCCEEDED, worker.log()[-3000:]
+    idle_kib = _rss_kib(worker.process.pid, "VmHWM")
+
+    # When items within the envelope size limit reach its queue whose parsing would build millions of
+    # objects: a msgpack body of empty arrays (right task, right id) and a JSON envelope of `{}`s
+    arrays = kombu_envelope(_empty_arrays_body(), queue=TEST_QUEUE, task_id="arrays-1")
+    items = {"arrays-1": arrays, "braces-1": _braces_envelope()}
+    for item in items.values():
+        assert len(item) <= MAX_ENVELOPE_BYTES
+        redis_client.lpush(TEST_QUEUE, item)
+    after = client.launch({**parent, "cwd": str(tmp_path)}, FORK)
+
+    # Then the worker refuses both and serves the next fork
+    assert after.wait(timeout=120).status is Status.SUCCEEDED, worker.log()[-3000:]
+    wait_until(lambda: len(_dead_letters(redis_client)) >= len(items), 30, "the items to be dead-lettered")
+    # without ever growing past twice its idle size
+    peak_kib = _rss_kib(worker.process.pid, "VmHWM")
+    assert peak_kib <= 2 * idle_kib, f"peak RSS {peak_kib:,} KiB, idle {idle_kib:,} KiB"
+    # and each is dead-lettered with the reason
+    reasons = {letter.get("task_id"): letter["reason"] for letter in _dead_letters(redis_client)}
+    assert "arrays and maps" in reasons.get("arrays-1", ""), reasons
+    assert "`[` and `{`" in str(reasons), reasons
+    assert worker.process.poll() is None and "Unrecoverable error" not in worker.log()
