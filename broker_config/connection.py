@@ -28,9 +28,12 @@ and handed to `on_rejected` too. The worker goes on serving.
 from __future__ import annotations
 
 import binascii
+import dataclasses
 import functools
 import hashlib
+import json
 import logging
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Final, cast
@@ -58,27 +61,36 @@ MAX_ENVELOPE_BYTES: Final = 4 * -(-JOB_BODY_MAX_BYTES // 3) + 64 * 1024
 # argsrepr a few brackets; a body is base64 (no brackets). 16 MiB of `{}`s grew a worker by 355 MiB.
 MAX_ENVELOPE_BRACKETS: Final = 4096
 ENVELOPE_KEYS: Final = frozenset({"body", "content-encoding", "content-type", "headers", "properties"})
-RAW_KEPT: Final = 64 * 1024  # bytes of a refused item its dead letter keeps
+RAW_KEPT: Final = 64 * 1024  # bytes of a refused item forkq's dead-letter record keeps (the broker's list: all)
 HELD_MAX: Final = 16  # refused items a transport keeps until it has a sink (a worker's first restore comes first)
+# the transport option naming the broker's list of refused items, whole (workers.keys `{ns}:dead:items`)
+DEAD_ITEMS_OPTION: Final = "forkq_dead_items"
+DEAD_ITEMS_MAX: Final = 16  # items that list keeps, newest first: at most 16 envelope limits (~186 MiB)
+DEAD_ITEMS_TTL_S: Final = 7 * 24 * 3600  # and it expires a week after the last refusal
 _MAX_TAG: Final = 256
 
 
 @dataclass(frozen=True, slots=True)
 class Rejected:
-    """A queue item the worker refused to deliver: its queue, why, its first bytes, size and digest, its task id."""
+    """A queue item the worker refused to deliver: its queue, why, its bytes, size and digest, its task id."""
 
     queue: str
     reason: str
-    raw: bytes  # the first RAW_KEPT bytes
+    raw: bytes  # all of it, up to MAX_ENVELOPE_BYTES (an item refused as larger keeps that much)
     size: int
     digest: str  # BLAKE2b-256 of all of it
     task_id: str | None = None
 
     @classmethod
     def of(cls, queue: str, raw: bytes, reason: str, task_id: str | None = None) -> Rejected:
-        """The refusal of `raw`, keeping its first RAW_KEPT bytes (an item can be 16 MiB)."""
+        """The refusal of `raw`, keeping at most MAX_ENVELOPE_BYTES of it."""
         digest = hashlib.blake2b(raw, digest_size=32).hexdigest()
-        return cls(queue, reason, bytes(raw[:RAW_KEPT]), len(raw), digest, task_id)
+        return cls(queue, reason, bytes(raw[:MAX_ENVELOPE_BYTES]), len(raw), digest, task_id)
+
+    @property
+    def truncated(self) -> bool:
+        """Whether `raw` is only the first bytes of the item."""
+        return self.size > len(self.raw)
 
 
 RejectSink = Callable[[Rejected], None]
@@ -258,8 +270,8 @@ class _Guarded:
         """Hand a refused item to the sink; without one yet, hold it (the first HELD_MAX) and log it."""
         sink = self.on_rejected
         if sink is None:
-            if len(self._held) < HELD_MAX:
-                self._held = (*self._held, item)
+            if len(self._held) < HELD_MAX:  # the broker's list has all of it: hold the first bytes only
+                self._held = (*self._held, dataclasses.replace(item, raw=item.raw[:RAW_KEPT]))
             log.error(
                 "queue item on %r not dead-lettered yet (no sink); its first bytes: %r", item.queue, item.raw[:512]
             )
@@ -338,11 +350,35 @@ class _GuardsDeliveries:
 
     def _reject(self, item: Rejected) -> None:
         log.error("queue item on %r refused (%s bytes, not delivered): %s", item.queue, f"{item.size:,}", item.reason)
+        self._keep_whole(item)
         transport = self.connection  # type: ignore[attr-defined]
         if isinstance(transport, _Guarded):
             transport.reject(item)
         else:
             log.error("queue item on %r: not dead-lettered; its first bytes: %r", item.queue, item.raw[:512])
+
+    def _keep_whole(self, item: Rejected) -> None:
+        """LPUSH the whole item onto the broker's dead-item list: the Redis it was popped from, so it is kept
+        even when forkq's records Redis is down (that record, `on_rejected`, is written after, best-effort)."""
+        options = self.connection.client.transport_options  # type: ignore[attr-defined]
+        key = options.get(DEAD_ITEMS_OPTION)
+        if not key:
+            return
+        meta: dict[str, Any] = {
+            "queue": item.queue,
+            "reason": item.reason[:2000],
+            "task_id": item.task_id,
+            "raw_bytes": item.size,
+        }
+        meta |= {"raw_blake2b": item.digest, "raw_truncated": item.truncated, "at": time.time()}
+        try:
+            pipe = self.client.pipeline(transaction=False)  # type: ignore[attr-defined]
+            pipe.lpush(key, json.dumps(meta).encode() + b"\n" + item.raw)
+            pipe.ltrim(key, 0, DEAD_ITEMS_MAX - 1)
+            pipe.expire(key, DEAD_ITEMS_TTL_S)
+            pipe.execute()
+        except Exception as exc:  # the broker itself failing: kombu reconnects; the record may still be written
+            log.error("queue item on %r not kept on the broker (%s: %s)", item.queue, type(exc).__name__, exc)
 
 
 class RedisChannel(_GuardsDeliveries, _OneClientPerPool, kombu_redis.Channel):

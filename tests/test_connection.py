@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import copy
 import json
 import zlib
@@ -18,12 +19,21 @@ from kombu import Exchange, Producer, Queue
 from kombu.transport import redis as kombu_redis
 from live import job_body, kombu_envelope, wait_until
 
-from broker_config.connection import MAX_ENVELOPE_BYTES, ForkqConnection, RedisTransport, SentinelTransport
+from broker_config.connection import (
+    DEAD_ITEMS_MAX,
+    DEAD_ITEMS_TTL_S,
+    MAX_ENVELOPE_BYTES,
+    ForkqConnection,
+    RedisTransport,
+    Rejected,
+    SentinelTransport,
+)
 from broker_config.settings import Settings
 from workers.app import make_app
 from workers.client import ForkClient
 from workers.keys import Keys
 from workers.records import Status
+from workers.redis_server import RedisServer
 
 SENTINELS = "sentinel://:pw@s1:26379;sentinel://s2:26379"
 FORK = {"description": "list files", "prompt": "List the files.", "subagent_type": "fork", "fork_turns": "1"}
@@ -352,3 +362,61 @@ def test_items_that_would_build_millions_of_objects_are_dead_lettered_before_the
     assert "arrays and maps" in reasons.get("arrays-1", ""), reasons
     assert "`[` and `{`" in str(reasons), reasons
     assert worker.process.poll() is None and "Unrecoverable error" not in worker.log()
+
+
+def _dead_items(broker: redis.Redis) -> list[tuple[dict[str, Any], bytes]]:
+    """The broker's list of refused items: (their JSON line, their bytes)."""
+    entries = broker.lrange(Keys(TEST_NAMESPACE).dead_items, 0, -1)
+    return [(json.loads(meta), raw) for meta, _, raw in (entry.partition(b"\n") for entry in entries)]
+
+
+@pytest.mark.slow
+def test_a_refused_item_is_kept_whole_on_the_broker_while_the_records_redis_is_down(
+    *,
+    make_settings: Callable[..., Settings],
+    fresh_redis: RedisServer,
+    worker_process: Callable[..., WorkerProcess],
+    redis_client: redis.Redis,
+    parent: dict[str, Any],
+    tmp_path: Path,
+) -> None:
+    # Given a worker whose records are on one Redis and whose broker is another, serving
+    settings = make_settings(redis_url=fresh_redis.url, broker_url=make_settings().redis_url)
+    env = {"FORKQ_REDIS_URL": fresh_redis.url, "FORKQ_BROKER_URL": settings.effective_broker_url}
+    worker = worker_process(**env, FORKQ_HEARTBEAT_FILE=str(tmp_path / "heartbeat"))
+    app = make_app(settings)
+    with ForkClient(settings, app=app) as client, contextlib.closing(app):
+        first = client.launch({**parent, "cwd": str(tmp_path)}, FORK)
+        assert first.wait(timeout=60).status is Status.SUCCEEDED, worker.log()[-3000:]
+
+    # When the records Redis is down and items that are not jobs reach the queue, one of 1 MiB
+    fresh_redis.kill()
+    items = [b"not json", b"\xff" + b"x" * (1024 * 1024)]
+    for item in items:
+        redis_client.lpush(TEST_QUEUE, item)
+    wait_until(lambda: len(_dead_items(redis_client)) == len(items), 60, "the items kept on the broker")
+
+    # Then each is kept whole on the broker, with the reason, and the worker still runs
+    kept = {raw: meta for meta, raw in _dead_items(redis_client)}
+    assert sorted(kept) == sorted(items)
+    for item in items:
+        assert kept[item]["queue"] == TEST_QUEUE and kept[item]["raw_bytes"] == len(item), kept[item]
+        assert "not JSON" in kept[item]["reason"] and kept[item]["raw_truncated"] is False, kept[item]
+    assert 0 < redis_client.ttl(Keys(TEST_NAMESPACE).dead_items) <= DEAD_ITEMS_TTL_S
+    assert worker.process.poll() is None, worker.log()[-3000:]
+
+
+def test_the_brokers_list_of_refused_items_keeps_the_newest_few(settings: Settings, redis_client: redis.Redis) -> None:
+    # Given forkq's app and a channel of its broker connection
+    app = make_app(settings)
+    with contextlib.closing(app), app.connection_for_read() as connection:
+        channel = connection.default_channel
+
+        # When it refuses more items than the list keeps
+        for n in range(DEAD_ITEMS_MAX + 5):
+            channel._reject(Rejected.of(TEST_QUEUE, f"item {n}".encode(), "not JSON"))
+
+    # Then the list holds the newest ones only, each whole
+    assert [raw for _, raw in _dead_items(redis_client)] == [
+        f"item {n}".encode() for n in reversed(range(5, DEAD_ITEMS_MAX + 5))
+    ]

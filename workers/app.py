@@ -22,12 +22,13 @@ from broker_config.celery import (
     JOB_STR_MAX_BYTES,
     celery_config,
 )
-from broker_config.connection import ForkqAMQP, Rejected
+from broker_config.connection import DEAD_ITEMS_OPTION, ForkqAMQP, Rejected
 from broker_config.settings import Settings
 from workers.codec import MessageBounds, decode_message, encode_message
 from workers.errors import ConfigurationError
 from workers.health import check_redis
 from workers.heartbeat import Heartbeat
+from workers.keys import Keys
 from workers.metrics import MetricsServer, serve_metrics
 from workers.providers.routing import provider_problems
 from workers.runner import WorkerRuntime
@@ -76,6 +77,9 @@ def make_app(settings: Settings) -> Celery:
     # ForkqAMQP: connections whose Redis channels reuse one client (broker_config/connection.py)
     app = Celery("forkq", set_as_current=False, amqp=ForkqAMQP)
     app.conf.update(celery_config(settings))
+    # the channels keep refused queue items whole on the broker's Redis, under forkq's namespace
+    options = {**app.conf.broker_transport_options, DEAD_ITEMS_OPTION: Keys(settings.namespace).dead_items}
+    app.conf.broker_transport_options = options
     runtime = WorkerRuntime(settings)
     runtime.requeue = lambda fid, digest, attempt: enqueue_fork(app, settings.queue, fid, digest, attempt=attempt)
     app.forkq_runtime = runtime  # type: ignore[attr-defined]
