@@ -32,7 +32,7 @@ from workers.keys import Keys
 from workers.metrics import MetricsServer, serve_metrics
 from workers.providers.routing import provider_problems
 from workers.runner import WorkerRuntime
-from workers.tasks import enqueue_fork, register_tasks
+from workers.tasks import enqueue_again, register_tasks
 
 log = logging.getLogger("forkq.worker")
 
@@ -81,7 +81,7 @@ def make_app(settings: Settings) -> Celery:
     options = {**app.conf.broker_transport_options, DEAD_ITEMS_OPTION: Keys(settings.namespace).dead_items}
     app.conf.broker_transport_options = options
     runtime = WorkerRuntime(settings)
-    runtime.requeue = lambda fid, digest, attempt: enqueue_fork(app, settings.queue, fid, digest, attempt=attempt)
+    runtime.requeue = lambda fid, digest, attempt: enqueue_again(app, runtime, fid, digest, attempt)
     app.forkq_runtime = runtime  # type: ignore[attr-defined]
     register_tasks(app, runtime)
     app.steps["worker"].add(ForkqWorkerStep)
