@@ -161,7 +161,7 @@ class ForkqConsumerStep(bootsteps.StartStopStep):
 def dead_letter_item(runtime: WorkerRuntime, item: Rejected) -> None:
     """Keep a queue item the channel refused in forkq's dead letters, with its bytes and the reason."""
     reason = f"queue item refused before delivery, nothing ran: {item.reason}"
-    runtime.store.dead_letter(item.task_id, reason, queue=item.queue, raw=item.raw, size=item.size, digest=item.digest)
+    runtime.store.dead_letter(item.task_id, reason, item=item)
     runtime.metrics.skipped("rejected")
 
 
