@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Final
 
 from broker_config.settings import Settings
 
@@ -10,6 +10,16 @@ RUN_FORK_TASK = "forkq.run_fork"
 SWEEP_TASK = "forkq.sweep"
 JOB_TASKS = (RUN_FORK_TASK, SWEEP_TASK)  # all a forkq queue carries (its channel refuses other items)
 JOB_CONTENT_TYPE = "application/x-msgpack"  # the task serializer's content type; never compressed
+
+# What a legal job body can hold (workers.codec.decode_message refuses more before it is all built):
+# inline seed chunks (or the seed's chunk digests) of at most INLINE_JOB_MAX_BYTES, a record as large,
+# msgpack framing of at most 5 bytes per element, and a handful of containers ([args, kwargs, embed])
+INLINE_JOB_MAX_BYTES: Final = 4 * 1024 * 1024
+JOB_ELEMENTS_MAX: Final = INLINE_JOB_MAX_BYTES // 32 + 64  # a 32-byte digest per chunk at most, and the rest
+JOB_CONTAINERS_MAX: Final = 64
+JOB_MAP_ENTRIES_MAX: Final = 64
+JOB_STR_MAX_BYTES: Final = 64 * 1024  # fork ids and digests; chunk bytes are msgpack `bin`
+JOB_BODY_MAX_BYTES: Final = 2 * INLINE_JOB_MAX_BYTES + 5 * JOB_ELEMENTS_MAX + 64 * 1024
 
 
 def celery_config(settings: Settings) -> dict[str, Any]:

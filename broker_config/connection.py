@@ -27,9 +27,13 @@ and handed to `on_rejected` too. The worker goes on serving.
 
 from __future__ import annotations
 
+import binascii
+import dataclasses
 import functools
 import hashlib
+import json
 import logging
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Final, cast
@@ -37,40 +41,56 @@ from typing import Any, Final, cast
 import kombu
 import redis
 from celery.app.amqp import AMQP
+from kombu import serialization
 from kombu.connection import ConnectionPool, PooledConnection
+from kombu.exceptions import DecodeError
 from kombu.transport import redis as kombu_redis
 from kombu.utils import json as kombu_json
 from kombu.utils.collections import HashedSeq
 from kombu.utils.encoding import bytes_to_str
 
-from broker_config.celery import JOB_CONTENT_TYPE, JOB_TASKS
+from broker_config.celery import JOB_BODY_MAX_BYTES, JOB_CONTENT_TYPE, JOB_TASKS
 
 log = logging.getLogger("forkq.broker")
 
-# a job carries at most 4 MiB of inline chunks and a 4 MiB record (workers.runner.MAX_INLINE_JOB_BYTES):
-# base64 in a JSON envelope, well under this; a larger item is refused before it is parsed
-MAX_ENVELOPE_BYTES: Final = 16 * 1024 * 1024
-RAW_KEPT: Final = 64 * 1024  # bytes of a refused item its dead letter keeps
+# the largest legal job body (broker_config.celery.JOB_BODY_MAX_BYTES, about 8.7 MiB: 4 MiB of inline chunks,
+# a 4 MiB record, framing) in base64, plus 64 KiB for the envelope's headers and properties: about 11.7 MiB.
+# A larger item is refused before it is parsed.
+MAX_ENVELOPE_BYTES: Final = 4 * -(-JOB_BODY_MAX_BYTES // 3) + 64 * 1024
+# `[` and `{` an item may hold before it is parsed: a legal envelope has about ten objects, and Flower's
+# argsrepr a few brackets; a body is base64 (no brackets). 16 MiB of `{}`s grew a worker by 355 MiB.
+MAX_ENVELOPE_BRACKETS: Final = 4096
+ENVELOPE_KEYS: Final = frozenset({"body", "content-encoding", "content-type", "headers", "properties"})
+RAW_KEPT: Final = 64 * 1024  # bytes of a refused item forkq's dead-letter record keeps (the broker's list: all)
 HELD_MAX: Final = 16  # refused items a transport keeps until it has a sink (a worker's first restore comes first)
+# the transport option naming the broker's list of refused items, whole (workers.keys `{ns}:dead:items`)
+DEAD_ITEMS_OPTION: Final = "forkq_dead_items"
+DEAD_ITEMS_MAX: Final = 16  # items that list keeps, newest first: at most 16 envelope limits (~186 MiB)
+DEAD_ITEMS_TTL_S: Final = 7 * 24 * 3600  # and it expires a week after the last refusal
 _MAX_TAG: Final = 256
 
 
 @dataclass(frozen=True, slots=True)
 class Rejected:
-    """A queue item the worker refused to deliver: its queue, why, its first bytes, size and digest, its task id."""
+    """A queue item the worker refused to deliver: its queue, why, its bytes, size and digest, its task id."""
 
     queue: str
     reason: str
-    raw: bytes  # the first RAW_KEPT bytes
+    raw: bytes  # all of it, up to MAX_ENVELOPE_BYTES (an item refused as larger keeps that much)
     size: int
     digest: str  # BLAKE2b-256 of all of it
     task_id: str | None = None
 
     @classmethod
     def of(cls, queue: str, raw: bytes, reason: str, task_id: str | None = None) -> Rejected:
-        """The refusal of `raw`, keeping its first RAW_KEPT bytes (an item can be 16 MiB)."""
+        """The refusal of `raw`, keeping at most MAX_ENVELOPE_BYTES of it."""
         digest = hashlib.blake2b(raw, digest_size=32).hexdigest()
-        return cls(queue, reason, bytes(raw[:RAW_KEPT]), len(raw), digest, task_id)
+        return cls(queue, reason, bytes(raw[:MAX_ENVELOPE_BYTES]), len(raw), digest, task_id)
+
+    @property
+    def truncated(self) -> bool:
+        """Whether `raw` is only the first bytes of the item."""
+        return self.size > len(self.raw)
 
 
 RejectSink = Callable[[Rejected], None]
@@ -80,6 +100,12 @@ def read_item(item: bytes, *, job: bool) -> tuple[Any, str | None]:
     """A popped queue item's envelope and, if it cannot be delivered, why (`job`: the item is on a job queue)."""
     if len(item) > MAX_ENVELOPE_BYTES:
         return None, f"it is {len(item):,} bytes, more than the {MAX_ENVELOPE_BYTES:,} any forkq job needs"
+    brackets = item.count(b"[") + item.count(b"{")
+    if brackets > MAX_ENVELOPE_BRACKETS:
+        return None, (
+            f"it holds {brackets:,} `[` and `{{`, more than the {MAX_ENVELOPE_BRACKETS:,} a kombu envelope has; "
+            "not parsed"
+        )
     try:
         envelope = kombu_json.loads(item)  # kombu's own loads: its type markers fail here, not in kombu
     except (ValueError, TypeError, RecursionError) as exc:
@@ -89,9 +115,7 @@ def read_item(item: bytes, *, job: bool) -> tuple[Any, str | None]:
 
 def envelope_problem(envelope: Any, *, job: bool) -> str | None:
     """Why kombu or Celery could not take this decoded envelope (None when they can); `job`: on a job queue."""
-    if not isinstance(envelope, dict):
-        return f"it is {_kind(envelope)}, not a JSON object: not a kombu envelope"
-    problem = _properties_problem(envelope.get("properties"))
+    problem = _shape_problem(envelope) or _properties_problem(envelope.get("properties"))
     if problem is not None:
         return problem
     headers = envelope.get("headers")
@@ -109,6 +133,15 @@ def envelope_problem(envelope: Any, *, job: bool) -> str | None:
             "jobs and inflates nothing from the queue (a small compressed body can inflate to gigabytes)"
         )
     return _job_problem(envelope, headers or {}) if job else None
+
+
+def _shape_problem(envelope: Any) -> str | None:
+    if not isinstance(envelope, dict):
+        return f"it is {_kind(envelope)}, not a JSON object: not a kombu envelope"
+    unknown = sorted(set(envelope) - ENVELOPE_KEYS)
+    if unknown:
+        return f"it has the keys {_kind(unknown)}; a kombu envelope has only {', '.join(sorted(ENVELOPE_KEYS))}"
+    return None
 
 
 def _properties_problem(properties: Any) -> str | None:
@@ -141,6 +174,20 @@ def _job_problem(envelope: dict[str, Any], headers: dict[str, Any]) -> str | Non
     task_id = headers.get("id")
     if not isinstance(task_id, str) or not 0 < len(task_id) <= _MAX_TAG:
         return f"headers.id is {_kind(task_id)}; expected the task id, a string of 1-{_MAX_TAG} characters"
+    return _body_problem(envelope)
+
+
+def _body_problem(envelope: dict[str, Any]) -> str | None:
+    """Why the job's body is not one Celery could decode: forkq's registered msgpack loader, with its bounds."""
+    body = envelope.get("body") or ""
+    try:
+        if str(envelope["properties"].get("body_encoding") or "").lower() == "base64":
+            data = binascii.a2b_base64(body)
+        else:
+            data = body.encode()
+        serialization.loads(data, JOB_CONTENT_TYPE, "binary", accept={JOB_CONTENT_TYPE})
+    except (binascii.Error, ValueError, DecodeError) as exc:
+        return f"its body is not a forkq job: {str(exc)[:500]}"
     return None
 
 
@@ -223,8 +270,8 @@ class _Guarded:
         """Hand a refused item to the sink; without one yet, hold it (the first HELD_MAX) and log it."""
         sink = self.on_rejected
         if sink is None:
-            if len(self._held) < HELD_MAX:
-                self._held = (*self._held, item)
+            if len(self._held) < HELD_MAX:  # the broker's list has all of it: hold the first bytes only
+                self._held = (*self._held, dataclasses.replace(item, raw=item.raw[:RAW_KEPT]))
             log.error(
                 "queue item on %r not dead-lettered yet (no sink); its first bytes: %r", item.queue, item.raw[:512]
             )
@@ -303,11 +350,35 @@ class _GuardsDeliveries:
 
     def _reject(self, item: Rejected) -> None:
         log.error("queue item on %r refused (%s bytes, not delivered): %s", item.queue, f"{item.size:,}", item.reason)
+        self._keep_whole(item)
         transport = self.connection  # type: ignore[attr-defined]
         if isinstance(transport, _Guarded):
             transport.reject(item)
         else:
             log.error("queue item on %r: not dead-lettered; its first bytes: %r", item.queue, item.raw[:512])
+
+    def _keep_whole(self, item: Rejected) -> None:
+        """LPUSH the whole item onto the broker's dead-item list: the Redis it was popped from, so it is kept
+        even when forkq's records Redis is down (that record, `on_rejected`, is written after, best-effort)."""
+        options = self.connection.client.transport_options  # type: ignore[attr-defined]
+        key = options.get(DEAD_ITEMS_OPTION)
+        if not key:
+            return
+        meta: dict[str, Any] = {
+            "queue": item.queue,
+            "reason": item.reason[:2000],
+            "task_id": item.task_id,
+            "raw_bytes": item.size,
+        }
+        meta |= {"raw_blake2b": item.digest, "raw_truncated": item.truncated, "at": time.time()}
+        try:
+            pipe = self.client.pipeline(transaction=False)  # type: ignore[attr-defined]
+            pipe.lpush(key, json.dumps(meta).encode() + b"\n" + item.raw)
+            pipe.ltrim(key, 0, DEAD_ITEMS_MAX - 1)
+            pipe.expire(key, DEAD_ITEMS_TTL_S)
+            pipe.execute()
+        except Exception as exc:  # the broker itself failing: kombu reconnects; the record may still be written
+            log.error("queue item on %r not kept on the broker (%s: %s)", item.queue, type(exc).__name__, exc)
 
 
 class RedisChannel(_GuardsDeliveries, _OneClientPerPool, kombu_redis.Channel):

@@ -6,7 +6,7 @@ from typing import Any, Final
 from urllib.parse import unquote, urlsplit
 
 import redis
-from redis.sentinel import Sentinel
+from redis.sentinel import Sentinel, SentinelConnectionPool
 
 from broker_config.settings import Settings, is_sentinel_url, sentinel_nodes
 
@@ -27,7 +27,7 @@ def redis_client(
     With `max_connections` the pool opens at most that many connections (lazily), and a command that
     finds them all in use waits up to `pool_timeout_s` for one (a `BlockingConnectionPool`) rather
     than raising `MaxConnectionsError` at once, as redis-py's default pool of 100 does; a Sentinel
-    client's pool is sized the same but does not wait.
+    client's pool (`BlockingSentinelConnectionPool`) waits the same way.
     """
     url = settings.redis_url
     if not is_sentinel_url(url):
@@ -37,8 +37,10 @@ def redis_client(
             url, max_connections=max_connections, timeout=pool_timeout_s, **options
         )
         return redis.Redis(connection_pool=pool)
+    pool_options: dict[str, Any] = {}
     if max_connections is not None:
-        options = {**options, "max_connections": max_connections}
+        pool_options = {"connection_pool_class": BlockingSentinelConnectionPool, "timeout": pool_timeout_s}
+        pool_options["max_connections"] = max_connections
     first = urlsplit(url.split(";", maxsplit=1)[0])
     # Sentinel nodes get the socket options and their own password, never the primary's
     sentinel_kwargs: dict[str, Any] = {k: v for k, v in options.items() if k.startswith("socket_")}
@@ -52,6 +54,15 @@ def redis_client(
     # redis-py leaves its Sentinel class without annotations
     sentinel = Sentinel(sentinel_nodes(url), sentinel_kwargs=sentinel_kwargs)  # type: ignore[no-untyped-call]
     client: redis.Redis = sentinel.master_for(  # type: ignore[no-untyped-call]
-        settings.sentinel_master, redis_class=redis.Redis, **credentials, **options
+        settings.sentinel_master, redis_class=redis.Redis, **credentials, **options, **pool_options
     )
     return client
+
+
+class BlockingSentinelConnectionPool(SentinelConnectionPool, redis.BlockingConnectionPool):
+    """redis-py's Sentinel pool (connections to the primary Sentinel names) with `BlockingConnectionPool`'s
+    waiting: a command that finds every connection in use waits `timeout` seconds for one.
+
+    The method order puts the Sentinel pool's `reset` and `owns_connection` first (a connection to a
+    former primary is dropped on release), and the blocking pool's queue of connections under them.
+    """

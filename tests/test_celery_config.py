@@ -16,8 +16,10 @@ from live import envelopes, wait_until
 
 from broker_config import celery as celery_module
 from broker_config.celery import RUN_FORK_TASK, celery_config
+from broker_config.connection import DEAD_ITEMS_OPTION
 from broker_config.settings import Settings
 from workers.client import ForkClient
+from workers.keys import Keys
 from workers.records import Status
 
 FORK = {"description": "d", "prompt": "Check the config.", "subagent_type": "fork", "fork_turns": "1"}
@@ -103,7 +105,10 @@ def test_every_knob_has_a_reason_beside_it() -> None:
 def test_the_app_and_the_run_fork_task_carry_the_configuration(app: Celery, settings: Settings) -> None:
     task = app.tasks[RUN_FORK_TASK]
 
-    for name, value in celery_config(settings).items():
+    expected = celery_config(settings)
+    # make_app adds where the broker channels keep refused items (a key of workers/keys.py)
+    expected["broker_transport_options"] |= {DEAD_ITEMS_OPTION: Keys(settings.namespace).dead_items}
+    for name, value in expected.items():
         assert app.conf[name] == value, name
     assert (task.acks_late, task.reject_on_worker_lost, task.ignore_result) == (True, True, True)
     assert task.serializer == "msgpack"

@@ -9,7 +9,16 @@ import msgpack
 import pytest
 from factories import agent_call, call, media, model, reminder, response, thought, user
 
-from workers.codec import decode, digest, encode, encode_array, encode_map
+from workers.codec import (
+    MessageBounds,
+    decode,
+    decode_message,
+    digest,
+    encode,
+    encode_array,
+    encode_map,
+    encode_message,
+)
 from workers.errors import ForkqError, RecordDecodeError
 from workers.history import ForkSeed, build_fork_seed
 
@@ -160,3 +169,18 @@ def test_a_map_built_from_encoded_values_has_the_bytes_of_encoding_it_whole(size
     built = encode_map(fields, {"k050-items": encode_array([encode(v) for v in items])})
 
     assert built == encode({**fields, "k050-items": items})
+
+
+def test_a_message_body_is_refused_once_it_holds_more_containers_or_elements_than_its_bounds() -> None:
+    # Given bounds of a few containers and elements
+    bounds = MessageBounds(containers=4, elements=8, map_entries=4, bin_bytes=16, str_bytes=16)
+
+    # Then a body within them decodes, and one past any bound is refused naming it
+    assert decode_message(encode_message([["f-1", b"x"], {}, {"a": None}]), bounds) == [["f-1", b"x"], {}, {"a": None}]
+    for body in (
+        b"\x94" + b"\x90" * 4,  # five arrays
+        encode_message([list(range(9))]),  # nine elements
+        encode_message([b"x" * 17]),  # a 17-byte value
+    ):
+        with pytest.raises(RecordDecodeError, match="not a forkq job"):
+            decode_message(body, bounds)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import copy
 import json
 import zlib
@@ -18,12 +19,21 @@ from kombu import Exchange, Producer, Queue
 from kombu.transport import redis as kombu_redis
 from live import job_body, kombu_envelope, wait_until
 
-from broker_config.connection import ForkqConnection, RedisTransport, SentinelTransport
+from broker_config.connection import (
+    DEAD_ITEMS_MAX,
+    DEAD_ITEMS_TTL_S,
+    MAX_ENVELOPE_BYTES,
+    ForkqConnection,
+    RedisTransport,
+    Rejected,
+    SentinelTransport,
+)
 from broker_config.settings import Settings
 from workers.app import make_app
 from workers.client import ForkClient
 from workers.keys import Keys
 from workers.records import Status
+from workers.redis_server import RedisServer
 
 SENTINELS = "sentinel://:pw@s1:26379;sentinel://s2:26379"
 FORK = {"description": "list files", "prompt": "List the files.", "subagent_type": "fork", "fork_turns": "1"}
@@ -300,3 +310,113 @@ def test_a_compressed_bomb_is_dead_lettered_before_it_is_inflated(
     after = client.launch({**parent, "cwd": str(tmp_path)}, FORK)
     assert after.wait(timeout=60).status is Status.SUCCEEDED, worker.log()[-3000:]
     assert worker.process.poll() is None
+
+
+def _array32(items: bytes, n: int) -> bytes:
+    return b"\xdd" + n.to_bytes(4, "big") + items
+
+
+def _empty_arrays_body() -> bytes:
+    """An 8 MiB Celery body `[[[], [], ...] x 1,000, {}, {}]`: each byte an empty array, a Python list each."""
+    inner = _array32(b"\x90" * 8_000, 8_000)
+    return b"\x93" + _array32(inner * 1_000, 1_000) + b"\x80\x80"
+
+
+def _braces_envelope() -> bytes:
+    """A job envelope with an extra top-level key holding 11 MiB of `{}`s, a Python dict each."""
+    envelope = json.loads(kombu_envelope(job_body("f-braces", "0" * 64, None), queue=TEST_QUEUE, task_id="braces-1"))
+    return json.dumps(envelope)[:-1].encode() + b', "x": [' + b"{}," * (11 * 1024 * 1024 // 3) + b"{}]}"
+
+
+@pytest.mark.slow
+def test_items_that_would_build_millions_of_objects_are_dead_lettered_before_they_are_built(
+    client: ForkClient,
+    worker_process: Callable[..., WorkerProcess],
+    redis_client: redis.Redis,
+    parent: dict[str, Any],
+    tmp_path: Path,
+) -> None:
+    # Given an idle worker process that has run a fork (so its resident size has settled)
+    worker = worker_process(FORKQ_PROVIDER="scripted")
+    first = client.launch({**parent, "cwd": str(tmp_path)}, FORK)
+    assert first.wait(timeout=60).status is Status.SUCCEEDED, worker.log()[-3000:]
+    idle_kib = _rss_kib(worker.process.pid, "VmHWM")
+
+    # When items within the envelope size limit reach its queue whose parsing would build millions of
+    # objects: a msgpack body of empty arrays (right task, right id) and a JSON envelope of `{}`s
+    arrays = kombu_envelope(_empty_arrays_body(), queue=TEST_QUEUE, task_id="arrays-1")
+    items = {"arrays-1": arrays, "braces-1": _braces_envelope()}
+    for item in items.values():
+        assert len(item) <= MAX_ENVELOPE_BYTES
+        redis_client.lpush(TEST_QUEUE, item)
+    after = client.launch({**parent, "cwd": str(tmp_path)}, FORK)
+
+    # Then the worker refuses both and serves the next fork
+    assert after.wait(timeout=120).status is Status.SUCCEEDED, worker.log()[-3000:]
+    wait_until(lambda: len(_dead_letters(redis_client)) >= len(items), 30, "the items to be dead-lettered")
+    # without ever growing past twice its idle size
+    peak_kib = _rss_kib(worker.process.pid, "VmHWM")
+    assert peak_kib <= 2 * idle_kib, f"peak RSS {peak_kib:,} KiB, idle {idle_kib:,} KiB"
+    # and each is dead-lettered with the reason
+    reasons = {letter.get("task_id"): letter["reason"] for letter in _dead_letters(redis_client)}
+    assert "arrays and maps" in reasons.get("arrays-1", ""), reasons
+    assert "`[` and `{`" in str(reasons), reasons
+    assert worker.process.poll() is None and "Unrecoverable error" not in worker.log()
+
+
+def _dead_items(broker: redis.Redis) -> list[tuple[dict[str, Any], bytes]]:
+    """The broker's list of refused items: (their JSON line, their bytes)."""
+    entries = broker.lrange(Keys(TEST_NAMESPACE).dead_items, 0, -1)
+    return [(json.loads(meta), raw) for meta, _, raw in (entry.partition(b"\n") for entry in entries)]
+
+
+@pytest.mark.slow
+def test_a_refused_item_is_kept_whole_on_the_broker_while_the_records_redis_is_down(
+    *,
+    make_settings: Callable[..., Settings],
+    fresh_redis: RedisServer,
+    worker_process: Callable[..., WorkerProcess],
+    redis_client: redis.Redis,
+    parent: dict[str, Any],
+    tmp_path: Path,
+) -> None:
+    # Given a worker whose records are on one Redis and whose broker is another, serving
+    settings = make_settings(redis_url=fresh_redis.url, broker_url=make_settings().redis_url)
+    env = {"FORKQ_REDIS_URL": fresh_redis.url, "FORKQ_BROKER_URL": settings.effective_broker_url}
+    worker = worker_process(**env, FORKQ_HEARTBEAT_FILE=str(tmp_path / "heartbeat"))
+    app = make_app(settings)
+    with ForkClient(settings, app=app) as client, contextlib.closing(app):
+        first = client.launch({**parent, "cwd": str(tmp_path)}, FORK)
+        assert first.wait(timeout=60).status is Status.SUCCEEDED, worker.log()[-3000:]
+
+    # When the records Redis is down and items that are not jobs reach the queue, one of 1 MiB
+    fresh_redis.kill()
+    items = [b"not json", b"\xff" + b"x" * (1024 * 1024)]
+    for item in items:
+        redis_client.lpush(TEST_QUEUE, item)
+    wait_until(lambda: len(_dead_items(redis_client)) == len(items), 60, "the items kept on the broker")
+
+    # Then each is kept whole on the broker, with the reason, and the worker still runs
+    kept = {raw: meta for meta, raw in _dead_items(redis_client)}
+    assert sorted(kept) == sorted(items)
+    for item in items:
+        assert kept[item]["queue"] == TEST_QUEUE and kept[item]["raw_bytes"] == len(item), kept[item]
+        assert "not JSON" in kept[item]["reason"] and kept[item]["raw_truncated"] is False, kept[item]
+    assert 0 < redis_client.ttl(Keys(TEST_NAMESPACE).dead_items) <= DEAD_ITEMS_TTL_S
+    assert worker.process.poll() is None, worker.log()[-3000:]
+
+
+def test_the_brokers_list_of_refused_items_keeps_the_newest_few(settings: Settings, redis_client: redis.Redis) -> None:
+    # Given forkq's app and a channel of its broker connection
+    app = make_app(settings)
+    with contextlib.closing(app), app.connection_for_read() as connection:
+        channel = connection.default_channel
+
+        # When it refuses more items than the list keeps
+        for n in range(DEAD_ITEMS_MAX + 5):
+            channel._reject(Rejected.of(TEST_QUEUE, f"item {n}".encode(), "not JSON"))
+
+    # Then the list holds the newest ones only, each whole
+    assert [raw for _, raw in _dead_items(redis_client)] == [
+        f"item {n}".encode() for n in reversed(range(5, DEAD_ITEMS_MAX + 5))
+    ]

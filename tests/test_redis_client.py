@@ -98,20 +98,37 @@ def test_a_plain_redis_url_is_opened_with_the_given_options(redis_url: str) -> N
 def test_a_sized_pool_makes_a_command_wait_for_a_free_connection_instead_of_failing(redis_url: str) -> None:
     # Given a client whose pool has one connection, held by a thread blocked in BLPOP for a second
     with redis_client(Settings(redis_url=redis_url), max_connections=1, pool_timeout_s=10) as client:
-        blocked = threading.Thread(target=client.blpop, args=(["forkq-test-nothing"], 1))
-        blocked.start()
-        with redis.Redis.from_url(redis_url) as observer:
-            deadline = time.monotonic() + 10
-            while not any(c.get("cmd") == "blpop" for c in observer.client_list()) and time.monotonic() < deadline:
-                time.sleep(0.01)
-        try:
-            # When another thread runs a command, it waits for that connection instead of raising at once
-            started = time.monotonic()
-            assert client.ping()
-            waited = time.monotonic() - started
-        finally:
-            blocked.join()
-        assert waited > 0.2 and client.connection_pool.max_connections == 1
+        # Then another thread's command waits for that connection instead of raising at once
+        assert _waited_for_the_held_connection(client, redis_url) > 0.2
+
+
+def _waited_for_the_held_connection(client: redis.Redis, observed_url: str) -> float:
+    """Seconds a PING waited while a thread held the client's one connection in a 1 s BLPOP."""
+    blocked = threading.Thread(target=client.blpop, args=(["forkq-test-nothing"], 1))
+    blocked.start()
+    with redis.Redis.from_url(observed_url) as observer:
+        deadline = time.monotonic() + 10
+        while not any(c.get("cmd") == "blpop" for c in observer.client_list()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    try:
+        started = time.monotonic()
+        assert client.ping()
+        return time.monotonic() - started
+    finally:
+        blocked.join()
+        assert client.connection_pool.max_connections == 1
+
+
+def test_a_sized_sentinel_pool_makes_a_command_wait_for_a_free_connection_instead_of_failing(
+    redis_server: RedisServer, redis_url: str, start_sentinel: Callable[..., SentinelNode]
+) -> None:
+    # Given a client through Sentinel whose pool has one connection, held by a thread blocked in BLPOP
+    assert redis_server.port is not None
+    node = start_sentinel(redis_server.port)
+    settings = Settings(redis_url=f"sentinel://127.0.0.1:{node.port}/0", sentinel_master=node.master)
+    with redis_client(settings, max_connections=1, pool_timeout_s=10) as client:
+        # Then another thread's command waits for it (redis-py's Sentinel pool raised MaxConnectionsError)
+        assert _waited_for_the_held_connection(client, redis_url) > 0.2
 
 
 def test_a_sentinel_url_reaches_the_primary_that_sentinel_names(

@@ -521,3 +521,53 @@ def test_flower_gives_a_lost_run_and_a_parked_run_a_final_state_once_their_fork_
     # and the first run's row names what the fork is: its description and parent session
     args = flower(f"/api/task/info/{rid}.1")["args"]
     assert FORK["description"] in args and parent["session_id"] in args, args
+    # and so do the rows of the runs sent again (revived, approved), by its description
+    for task_id in (f"{rid}.2", f"{pid}.2"):
+        assert FORK["description"] in flower(f"/api/task/info/{task_id}")["args"], task_id
+
+
+@pytest.mark.slow
+def test_flower_gives_a_final_state_to_a_run_no_next_run_ends_a_fork_failed_lost_or_a_parked_fork_cancelled(
+    client: ForkClient,
+    worker_process: Callable[..., Any],
+    flower: Callable[[str], dict[str, Any]],
+    parent: dict[str, Any],
+    tmp_path: Path,
+) -> None:
+    # Given Flower, and a worker whose forks run a shell command (approval needed outside yolo), then list
+    script = tmp_path / "script.json"
+    shell = {"functionCall": {"id": "sh", "name": "run_shell_command", "args": {"command": "true"}}}
+    ls = {"functionCall": {"id": "ls", "name": "list_directory", "args": {"path": "."}}}
+    steps = [{"delay_s": 0.3, "content": {"role": "model", "parts": [shell]}}]
+    steps += [{"delay_s": 0.6, "content": {"role": "model", "parts": [ls]}} for _ in range(6)]
+    script.write_text(json.dumps({"steps": steps}))
+    env = {"FORKQ_PROVIDER": "scripted", "FORKQ_SCRIPT": str(script), "FORKQ_LEASE_TTL_S": "3"}
+    env |= {"FORKQ_HEARTBEAT_S": "1", "FORKQ_HEARTBEAT_FILE": str(tmp_path / "heartbeat")}
+    worker = worker_process(**env)
+    wait_until(lambda: any(flower("/api/workers?status=true").values()), 60, "Flower to see the worker")
+    # and one fork running on it (yolo), another parked on its shell command
+    running = client.launch({**parent, "cwd": str(tmp_path), "approval_mode": "yolo"}, FORK)
+    parked = client.launch({**parent, "cwd": str(tmp_path)}, FORK, approval_policy="park")
+    rid, pid = running.fork_id, parked.fork_id
+    wait_until(lambda: parked.status().status is Status.AWAITING_APPROVAL, 30, "the second fork to park")
+    wait_until(lambda: flower(f"/api/task/info/{rid}.1").get("state") == "PROGRESS", 30, "the first run's progress")
+
+    # When the parked fork is cancelled, and the running fork's worker is lost with its attempts used up
+    assert client.cancel(pid) is Status.CANCELLED
+    worker.process.kill()
+    sweeper = make_sweeper(client.app, runtime_of(client.app))
+    sweeper.max_attempts = 1
+    wait_until(lambda: sweeper.sweep_once().get("failed", 0) == 1, 30, "the lost fork to fail")
+    assert running.status().status is Status.FAILED
+
+    # Then in Flower each fork's only run has a final state: LOST and CANCELLED, no row is left running
+    ended = {f"{rid}.1": "LOST", f"{pid}.1": "CANCELLED"}
+
+    def states() -> dict[str, Any]:
+        return {task_id: flower(f"/api/task/info/{task_id}").get("state") for task_id in ended}
+
+    deadline = time.monotonic() + 30
+    while states() != ended and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert states() == ended
+    assert "worker_lost" in flower(f"/api/task/info/{rid}.1")["result"]

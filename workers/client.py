@@ -28,7 +28,7 @@ from workers.seeds import SeedBuilder, SeedChunks
 from workers.snapshot import ParentSnapshot, parse_parent_snapshot
 from workers.store import ForkEvent, ForkStore
 from workers.structured import check_schema
-from workers.tasks import enqueue_fork
+from workers.tasks import enqueue_fork, send_ended_event
 
 
 def check_nesting(agent: AgentParams, parent_depth: int, max_depth: int) -> None:
@@ -402,7 +402,14 @@ class ForkClient:
 
     def cancel(self, fork_id: str) -> Status:
         """Cancel the fork; returns its status afterwards (unchanged if it had already ended)."""
-        return self.store.cancel(fork_id)
+        before = self.store.state(fork_id)
+        status = self.store.cancel(fork_id)
+        if status is Status.CANCELLED and before.status in (Status.AWAITING_APPROVAL, Status.PAUSED):
+            # a parked run has no worker to end its row in Flower (a running one ends it itself)
+            send_ended_event(
+                self.app, "task-cancelled", f"{fork_id}.{before.attempt}", sender="forkq-client", result="cancelled"
+            )
+        return status
 
     def resume(self, fork_id: str) -> bool:
         """Re-enqueue a paused fork (after its missing tools were installed); False if it was not paused."""
@@ -441,7 +448,10 @@ class ForkClient:
     def _enqueue_again(self, fork_id: str) -> None:
         """Send the job of a fork put back in the queue state (resumed, decided), then confirm it enqueued."""
         state = self.store.state(fork_id)
-        enqueue_fork(self.app, self.settings.queue, fork_id, state.digest, attempt=state.attempt + 1)
+        attempt = state.attempt + 1
+        enqueue_fork(
+            self.app, self.settings.queue, fork_id, state.digest, attempt=attempt, description=state.description
+        )
         self._leases.enqueued(fork_id)  # out of the running index, where a decided fork waits until now
 
     def notification(self, fork_id: str) -> str:

@@ -8,6 +8,7 @@ types are written or accepted (no pickle, no custom objects).
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 from typing import Any, Final
 
 import msgpack
@@ -65,6 +66,67 @@ def decode_verified(data: bytes, *, what: str = "record") -> Any:
         return ormsgpack.unpackb(data)
     except (ormsgpack.MsgpackDecodeError, ValueError, TypeError) as exc:
         raise RecordDecodeError(f"{what}: {len(data)} bytes do not decode ({exc})", cause=exc) from exc
+
+
+@dataclass(frozen=True, slots=True)
+class MessageBounds:
+    """What one broker message body may hold: containers, elements over all arrays, entries per map, bytes per value."""
+
+    containers: int
+    elements: int
+    map_entries: int
+    bin_bytes: int
+    str_bytes: int
+
+
+def encode_message(value: Any) -> bytes:
+    """A broker message body (a Celery task's `[args, kwargs, embed]`): msgpack, bytes as `bin`, as kombu writes it."""
+    return bytes(msgpack.packb(value, use_bin_type=True))
+
+
+def decode_message(data: bytes, bounds: MessageBounds, *, what: str = "message body") -> Any:
+    """Plain data from a broker message body, refused as soon as it holds more than `bounds` allows.
+
+    msgpack's own limits bound each container and value; the hooks bound how many containers there
+    are and how many elements they hold together: without them a body of empty arrays (one byte
+    each) becomes a Python list per byte, 892 MiB of memory for a 12 MiB body.
+
+    Raises:
+        RecordDecodeError: not one msgpack value of plain data within `bounds`.
+    """
+    budget = [bounds.containers, bounds.elements]
+
+    def spend(container: Any) -> Any:
+        budget[0] -= 1
+        budget[1] -= len(container)
+        if budget[0] < 0 or budget[1] < 0:
+            raise ValueError(f"more than {bounds.containers:,} arrays and maps or {bounds.elements:,} elements in all")
+        return container
+
+    def checked_map(mapping: dict[Any, Any]) -> Any:
+        return spend(_str_keys_only(mapping))
+
+    try:
+        return msgpack.unpackb(
+            data,
+            raw=False,
+            strict_map_key=True,
+            ext_hook=_refuse_ext,
+            object_hook=checked_map,
+            list_hook=spend,
+            use_list=True,
+            max_array_len=bounds.elements,
+            max_map_len=bounds.map_entries,
+            max_bin_len=bounds.bin_bytes,
+            max_str_len=bounds.str_bytes,
+            max_ext_len=0,
+        )
+    except (msgpack.UnpackException, ValueError, TypeError) as exc:
+        raise RecordDecodeError(
+            f"{what}: {len(data):,} bytes are not a forkq job ({exc or type(exc).__name__}); a job is a msgpack "
+            f"Celery body of at most {bounds.containers} arrays and maps, {bounds.bin_bytes:,} bytes per value",
+            cause=exc,
+        ) from exc
 
 
 def _str_keys_only(mapping: dict[Any, Any]) -> dict[Any, Any]:

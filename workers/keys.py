@@ -29,6 +29,11 @@ Each key: type; content; TTL; writer → readers.
   1,000; a queue item refused before delivery (not an envelope, compressed, not a forkq job; a
   control message; an `unacked` entry kombu cannot restore) also has `queue`, its first 64 KiB as
   `raw` (UTF-8) or `raw_base64`, `raw_bytes`, `raw_truncated` and `raw_blake2b`; none; worker → operators.
+- `{ns}:dead:items` (on the broker's Redis, which may be another server): list; every queue item a
+  worker's channel refused, whole (at most the envelope limit, ~11.6 MiB): a line of JSON `{queue,
+  reason, task_id, raw_bytes, raw_blake2b, at}`, a newline, then the item's bytes; newest first, capped
+  at 16 items (LTRIM), 7 days after the last refusal (EXPIRE); written on the connection the item came
+  from, before `{ns}:dead`, so an item is kept even while the records Redis is down; worker → operators.
 - `{ns}:{parent:<session>}:chunk:<digest>`: string; a chunk named by the BLAKE2b-256 of its bytes:
   canonical msgpack list of wire Contents (a seed chunk), or the parent's context (system instruction
   and tool declarations); retention, renewed on reuse; launch → worker, inspect.
@@ -90,6 +95,11 @@ class Keys:
     def dead_letters(self) -> str:
         """Rejected job messages, for operators."""
         return f"{self.namespace}:dead"
+
+    @property
+    def dead_items(self) -> str:
+        """Refused queue items, whole, on the broker's Redis (`broker_config.connection`)."""
+        return f"{self.namespace}:dead:items"
 
     def chunk(self, parent_session: str, digest_hex: str) -> str:
         """A content-addressed seed chunk shared by the forks of one parent session."""

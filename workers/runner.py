@@ -15,6 +15,7 @@ from typing import Any, Final
 import redis
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from broker_config.celery import INLINE_JOB_MAX_BYTES
 from broker_config.redis_client import redis_client
 from broker_config.settings import Settings
 from workers import codec
@@ -37,7 +38,7 @@ log = logging.getLogger("forkq.worker")
 
 # far above any inline seed a client sends (FORKQ_INLINE_SEED_MAX_BYTES is at most a few hundred KB
 # in practice); larger jobs are hostile or broken and are refused before anything runs
-MAX_INLINE_JOB_BYTES: Final = 4 * 1024 * 1024
+MAX_INLINE_JOB_BYTES: Final = INLINE_JOB_MAX_BYTES  # the broker's checks size the envelope by it
 
 Requeue = Callable[[str, str, int], None]  # fork id, digest, attempt
 

@@ -8,7 +8,6 @@ each is atomic; timestamps come from Redis `TIME`, never from worker clocks.
 
 from __future__ import annotations
 
-import base64
 import json
 import logging
 import threading
@@ -20,7 +19,8 @@ from typing import Any, Final, cast
 import redis
 from redis.commands.core import Script
 
-from workers import codec
+from broker_config.connection import Rejected
+from workers import dead_letters
 from workers.errors import ForkNotFound, InvalidApproval, RecordExistsError, RecordIntegrityError
 from workers.history import ForkSeed
 from workers.journal import JournalEntry, journal_usage
@@ -38,8 +38,6 @@ from workers.records import (
 
 EVENTS_MAXLEN: Final = 10_000
 WAIT_TIMEOUT_MS: Final = 1000
-DEAD_LETTERS_MAX: Final = 1000
-DEAD_LETTER_RAW_MAX: Final = 64 * 1024  # bytes of a refused queue item a dead letter keeps (with its size and digest)
 KNOWN_CHUNKS_MAX: Final = 4096  # chunk keys a client remembers writing, so that it does not send them again
 DECISION_GRACE_MS: Final = 30_000  # a decided fork's job not confirmed enqueued by then is re-enqueued by a sweeper
 
@@ -303,30 +301,9 @@ class ForkStore:
                     WAIT_TIMEOUT_MS,
                 )
 
-    def dead_letter(
-        self,
-        task_id: str | None,
-        reason: str,
-        *,
-        queue: str | None = None,
-        raw: bytes | None = None,
-        size: int | None = None,
-        digest: str | None = None,
-    ) -> None:
-        """Keep a rejected job's id and reason (last 1,000) for operators: `LRANGE forkq:dead 0 -1`.
-
-        A queue item refused before Celery saw it also keeps its queue and bytes (`raw_item`: `raw` may
-        be its first bytes only, `size` and `digest` are of all of it)."""
-        letter: dict[str, Any] = {"task_id": task_id, "reason": reason[:2000]}
-        if queue is not None:
-            letter["queue"] = queue
-        if raw is not None:
-            letter |= raw_item(raw, size=size, digest=digest)
-        entry = json.dumps(letter)
-        pipe = self.client.pipeline(transaction=False)
-        pipe.lpush(self.keys.dead_letters, entry)
-        pipe.ltrim(self.keys.dead_letters, 0, DEAD_LETTERS_MAX - 1)
-        pipe.execute()
+    def dead_letter(self, task_id: str | None, reason: str, *, item: Rejected | None = None) -> None:
+        """Keep a refused job's id and reason, or a refused queue item's (`workers.dead_letters`)."""
+        dead_letters.dead_letter(self.client, self.keys, task_id, reason, item=item)
 
     # ── worker side ───────────────────────────────────────────────────────────────────────────
 
@@ -498,17 +475,6 @@ class ForkStore:
                 yield event
                 if event.terminal:
                     return
-
-
-def raw_item(raw: bytes, *, size: int | None = None, digest: str | None = None) -> dict[str, Any]:
-    """An item's bytes in a dead letter: the first 64 KiB (`raw` if UTF-8, else `raw_base64`), size and digest."""
-    head = raw[:DEAD_LETTER_RAW_MAX]
-    size = len(raw) if size is None else size
-    try:
-        kept: dict[str, Any] = {"raw": head.decode("utf-8")}
-    except UnicodeDecodeError:
-        kept = {"raw_base64": base64.b64encode(head).decode("ascii")}
-    return kept | {"raw_bytes": size, "raw_truncated": size > len(head), "raw_blake2b": digest or codec.digest(raw)}
 
 
 def _approval_refusal(state: ForkState, call_id: str) -> str:

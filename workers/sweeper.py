@@ -31,6 +31,7 @@ class Sweeper:
     max_attempts: int
     interval_s: float
     metrics: Metrics | None = None  # counts revivals (`forkq_revivals_total`)
+    failed: Callable[[str, int], None] | None = None  # a fork failed worker_lost: (fork id, its last attempt)
 
     def sweep_once(self) -> Counter[str]:
         """One pass over expired leases; counts outcomes (`revive`, `requeue`, `failed`, `alive`, ...).
@@ -53,6 +54,8 @@ class Sweeper:
                 log.info("fork %s: lease expired, %s (attempt %d)", fork_id, outcome, state.attempt + 1)
             elif outcome == "failed":
                 log.warning("fork %s: failed with worker_lost after %d lost runs", fork_id, self.max_attempts)
+                if self.failed is not None:  # its last run's row gets a final state (Flower): no run follows
+                    self.failed(fork_id, self.store.state(fork_id).attempt)
         return outcomes
 
     def run(self, stop: threading.Event, on_pass: Callable[[Counter[str]], None] | None = None) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from typing import Any, Final
 
 from celery import Celery, Task
@@ -75,6 +76,15 @@ def enqueue_fork(
     )
 
 
+def enqueue_again(app: Celery, runtime: WorkerRuntime, fork_id: str, digest: str, attempt: int) -> None:
+    """`enqueue_fork` for a fork sent before (revived, released): its Flower row names its description too.
+
+    One HGETALL of the fork's state; the parent session is in its record only, so re-sent rows leave it out.
+    """
+    description = runtime.store.state(fork_id).description
+    enqueue_fork(app, runtime.settings.queue, fork_id, digest, attempt=attempt, description=description)
+
+
 def make_sweeper(app: Celery, runtime: WorkerRuntime) -> Sweeper:
     """A sweeper over the runtime's Redis that re-enqueues through `app`."""
     settings = runtime.settings
@@ -84,7 +94,14 @@ def make_sweeper(app: Celery, runtime: WorkerRuntime) -> Sweeper:
         max_attempts=settings.max_attempts,
         interval_s=settings.sweep_s,
         metrics=runtime.metrics,
-        enqueue=lambda fid, digest, attempt: enqueue_fork(app, settings.queue, fid, digest, attempt=attempt),
+        enqueue=lambda fid, digest, attempt: enqueue_again(app, runtime, fid, digest, attempt),
+        failed=lambda fid, attempt: send_ended_event(
+            app,
+            "task-lost",
+            f"{fid}.{attempt}",
+            sender="forkq-sweeper",
+            result=f"lost (its worker stopped renewing the lease); the fork failed worker_lost after {attempt} runs",
+        ),
     )
 
 
@@ -264,6 +281,22 @@ def send_task_event(task: Task[Any, Any], dispatcher: Any, event: str, task_id: 
         return
     with task.app.events.default_dispatcher(hostname=task.request.hostname) as own:
         own.send(event, uuid=task_id, retry=False, **fields)
+
+
+def send_ended_event(app: Celery, event: str, task_id: str, *, sender: str, **fields: Any) -> None:
+    """A final task event for a run that no worker will end: sent by a sweeper or a client, not a worker.
+
+    A run whose fork failed `worker_lost` (its attempts used up) or was cancelled while parked gets no next
+    run to end it (`end_previous_run`). Flower lists `sender@<host>` as the worker of this one event.
+    Best-effort (`retry=False`): a broker hiccup loses one event, never a sweep or a cancel.
+    """
+    if not app.conf.worker_send_task_events:
+        return
+    try:
+        with app.events.default_dispatcher(hostname=f"{sender}@{socket.gethostname()}") as dispatcher:
+            dispatcher.send(event, uuid=task_id, retry=False, **fields)
+    except Exception as exc:
+        log.warning("task %s: %s not sent (%s: %s)", task_id, event, type(exc).__name__, exc)
 
 
 def progress_events(task: Task[Any, Any], dispatcher: Any = None) -> Progress | None:
