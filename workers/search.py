@@ -441,6 +441,10 @@ def _found(root: RootDir, ctx: ToolContext, path: str, include: Any, search: Sea
 def grep_search(args: Mapping[str, Any], ctx: ToolContext) -> str:
     """`path:line:text` for every line matching a Python regular expression, files in sorted order."""
     pattern, path, include = str(args["pattern"]), str(args.get("path", ".")), args.get("include")
+    # asked first: it also tells the registry this handler watches `cancelled`, so at the deadline it waits
+    # the short grace for the search's own answer (which names the pattern) instead of abandoning it
+    if ctx.cancelled():
+        raise ToolError("the fork was cancelled; the search was not run")
     compiled = _compile(pattern)
     started = time.monotonic()
     # the call's own deadline, to the instant: a caller that stops waiting at it (`ToolRegistry.run`) makes
