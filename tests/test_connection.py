@@ -4,19 +4,27 @@ from __future__ import annotations
 
 import copy
 import json
+import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import redis
 from celery import Celery
+from conftest import PARENT_PATH, TEST_NAMESPACE, TEST_QUEUE, WorkerProcess
 from kombu import Exchange, Producer, Queue
 from kombu.transport import redis as kombu_redis
+from live import stop_redis, wait_until
 
 from broker_config.connection import ForkqConnection, RedisTransport, SentinelTransport
 from broker_config.settings import Settings
 from workers.app import make_app
+from workers.client import ForkClient
+from workers.records import Status
+from workers.redis_server import RedisServer
 
 SENTINELS = "sentinel://:pw@s1:26379;sentinel://s2:26379"
+FORK = {"description": "broker restart", "prompt": "Report back.", "subagent_type": "fork", "fork_turns": "1"}
 
 
 @pytest.mark.parametrize(
@@ -108,3 +116,38 @@ def test_a_tls_app_and_a_plain_app_on_one_host_never_share_a_connection_pool(
     assert tls_conn.as_uri().startswith("rediss://")
     plain_conn.release()
     tls_conn.release()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fresh_redis", [{"appendonly": True}], indirect=True)
+def test_a_worker_with_a_fork_in_flight_keeps_running_through_a_broker_restart(
+    fresh_redis: RedisServer, worker_process: Callable[..., WorkerProcess], tmp_path: Path
+) -> None:
+    # Given a worker whose broker is its own Redis, running a fork (its job unacknowledged: acks_late)
+    script = tmp_path / "script.json"
+    reply = {"role": "model", "parts": [{"text": "done"}]}
+    script.write_text(json.dumps({"steps": [{"delay_s": 4.0, "content": reply}]}), encoding="utf-8")
+    settings = Settings(redis_url=fresh_redis.url, namespace=TEST_NAMESPACE, queue=TEST_QUEUE)
+    worker = worker_process(FORKQ_REDIS_URL=fresh_redis.url, FORKQ_SCRIPT=str(script))
+    app = make_app(settings)
+    with ForkClient(settings, app=app) as client:
+        parent = json.loads(PARENT_PATH.read_text(encoding="utf-8"))
+        first = client.launch(parent, FORK)
+        wait_until(lambda: any(e.type == "model_call" for e in first.events()), 30, "the fork to start")
+
+        # When Redis stops and starts again: Celery loses its broker connection, closes its channels (whose
+        # unacked message cannot be restored while Redis is down) and reconnects
+        stop_redis(fresh_redis)
+        time.sleep(1.0)
+        fresh_redis.restart()
+
+        # Then the worker lives on: the fork in flight finishes, and a fork launched afterwards runs too
+        second = client.launch(parent, FORK)
+        for handle in (first, second):
+            ended = lambda h=handle: worker.process.poll() is not None or client.result(h.fork_id) is not None  # noqa: E731
+            wait_until(ended, 60, f"fork {handle.fork_id} to end")
+            assert worker.process.poll() is None, f"the worker exited:\n{worker.log()}"
+            result = client.result(handle.fork_id)
+            assert result is not None and result.status is Status.SUCCEEDED, worker.log()
+    app.close()
+    assert "Unrecoverable error" not in worker.log()
