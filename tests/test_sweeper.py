@@ -112,6 +112,34 @@ def test_a_live_lease_is_never_revived_even_when_its_index_entry_looks_expired(
     assert event_count(fork_store, fid, "revived") == 0
 
 
+def test_a_lapsed_lease_is_left_to_its_worker_for_the_grace_and_revived_after_it(
+    redis_client: redis.Redis, fork_store: ForkStore, make_queued_fork: Callable[..., tuple[str, str]]
+) -> None:
+    # Given a fork whose lease lapsed just now, and sweepers whose leases give a lapsed lease a 1.5 s grace
+    fid, digest = make_queued_fork()
+    claim_and_abandon(redis_client, [fid])
+    enqueued = Enqueued()
+    sweeper = make_sweeper(redis_client, enqueued)
+    sweeper.leases.lapse_grace_ms = 1500
+    lapsed_at = time.monotonic()
+
+    # When they sweep during the grace
+    outcomes = sweeper.sweep_once()
+
+    # Then the fork is left running for its worker to take its lease back: nothing revived or enqueued
+    assert outcomes == Counter({"grace": 1})
+    assert (fork_store.state(fid).status.value, enqueued.jobs, event_count(fork_store, fid, "revived")) == (
+        "running",
+        [],
+        0,
+    )
+    # and once the grace has passed without a renewal, the fork is revived as usual
+    wait_until(lambda: sweeper.sweep_once() == Counter({"revive": 1}), what="the revival after the grace")
+    assert time.monotonic() - lapsed_at >= 1.0
+    assert enqueued.jobs == [(fid, digest, 2)]
+    assert event_count(fork_store, fid, "revived") == 1
+
+
 def test_a_fork_whose_worker_keeps_dying_fails_with_worker_lost_at_the_attempt_limit(
     redis_client: redis.Redis, fork_store: ForkStore, make_queued_fork: Callable[..., tuple[str, str]]
 ) -> None:

@@ -23,7 +23,7 @@ from workers.errors import ForkNotFound, ForkqError, LeaseLost, RecordDecodeErro
 from workers.history import ForkSeed
 from workers.journal import JournalEntry, RequestDigests
 from workers.keys import Keys
-from workers.lease import Claim, LeaseKeeper, Leases, ride_out
+from workers.lease import Claim, LeaseKeeper, Leases, revival_grace_s, ride_out
 from workers.metrics import Metrics
 from workers.progress import Progress, RunObserver
 from workers.providers import ModelProvider
@@ -92,6 +92,7 @@ class WorkerRuntime:
             Keys(self.settings.namespace),
             ttl_ms=int(self.settings.lease_ttl_s * 1000),
             retention_s=self.settings.record_ttl_s,
+            lapse_grace_ms=int(revival_grace_s(self.settings.heartbeat_s) * 1000),
         )
 
     @cached_property

@@ -1,7 +1,10 @@
 """The sweeper: finds forks whose lease expired and revives them (or fails them after max attempts).
 
 Any number of sweepers may run: the revive transition is one Lua script per fork, so each expired
-lease is revived once. A fork whose worker merely stalls for less than its lease is never touched.
+lease is revived once. A fork whose worker merely stalls for less than its lease is never touched,
+and a lease that lapsed is left to its worker for a grace (`Leases.lapse_grace_ms`, a heartbeat
+interval and a second and a half by default: `workers.lease.revival_grace_s`), so that a worker cut
+off by a Redis outage shorter than the lease takes its lease back before anyone revives the fork.
 """
 
 from __future__ import annotations
@@ -42,7 +45,9 @@ class Sweeper:
         # another sweeper re-enqueues a revived fork only if this one failed to within the grace
         grace_ms = int(max(1.0, 5 * self.interval_s) * 1000)
         for fork_id in self.leases.expired():
-            outcome = self.leases.revive(fork_id, max_attempts=self.max_attempts, grace_ms=grace_ms)
+            outcome = self.leases.revive(
+                fork_id, max_attempts=self.max_attempts, grace_ms=grace_ms, lapse_grace_ms=self.leases.lapse_grace_ms
+            )
             outcomes[outcome] += 1
             if self.metrics is not None:
                 self.metrics.swept(outcome)
