@@ -1,19 +1,24 @@
-"""Helpers for tests against live workers: polling, and reading or writing kombu messages in Redis."""
+"""Helpers for tests against live workers: polling, kombu messages in Redis, Redis going away, a sweeper."""
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import msgpack
 import pytest
 import redis
+from conftest import REPO_ROOT, TEST_NAMESPACE, TEST_QUEUE
 
 from broker_config.celery import RUN_FORK_TASK
 from workers.client import ForkClient
@@ -114,3 +119,34 @@ def stop_redis(server: RedisServer) -> None:
         if time.monotonic() > deadline:
             pytest.fail("redis-server did not exit within 10 s of SIGTERM")
         time.sleep(0.01)
+
+
+def forkq_environment(redis_url: str, **overrides: str) -> dict[str, str]:
+    """The environment of a forkq process on the test namespace and queue (scripted provider), without
+    the FORKQ_* variables of the shell that runs the tests."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("FORKQ_")}
+    forkq = {"FORKQ_NAMESPACE": TEST_NAMESPACE, "FORKQ_QUEUE": TEST_QUEUE, "FORKQ_PROVIDER": "scripted"}
+    return {**base, **forkq, "FORKQ_REDIS_URL": redis_url, **overrides}
+
+
+@contextlib.contextmanager
+def sweeper_process(env: dict[str, str], log_path: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """`forkq sweep` in `env` for the duration of the block, its output in `log_path`."""
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "workers.cli", "sweep"],
+            cwd=REPO_ROOT,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        yield process
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
