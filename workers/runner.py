@@ -41,6 +41,22 @@ MAX_INLINE_JOB_BYTES: Final = 4 * 1024 * 1024
 
 Requeue = Callable[[str, str, int], None]  # fork id, digest, attempt
 
+# the shortest Redis socket timeout of a worker: above the longest command it blocks on by design (the
+# nested-subagent wait's XREAD BLOCK of spawn.POLL_MS, a launch's WAIT for replicas of store.WAIT_TIMEOUT_MS)
+MIN_REDIS_TIMEOUT_S: Final = 2.0
+MAX_REDIS_TIMEOUT_S: Final = 5.0
+
+
+def redis_timeout_s(settings: Settings) -> float:
+    """The worker's Redis socket and connect timeout: FORKQ_HEARTBEAT_S, within 2-5 s.
+
+    A Redis that goes silent (a stopped process, a partition, a primary lost in a failover) would
+    otherwise hold a write or a heartbeat until TCP gives up, long after the lease lapsed. Timed out,
+    the call is retried on a new connection (`workers.lease.ride_out`, the heartbeat's retry), so a
+    blocked renewal costs at most one beat.
+    """
+    return min(max(settings.heartbeat_s, MIN_REDIS_TIMEOUT_S), MAX_REDIS_TIMEOUT_S)
+
 
 class RunForkJob(BaseModel):
     """The payload of a `run_fork` job, validated before anything runs."""
@@ -71,8 +87,11 @@ class WorkerRuntime:
 
     @cached_property
     def redis(self) -> redis.Redis:
-        """One client (one connection pool) per process."""
-        return redis_client(self.settings, health_check_interval=30)
+        """One client (one connection pool) per process, whose calls time out (`redis_timeout_s`)."""
+        timeout = redis_timeout_s(self.settings)
+        return redis_client(
+            self.settings, health_check_interval=30, socket_timeout=timeout, socket_connect_timeout=timeout
+        )
 
     @cached_property
     def store(self) -> ForkStore:
