@@ -78,7 +78,7 @@ class SubagentSpawner:
     enqueue: Enqueue
     stopping: threading.Event
     # the caller's claim's `LeaseClock.deadline`: Redis and broker calls are retried until then
-    until: Callable[[], float] = lambda: float("-inf")  # not bound to a claim (`under`): nothing is retried
+    until: Callable[[], float] = lambda: float("-inf")  # unbound (see `under`): a failed call raises LeaseLost
 
     def under(self, until: Callable[[], float]) -> SubagentSpawner:
         """This spawner for one claim: its calls ride out an outage until `until()` (monotonic)."""
