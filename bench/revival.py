@@ -48,7 +48,6 @@ from bench.revival_stock import (  # noqa: E402
 )
 from broker_config.settings import Settings  # noqa: E402
 from workers.client import ForkClient  # noqa: E402
-from workers.lease import revival_grace_s  # noqa: E402
 from workers.records import Status  # noqa: E402
 from workers.redis_server import RedisServer  # noqa: E402
 from workers.snapshot import ParentSnapshot, parse_parent_snapshot  # noqa: E402
@@ -80,12 +79,8 @@ class Plan:
 
     @property
     def target_s(self) -> float:
-        """The p99 target: lease TTL + the sweeper's grace for a lapsed lease + sweep interval + 3 s.
-
-        The grace (`revival_grace_s`) lets a worker cut off by a Redis outage take its lapsed lease back
-        before anyone revives its fork; a dead worker's fork waits for it too.
-        """
-        return self.lease_ttl_s + revival_grace_s(self.heartbeat_s) + self.sweep_s + 3.0
+        """The p99 target: lease TTL + sweep interval + 3 s."""
+        return self.lease_ttl_s + self.sweep_s + 3.0
 
 
 def make_plan(kills: int, quick: bool) -> Plan:

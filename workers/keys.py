@@ -26,6 +26,9 @@ Each key: type; content; TTL; writer → readers.
   owner, a person's `approval` entries); retention; worker, approve/deny → worker (replay), inspect.
 - `{ns}:running`: sorted set; fork ids of running forks scored by their lease deadline (Redis ms);
   none; worker (claim, heartbeat, finish) → sweeper. The one key shared by all forks.
+- `{ns}:sweep`: hash; `last` (Redis ms of the latest sweeper pass) and `grace_until` (Redis ms until
+  which a lapsed lease is left to its worker: set when no pass reached Redis for a while, an outage);
+  a day, renewed by every pass; sweeper → sweeper.
 - `{ns}:dead`: list; JSON `{task_id, reason}` of rejected job messages, newest first, capped at
   1,000; none; worker → operators.
 - `{ns}:{parent:<session>}:chunk:<digest>`: string; a chunk named by the BLAKE2b-256 of its bytes:
@@ -84,6 +87,11 @@ class Keys:
     def running(self) -> str:
         """Running forks by lease deadline, for the sweeper."""
         return f"{self.namespace}:running"
+
+    @property
+    def sweep(self) -> str:
+        """The sweepers' clock: their latest pass, and the grace after an outage."""
+        return f"{self.namespace}:sweep"
 
     @property
     def dead_letters(self) -> str:

@@ -174,6 +174,7 @@ class Leases:
         self._renew = client.register_script(lua.RENEW)
         self._enqueued = client.register_script(lua.ENQUEUED)
         self._revive = client.register_script(lua.REVIVE)
+        self._sweep_clock = client.register_script(lua.SWEEP_CLOCK)
 
     def claim(
         self,
@@ -379,6 +380,19 @@ class Leases:
             args=[fork_id, max_attempts, failed.encode(), self.retention_s, grace_ms, lapse_grace_ms],
         )
         return cast(bytes, outcome).decode()
+
+    def in_outage_grace(self, *, gap_ms: int) -> bool:
+        """Record a sweeper pass; True while lapsed leases are left to their workers (`lapse_grace_ms`).
+
+        The grace starts when no sweeper pass reached Redis for more than `gap_ms`: Redis was down
+        (restart, failover, a stopped process), so leases may have lapsed with their workers alive and
+        cut off; they take them back at their first renewal. Sweeping all along, a lapsed lease means
+        a dead or silent worker, and its fork is revived at once.
+        """
+        if self.lapse_grace_ms <= 0:
+            return False
+        day_ms = 24 * 3600 * 1000
+        return bool(self._sweep_clock(keys=[self.keys.sweep], args=[gap_ms, self.lapse_grace_ms, day_ms]))
 
     def enqueued(self, fork_id: str) -> None:
         """The revived fork's job is in the broker: it leaves the running index."""

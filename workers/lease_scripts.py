@@ -233,6 +233,26 @@ return 1
 """
 )
 
+# KEYS: the sweepers' clock. ARGV: gap_ms, grace_ms, clock ttl_ms. One call per sweeper pass: records the pass
+# and returns 1 while lapsed leases are left to their workers. No pass reached Redis for more than `gap_ms`
+# (a Redis outage, or no sweeper running): the grace starts now, for `grace_ms`. Otherwise (sweepers ran all
+# along) a lapsed lease means a dead or silent worker, revived at once.
+SWEEP_CLOCK: Final = (
+    _NOW
+    + """
+local last = tonumber(redis.call('HGET', KEYS[1], 'last') or '0')
+local grace_until = tonumber(redis.call('HGET', KEYS[1], 'grace_until') or '0')
+if now - last > tonumber(ARGV[1]) then
+  grace_until = now + tonumber(ARGV[2])
+  redis.call('HSET', KEYS[1], 'grace_until', grace_until)
+end
+redis.call('HSET', KEYS[1], 'last', now)
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+if grace_until > now then return 1 end
+return 0
+"""
+)
+
 # KEYS: state, lease, events, running, result. ARGV: fork_id, max_attempts, failed result bytes, ttl_s,
 # grace_ms, lapse_grace_ms. A revived fork stays in the running index, `grace_ms` ahead, until its job is
 # enqueued (`ENQUEUED`): if the sweeper dies or the broker is down in between, a later sweep enqueues it.
