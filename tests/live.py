@@ -1,19 +1,26 @@
-"""Helpers for tests against live workers: polling, and reading or writing kombu messages in Redis."""
+"""Helpers for tests against live workers: polling, kombu messages in Redis, Redis going away or silent."""
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import signal
+import socket
+import subprocess
+import sys
+import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import msgpack
 import pytest
 import redis
+from conftest import REPO_ROOT, TEST_NAMESPACE, TEST_QUEUE
 
 from broker_config.celery import RUN_FORK_TASK
 from workers.client import ForkClient
@@ -114,3 +121,102 @@ def stop_redis(server: RedisServer) -> None:
         if time.monotonic() > deadline:
             pytest.fail("redis-server did not exit within 10 s of SIGTERM")
         time.sleep(0.01)
+
+
+class FreezingProxy:
+    """A TCP proxy in front of Redis whose connections can be made to go silent.
+
+    `freeze(for_s)` silences every connection open at that moment, and every one made in the next `for_s`
+    seconds: they stop forwarding in both directions while their sockets stay open, as with a partition or
+    a primary whose host died in a failover, so a command sent on one never gets a reply. Connections made
+    afterwards are forwarded as usual (the new primary).
+    """
+
+    def __init__(self, port: int) -> None:
+        self.upstream = ("127.0.0.1", port)
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port: int = self.listener.getsockname()[1]
+        self._lock = threading.Lock()
+        self._open: list[threading.Event] = []  # one per connection: set when it is frozen
+        self._frozen_until = 0.0  # monotonic: connections made before then are born frozen
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        """A redis:// URL through the proxy."""
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def freeze(self, for_s: float) -> int:
+        """Silence the open connections and those of the next `for_s` seconds; how many were open."""
+        with self._lock:
+            frozen, self._open = self._open, []
+            self._frozen_until = time.monotonic() + for_s
+        for flag in frozen:
+            flag.set()
+        return len(frozen)
+
+    def close(self) -> None:
+        """Stop accepting connections (open ones end with the test process)."""
+        self.listener.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:  # closed
+                return
+            try:
+                server = socket.create_connection(self.upstream)
+            except OSError:
+                client.close()
+                continue
+            frozen = threading.Event()
+            with self._lock:
+                if time.monotonic() < self._frozen_until:
+                    frozen.set()
+                else:
+                    self._open.append(frozen)
+            for source, sink in ((client, server), (server, client)):
+                threading.Thread(target=self._pipe, args=(source, sink, frozen), daemon=True).start()
+
+    @staticmethod
+    def _pipe(source: socket.socket, sink: socket.socket, frozen: threading.Event) -> None:
+        with contextlib.suppress(OSError):
+            while data := source.recv(65536):
+                if not frozen.is_set():  # frozen: what arrives is swallowed, nothing answers
+                    sink.sendall(data)
+        for end in (source, sink):
+            with contextlib.suppress(OSError):
+                end.shutdown(socket.SHUT_RDWR)
+            end.close()
+
+
+def forkq_environment(redis_url: str, **overrides: str) -> dict[str, str]:
+    """The environment of a forkq process on the test namespace and queue (scripted provider), without
+    the FORKQ_* variables of the shell that runs the tests."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("FORKQ_")}
+    forkq = {"FORKQ_NAMESPACE": TEST_NAMESPACE, "FORKQ_QUEUE": TEST_QUEUE, "FORKQ_PROVIDER": "scripted"}
+    return {**base, **forkq, "FORKQ_REDIS_URL": redis_url, **overrides}
+
+
+@contextlib.contextmanager
+def sweeper_process(env: dict[str, str], log_path: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """`forkq sweep` in `env` for the duration of the block, its output in `log_path`."""
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "workers.cli", "sweep"],
+            cwd=REPO_ROOT,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        yield process
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()

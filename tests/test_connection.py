@@ -6,6 +6,7 @@ import base64
 import contextlib
 import copy
 import json
+import time
 import zlib
 from collections.abc import Callable
 from pathlib import Path
@@ -14,10 +15,10 @@ from typing import Any
 import pytest
 import redis
 from celery import Celery
-from conftest import TEST_NAMESPACE, TEST_QUEUE, WorkerProcess
+from conftest import PARENT_PATH, TEST_NAMESPACE, TEST_QUEUE, WorkerProcess
 from kombu import Exchange, Producer, Queue
 from kombu.transport import redis as kombu_redis
-from live import job_body, kombu_envelope, wait_until
+from live import job_body, kombu_envelope, stop_redis, wait_until
 
 from broker_config.connection import (
     DEAD_ITEMS_MAX,
@@ -420,3 +421,38 @@ def test_the_brokers_list_of_refused_items_keeps_the_newest_few(settings: Settin
     assert [raw for _, raw in _dead_items(redis_client)] == [
         f"item {n}".encode() for n in reversed(range(5, DEAD_ITEMS_MAX + 5))
     ]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fresh_redis", [{"appendonly": True}], indirect=True)
+def test_a_worker_with_a_fork_in_flight_keeps_running_through_a_broker_restart(
+    fresh_redis: RedisServer, worker_process: Callable[..., WorkerProcess], tmp_path: Path
+) -> None:
+    # Given a worker whose broker is its own Redis, running a fork (its job unacknowledged: acks_late)
+    script = tmp_path / "script.json"
+    reply = {"role": "model", "parts": [{"text": "done"}]}
+    script.write_text(json.dumps({"steps": [{"delay_s": 4.0, "content": reply}]}), encoding="utf-8")
+    settings = Settings(redis_url=fresh_redis.url, namespace=TEST_NAMESPACE, queue=TEST_QUEUE)
+    worker = worker_process(FORKQ_REDIS_URL=fresh_redis.url, FORKQ_SCRIPT=str(script))
+    app = make_app(settings)
+    with ForkClient(settings, app=app) as client:
+        parent = json.loads(PARENT_PATH.read_text(encoding="utf-8"))
+        first = client.launch(parent, FORK)
+        wait_until(lambda: any(e.type == "model_call" for e in first.events()), 30, "the fork to start")
+
+        # When Redis stops and starts again: Celery loses its broker connection, closes its channels (whose
+        # unacked message cannot be restored while Redis is down) and reconnects
+        stop_redis(fresh_redis)
+        time.sleep(1.0)
+        fresh_redis.restart()
+
+        # Then the worker lives on: the fork in flight finishes, and a fork launched afterwards runs too
+        second = client.launch(parent, FORK)
+        for handle in (first, second):
+            ended = lambda h=handle: worker.process.poll() is not None or client.result(h.fork_id) is not None  # noqa: E731
+            wait_until(ended, 60, f"fork {handle.fork_id} to end")
+            assert worker.process.poll() is None, f"the worker exited:\n{worker.log()}"
+            result = client.result(handle.fork_id)
+            assert result is not None and result.status is Status.SUCCEEDED, worker.log()
+    app.close()
+    assert "Unrecoverable error" not in worker.log()

@@ -179,7 +179,7 @@ def test_fenced_writes_fail_closed_after_the_epoch_is_bumped(
     assert event_types(fork_store, fid) == ["queued", "started"]
 
 
-def test_fenced_writes_fail_closed_after_the_lease_expires(
+def test_fenced_writes_fail_closed_once_the_sweeper_revived_the_fork_of_an_expired_lease(
     redis_client: redis.Redis, fork_store: ForkStore, make_queued_fork: Callable[..., tuple[str, str]]
 ) -> None:
     fid, _ = make_queued_fork()
@@ -188,7 +188,10 @@ def test_fenced_writes_fail_closed_after_the_lease_expires(
     leases.append(claim, model_entry(0))
 
     expire(redis_client, fid)
+    assert leases.revive(fid, max_attempts=3) == "revive"  # queued again, not yet claimed: same epoch
 
+    assert leases.emit(claim, [("model_call", {"step": 2})]) == "queued"
+    assert leases.renew([claim]) == [0]
     with pytest.raises(LeaseLost, match=r"refused \(lost\)"):
         leases.append(claim, model_entry(1))
     with pytest.raises(LeaseLost, match=r"refused \(lost\)"):
@@ -260,7 +263,7 @@ def test_finish_writes_the_result_once_and_ends_the_lease(
     result = fork_store.result(fid)
     assert result is not None and result.output == "done"
     assert 0 < redis_client.ttl(KEYS.result(fid)) <= 3600
-    with pytest.raises(LeaseLost, match=r"refused \(lost\)"):
+    with pytest.raises(LeaseLost, match=r"refused \(succeeded\)"):
         leases.finish(claim, ForkResult(fork_id=fid, status=Status.FAILED, error="again"))
     assert [e.type for e in fork_store.events(fid)].count("finished") == 1
 
@@ -309,29 +312,123 @@ def test_release_hands_the_fork_back_at_once_with_a_released_event(
 # ── renew ─────────────────────────────────────────────────────────────────────────────────────
 
 
-def test_renew_extends_live_leases_and_returns_false_for_lost_ones(
+def test_renew_extends_live_leases_takes_back_lapsed_ones_never_revived_and_refuses_lost_ones(
     redis_client: redis.Redis, make_queued_fork: Callable[..., tuple[str, str]]
 ) -> None:
+    # Given four claims: a live lease, a lapsed one nobody revived, a lapsed one revived, one taken over
     leases = make_leases(redis_client, ttl_ms=2000)
+    short = make_leases(redis_client, ttl_ms=SHORT_TTL_MS)
     live_id, _ = make_queued_fork()
     live = claimed(leases, live_id)
-    expired_id, _ = make_queued_fork()
-    expired = claimed(make_leases(redis_client, ttl_ms=SHORT_TTL_MS), expired_id)
+    lapsed_id, _ = make_queued_fork()
+    lapsed = claimed(short, lapsed_id)
+    revived_id, _ = make_queued_fork()
+    revived = claimed(short, revived_id)
     taken_id, _ = make_queued_fork()
     taken = claimed(leases, taken_id, "worker-a")
     redis_client.set(KEYS.lease(taken_id), b"worker-b", px=2000)  # someone else holds it now
-    expire(redis_client, expired_id)
+    expire(redis_client, lapsed_id)
+    expire(redis_client, revived_id)
+    assert short.revive(revived_id, max_attempts=3) == "revive"
     redis_client.pexpire(KEYS.lease(live_id), 500)
     score_before = redis_client.zscore(KEYS.running, live_id)
 
-    assert leases.renew([live, expired, taken]) == [True, False, False]
+    # When one heartbeat renews them all
+    renewed = leases.renew([live, lapsed, revived, taken])
 
+    # Then the live lease is renewed, the lapsed one is its run's again (its fork still runs under its
+    # epoch and owner), and the revived and taken ones are refused and left as they are
+    assert renewed == [1, 2, 0, 0]
     assert redis_client.pttl(KEYS.lease(live_id)) > 1500
     score_after = redis_client.zscore(KEYS.running, live_id)
     assert score_before is not None and score_after is not None and score_after >= score_before
+    assert redis_client.get(KEYS.lease(lapsed_id)) == lapsed.owner.encode()
+    assert redis_client.pttl(KEYS.lease(lapsed_id)) > 1500
+    assert (state_field(redis_client, lapsed_id, "retaken"), state_field(redis_client, live_id, "retaken")) == (
+        "1",
+        None,
+    )
+    assert not redis_client.exists(KEYS.lease(revived_id))
+    assert state_field(redis_client, revived_id, "status") == "queued"
     assert redis_client.get(KEYS.lease(taken_id)) == b"worker-b"
-    assert not redis_client.exists(KEYS.lease(expired_id))
     assert leases.renew([]) == []
+
+
+def test_fenced_writes_take_back_a_lapsed_lease_whose_fork_was_never_revived(
+    redis_client: redis.Redis, fork_store: ForkStore, make_queued_fork: Callable[..., tuple[str, str]]
+) -> None:
+    # Given a run whose lease lapsed (as during a Redis outage longer than its remaining TTL), not revived
+    fid, _ = make_queued_fork()
+    leases = make_leases(redis_client, ttl_ms=SHORT_TTL_MS)
+    claim = claimed(leases, fid)
+    expire(redis_client, fid)
+    again = make_leases(redis_client, ttl_ms=5000)
+
+    # When it checkpoints, appends, checkpoints again and finishes
+    assert again.emit(claim, [("model_call", {"step": 1})]) == "running"
+    assert redis_client.pttl(KEYS.lease(fid)) > 4000  # the checkpoint took the lease back for a whole TTL
+    redis_client.delete(KEYS.lease(fid))  # and it lapses once more
+    again.append(claim, model_entry(0), events=[("step", {"step": 1})])
+    assert redis_client.get(KEYS.lease(fid)) == claim.owner.encode()
+    redis_client.delete(KEYS.lease(fid))
+    again.finish(claim, result_of(fid))
+
+    # Then every write went through under the same epoch: nobody else ever ran the fork
+    assert [e.seq for e in leases.journal(fid)] == [0]
+    assert event_types(fork_store, fid) == ["queued", "started", "model_call", "step", "finished"]
+    assert (state_field(redis_client, fid, "status"), state_field(redis_client, fid, "epoch")) == ("succeeded", "1")
+    assert state_field(redis_client, fid, "retaken") == "3"
+    assert not redis_client.exists(KEYS.lease(fid))
+
+
+@pytest.mark.parametrize("then", ["revived", "claimed elsewhere", "cancelled"])
+def test_a_lapsed_lease_is_never_taken_back_once_the_fork_moved_on(
+    then: str, redis_client: redis.Redis, fork_store: ForkStore, make_queued_fork: Callable[..., tuple[str, str]]
+) -> None:
+    # Given a run whose lease lapsed, and then the fork was revived (and perhaps claimed again), or cancelled
+    fid, _ = make_queued_fork()
+    leases = make_leases(redis_client, ttl_ms=SHORT_TTL_MS)
+    stale = claimed(leases, fid, "worker-a")
+    expire(redis_client, fid)
+    if then == "cancelled":
+        fork_store.cancel(fid)
+    else:
+        assert leases.revive(fid, max_attempts=3) == "revive"
+    if then == "claimed elsewhere":
+        claimed(make_leases(redis_client), fid, "worker-b")
+    events = event_types(fork_store, fid)
+
+    # When the stale run renews, checkpoints and writes
+    assert leases.renew([stale]) == [0]
+    assert leases.emit(stale, [("model_call", {"step": 2})]) != "running"
+    with pytest.raises(LeaseLost):
+        leases.append(stale, model_entry(0))
+    with pytest.raises(LeaseLost):
+        leases.finish(stale, result_of(fid))
+
+    # Then nothing was written and the lease is not the stale run's
+    assert event_types(fork_store, fid) == events
+    assert leases.journal(fid) == []
+    assert redis_client.get(KEYS.lease(fid)) in (None, b"worker-b")
+    assert state_field(redis_client, fid, "retaken") is None
+
+
+def test_a_retried_claim_whose_lease_lapsed_meanwhile_takes_it_back_as_granted(
+    redis_client: redis.Redis, fork_store: ForkStore, make_queued_fork: Callable[..., tuple[str, str]]
+) -> None:
+    # Given a claim that ran in Redis (its reply lost) and whose lease then lapsed during the outage
+    fid, _ = make_queued_fork()
+    first = claimed(make_leases(redis_client, ttl_ms=SHORT_TTL_MS), fid, "worker-a")
+    expire(redis_client, fid)
+
+    # When the worker retries the same claim (same owner token) once Redis answers
+    retried = claimed(make_leases(redis_client, ttl_ms=5000), fid, "worker-a")
+
+    # Then it gets the same claim back, with the lease, and nothing was claimed twice
+    assert (retried.epoch, retried.attempt) == (first.epoch, first.attempt) == (1, 1)
+    assert redis_client.get(KEYS.lease(fid)) == b"worker-a"
+    assert redis_client.pttl(KEYS.lease(fid)) > 4000
+    assert event_types(fork_store, fid) == ["queued", "started"]
 
 
 # ── revive ────────────────────────────────────────────────────────────────────────────────────
@@ -769,29 +866,68 @@ def test_a_fenced_write_stops_as_lease_lost_once_redis_was_down_past_the_lease(f
 
 
 @pytest.mark.parametrize("fresh_redis", [{"appendonly": True}], indirect=True)
-def test_the_heartbeat_renews_as_soon_as_redis_is_back_not_a_beat_later(fresh_redis: RedisServer) -> None:
-    # Given a held 6 s lease renewed every 3 s
+def test_the_heartbeat_renews_as_soon_as_redis_is_back_not_a_beat_later(
+    fresh_redis: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Given a held 12 s lease renewed every 6 s, and Redis stopped right away
+    ttl_s, interval_s = 12.0, 6.0
     with redis.Redis.from_url(fresh_redis.url) as client:
-        leases = make_leases(client, ttl_ms=6000)
+        leases = make_leases(client, ttl_ms=int(ttl_s * 1000))
         claim = claimed(leases, queue_fork(client))
-        keeper = LeaseKeeper(leases, interval_s=3.0)
+        keeper = LeaseKeeper(leases, interval_s=interval_s)
         lost = keeper.hold(claim)
-        held = time.monotonic()
         try:
-            # When Redis is down from 1.5 s to 4 s, across the beat due at 3 s
-            time.sleep(1.5)
             stop_redis(fresh_redis)
-            time.sleep(max(0.0, 4.0 - (time.monotonic() - held)))
+
+            # When the beat due at 6 s fails, and Redis is started again just after
+            wait_until(
+                lambda: any("lease heartbeat failed" in r.getMessage() for r in caplog.records),
+                timeout=interval_s + 10,
+                what="the heartbeat to fail",
+            )
+            restarting = time.monotonic()  # Redis is down until this moment: a renewal answered after it is new
             fresh_redis.restart()
 
-            # Then the lease is renewed within about a second of Redis answering, long before the next beat (6 s)
-            time.sleep(max(0.0, 5.5 - (time.monotonic() - held)))
-            assert client.pttl(KEYS.lease(claim.fork_id)) > 3000
-            assert claim.clock.until > held + 4.0 + 6.0
+            # Then the lease is renewed within a few seconds of Redis answering, not a whole beat (6 s) later
+            wait_until(lambda: claim.clock.until > restarting + ttl_s, timeout=interval_s - 2, what="the renewal")
+            assert time.monotonic() - restarting < interval_s - 2
+            assert client.pttl(KEYS.lease(claim.fork_id)) > (ttl_s - interval_s + 2) * 1000
             assert not lost.is_set()
         finally:
             keeper.stop()
             keeper.drop(claim)
+
+
+@pytest.mark.parametrize("fresh_redis", [{"appendonly": True}], indirect=True)
+def test_a_claim_is_retried_for_as_long_as_redis_is_down_and_then_claims_the_fork(fresh_redis: RedisServer) -> None:
+    # Given a queued fork, a 1 s lease, and Redis down when a worker claims the fork
+    with redis.Redis.from_url(fresh_redis.url) as client:
+        leases = make_leases(client, ttl_ms=1000)
+        fid = queue_fork(client)
+        stop_redis(fresh_redis)
+        outcome: list[object] = []
+
+        def claim() -> None:
+            try:
+                outcome.append(leases.claim(fid, "worker-a"))
+            except Exception as exc:  # reported by the assertion below
+                outcome.append(exc)
+
+        worker = threading.Thread(target=claim, daemon=True)
+        worker.start()
+
+        # When Redis stays down well past the lease's TTL (and its margin), then answers again
+        time.sleep(1.0 + LAPSE_MARGIN_S + 2.0)
+        assert outcome == [] and worker.is_alive()  # still retrying: the claim never ran, nobody else would run it
+        fresh_redis.restart()
+        worker.join(timeout=15)
+
+        # Then the claim went through once Redis answered: the fork runs, on its first attempt
+        [claim_or_error] = outcome
+        assert isinstance(claim_or_error, Claim), claim_or_error
+        assert (claim_or_error.epoch, claim_or_error.attempt) == (1, 1)
+        assert state_field(client, fid, "status") == "running"
+        assert client.get(KEYS.lease(fid)) == b"worker-a"
 
 
 def test_a_stale_runs_checkpoint_publishes_nothing_once_the_fork_moved_on(

@@ -1,18 +1,20 @@
-"""run_fork_job without a broker: claims, replay after a simulated death, the tool surface, shutdown."""
+"""run_fork_job without a broker: claims, replay after a simulated death, the tool surface, shutdown; and
+the worker's Redis client, with a real worker whose connections go silent."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import psutil
 import pytest
 import redis
-from conftest import WorkerProcess
-from live import wait_until
+from conftest import PARENT_PATH, TEST_NAMESPACE, TEST_QUEUE, WorkerProcess
+from live import FreezingProxy, forkq_environment, sweeper_process, wait_until
 
 from broker_config.settings import Settings
 from workers.app import make_app
@@ -23,7 +25,9 @@ from workers.messages import Content, FunctionCall, Part
 from workers.providers import ModelRequest, ModelResponse
 from workers.records import Status
 from workers.redis_server import RedisServer
-from workers.runner import RunForkJob, WorkerRuntime, run_fork_job
+from workers.runner import MIN_REDIS_TIMEOUT_S, RunForkJob, WorkerRuntime, redis_timeout_s, run_fork_job
+from workers.spawn import POLL_MS
+from workers.store import WAIT_TIMEOUT_MS
 from workers.tools import Tool, ToolContext, ToolRegistry
 
 
@@ -344,3 +348,63 @@ def _connections_once_they_stop_growing(holding: Callable[[], int], slots: int, 
         elif held > REDIS_PY_DEFAULT_POOL and time.monotonic() - grew > 1.0:
             break
     return held
+
+
+@pytest.mark.slow
+def test_a_fork_whose_redis_connections_go_silent_reconnects_within_its_lease(
+    redis_server: RedisServer, worker_process: Callable[..., WorkerProcess], tmp_path: Path
+) -> None:
+    # Given a worker reaching Redis through a proxy (its broker connection direct), with a 5 s lease renewed
+    # every second, and a sweeper that reaches Redis all along (so no outage grace: a lapsed lease is revived
+    # at its next pass); and a fork of twelve 0.5 s steps, each listing its directory
+    proxy = FreezingProxy(cast(int, redis_server.port))
+    script = tmp_path / "script.json"
+    listing = {"functionCall": {"name": "list_directory", "args": {"path": "."}}}
+    steps = [{"delay_s": 0.5, "content": {"role": "model", "parts": [listing]}} for _ in range(12)]
+    script.write_text(json.dumps({"steps": steps}), encoding="utf-8")
+    env = {"FORKQ_LEASE_TTL_S": "5", "FORKQ_HEARTBEAT_S": "1", "FORKQ_SWEEP_S": "0.5", "FORKQ_SCRIPT": str(script)}
+    worker = worker_process(FORKQ_REDIS_URL=proxy.url, FORKQ_BROKER_URL=redis_server.url, **env)
+    settings = Settings(redis_url=redis_server.url, namespace=TEST_NAMESPACE, queue=TEST_QUEUE)
+    app = make_app(settings)
+    sweeper = sweeper_process(forkq_environment(redis_server.url, **env), tmp_path / "sweeper.log")
+    try:
+        with sweeper, ForkClient(settings, app=app) as client:
+            parent = {**json.loads(PARENT_PATH.read_text(encoding="utf-8")), "cwd": str(tmp_path)}
+            handle = client.launch(parent, {"description": "t", "prompt": "go", "subagent_type": "fork"})
+            wait_until(lambda: any(e.type == "step" for e in handle.events()), 30, "the fork's first step")
+
+            # When every connection the worker has to Redis goes silent, and so does every new one for a
+            # second (a partition; a primary lost, then a replica promoted), so its next renewal never returns
+            assert proxy.freeze(for_s=1.0) > 0
+
+            # Then its calls time out (after 2 s) and are retried on new connections before the lease is over
+            # (a renewal lands at most 1 + 2 s after the last, well inside 5 s; with redis-py's own 5 s read
+            # timeout it would land past the lease): the fork succeeds on its first attempt, never revived
+            result = handle.wait(timeout=60)
+            events = list(handle.events())
+    finally:
+        app.close()
+        proxy.close()
+    assert result.status is Status.SUCCEEDED, (result.error, worker.log())
+    assert [e.data["attempt"] for e in events if e.type == "started"] == [1], worker.log()
+    assert not [e for e in events if e.type == "revived"]
+    assert sum(e.type == "tool" for e in events) == 12
+
+
+def test_the_workers_redis_timeouts_follow_the_heartbeat_and_stay_above_its_blocking_commands(
+    make_settings: Callable[..., Settings],
+) -> None:
+    # a silent Redis is noticed within a beat (at most 5 s), and never mistaken for one while the worker
+    # waits on purpose: the nested-subagent wait's XREAD BLOCK, a launch's WAIT for replicas
+    assert [redis_timeout_s(make_settings(heartbeat_s=hb, lease_ttl_s=60)) for hb in (0.1, 1, 3, 5, 30)] == [
+        2.0,
+        2.0,
+        3.0,
+        5.0,
+        5.0,
+    ]
+    assert max(POLL_MS, WAIT_TIMEOUT_MS) < MIN_REDIS_TIMEOUT_S * 1000
+    runtime = WorkerRuntime(make_settings(heartbeat_s=3, lease_ttl_s=60))
+    connection = runtime.redis.connection_pool.connection_kwargs
+    assert (connection["socket_timeout"], connection["socket_connect_timeout"]) == (3.0, 3.0)
+    runtime.redis.close()

@@ -23,7 +23,7 @@ from workers.lease import Claim, Leases
 from workers.records import BootstrapRecord
 from workers.redis_server import RedisServer
 from workers.store import ForkStore
-from workers.sweeper import Sweeper
+from workers.sweeper import Sweeper, outage_gap_s
 
 KEYS = Keys(TEST_NAMESPACE)
 SHORT_TTL_MS = 200
@@ -50,13 +50,15 @@ class Enqueued:
             self.jobs.append((fork_id, digest, attempt))
 
 
-def make_sweeper(client: redis.Redis, enqueue: Enqueued, *, max_attempts: int = 3, ttl_ms: int = 10_000) -> Sweeper:
+def make_sweeper(
+    client: redis.Redis, enqueue: Enqueued, *, max_attempts: int = 3, ttl_ms: int = 10_000, interval_s: float = 0.05
+) -> Sweeper:
     return Sweeper(
         leases=Leases(client, KEYS, ttl_ms=ttl_ms, retention_s=3600),
         store=ForkStore(client, KEYS, ttl_s=3600),
         enqueue=enqueue,
         max_attempts=max_attempts,
-        interval_s=0.05,
+        interval_s=interval_s,
     )
 
 
@@ -110,6 +112,34 @@ def test_a_live_lease_is_never_revived_even_when_its_index_entry_looks_expired(
     assert fork_store.state(fid).status.value == "running"
     assert redis_client.get(KEYS.lease(fid)) == b"slow-worker"
     assert event_count(fork_store, fid, "revived") == 0
+
+
+def test_a_lapsed_lease_is_left_to_its_worker_for_the_grace_and_revived_after_it(
+    redis_client: redis.Redis, fork_store: ForkStore, make_queued_fork: Callable[..., tuple[str, str]]
+) -> None:
+    # Given a fork whose lease lapsed just now, and sweepers whose leases give a lapsed lease a 1.5 s grace
+    fid, digest = make_queued_fork()
+    claim_and_abandon(redis_client, [fid])
+    enqueued = Enqueued()
+    sweeper = make_sweeper(redis_client, enqueued)
+    sweeper.leases.lapse_grace_ms = 1500
+    lapsed_at = time.monotonic()
+
+    # When they sweep during the grace
+    outcomes = sweeper.sweep_once()
+
+    # Then the fork is left running for its worker to take its lease back: nothing revived or enqueued
+    assert outcomes == Counter({"grace": 1})
+    assert (fork_store.state(fid).status.value, enqueued.jobs, event_count(fork_store, fid, "revived")) == (
+        "running",
+        [],
+        0,
+    )
+    # and once the grace has passed without a renewal, the fork is revived as usual
+    wait_until(lambda: sweeper.sweep_once() == Counter({"revive": 1}), what="the revival after the grace")
+    assert time.monotonic() - lapsed_at >= 1.0
+    assert enqueued.jobs == [(fid, digest, 2)]
+    assert event_count(fork_store, fid, "revived") == 1
 
 
 def test_a_fork_whose_worker_keeps_dying_fails_with_worker_lost_at_the_attempt_limit(
@@ -344,3 +374,46 @@ def test_the_sweep_loop_survives_a_broker_outage(
         thread.join(10)
     assert crashed == []
     assert sorted(fid for fid, _, _ in broker.jobs) == sorted(forks)
+
+
+def test_a_sweeper_that_reached_redis_all_along_revives_a_lapsed_lease_at_once_without_the_grace(
+    redis_client: redis.Redis, fork_store: ForkStore, make_queued_fork: Callable[..., tuple[str, str]]
+) -> None:
+    # Given sweepers that have been passing all along (the first pass after none starts the outage grace),
+    # every 10 s: the test's own pauses are far inside the outage gap
+    enqueued = Enqueued()
+    sweeper = make_sweeper(redis_client, enqueued, interval_s=10.0)
+    sweeper.leases.lapse_grace_ms = 60_000
+    sweeper.sweep_once()
+    redis_client.hset(KEYS.sweep, "grace_until", 0)  # that first grace over: sweeping as in steady state
+
+    # When a worker dies (its lease lapses with no Redis outage), and a pass follows
+    fid, digest = make_queued_fork()
+    claim_and_abandon(redis_client, [fid])
+    outcomes = sweeper.sweep_once()
+
+    # Then its fork is revived at that pass, not a minute later: the grace is for outages only
+    assert outcomes == Counter({"revive": 1})
+    assert enqueued.jobs == [(fid, digest, 2)]
+
+
+def test_after_no_sweeper_pass_reached_redis_for_a_while_a_lapsed_lease_gets_the_grace(
+    redis_client: redis.Redis, fork_store: ForkStore, make_queued_fork: Callable[..., tuple[str, str]]
+) -> None:
+    # Given a sweeper in steady state whose last pass is older than the outage gap (Redis was unreachable)
+    enqueued = Enqueued()
+    sweeper = make_sweeper(redis_client, enqueued, interval_s=10.0)
+    sweeper.leases.lapse_grace_ms = 60_000
+    sweeper.sweep_once()
+    seconds, micros = redis_client.time()
+    gap_ms = int(outage_gap_s(sweeper.interval_s) * 1000)
+    redis_client.hset(KEYS.sweep, mapping={"grace_until": 0, "last": seconds * 1000 + micros // 1000 - gap_ms - 1})
+
+    # When a lease has lapsed and the sweeper passes again
+    fid, _ = make_queued_fork()
+    claim_and_abandon(redis_client, [fid])
+    outcomes = sweeper.sweep_once()
+
+    # Then the fork is left to its worker to take its lease back
+    assert outcomes == Counter({"grace": 1})
+    assert enqueued.jobs == []

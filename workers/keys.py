@@ -12,7 +12,8 @@ Each key: type; content; TTL; writer → readers.
 - `{ns}:{<fork_id>}:state`: hash; `ForkState` (status, attempt, epoch, owner, times incl.
   `first_started_ms`, error, `pending`: JSON of the calls an `awaiting_approval` fork is parked on),
   and for the worker's retried writes `released_by` (owner token of the run that last gave the lease
-  up: finish, release, park) and `emitted` (mark of the running run's last checkpoint);
+  up: finish, release, park), `emitted` (mark of the running run's last checkpoint) and `retaken`
+  (how often a run took back its lease after it lapsed in a Redis outage, never revived);
   retention; launch, worker, cancel, approve/deny → status, wait, worker.
 - `{ns}:{<fork_id>}:result`: string; canonical msgpack `ForkResult` (final output, usage); retention;
   worker (once) → result, wait.
@@ -25,6 +26,9 @@ Each key: type; content; TTL; writer → readers.
   owner, a person's `approval` entries); retention; worker, approve/deny → worker (replay), inspect.
 - `{ns}:running`: sorted set; fork ids of running forks scored by their lease deadline (Redis ms);
   none; worker (claim, heartbeat, finish) → sweeper. The one key shared by all forks.
+- `{ns}:sweep`: hash; `last` (Redis ms of the latest sweeper pass) and `grace_until` (Redis ms until
+  which a lapsed lease is left to its worker: set when no pass reached Redis for a while, an outage);
+  a day, renewed by every pass; sweeper → sweeper.
 - `{ns}:dead`: list; JSON `{task_id, reason}` of rejected job messages, newest first, capped at
   1,000; a queue item refused before delivery (not an envelope, compressed, not a forkq job; a
   control message; an `unacked` entry kombu cannot restore) also has `queue`, its first 64 KiB as
@@ -90,6 +94,11 @@ class Keys:
     def running(self) -> str:
         """Running forks by lease deadline, for the sweeper."""
         return f"{self.namespace}:running"
+
+    @property
+    def sweep(self) -> str:
+        """The sweepers' clock: their latest pass, and the grace after an outage."""
+        return f"{self.namespace}:sweep"
 
     @property
     def dead_letters(self) -> str:

@@ -8,11 +8,15 @@ clocks (a worker's own clock only bounds how long it retries). One heartbeat thr
 renews the leases of all its running forks in one pipelined round trip.
 
 A Redis outage shorter than the lease costs a run nothing: a write that cannot reach Redis is
-retried (jittered, capped backoff) until Redis answers or the claim's lease has certainly lapsed,
+retried (jittered, capped backoff) until Redis answers or the sweeper may have revived the fork,
 which this worker knows on its own monotonic clock: the lease TTL after the last reply that set
-or renewed it (`LeaseClock`). Only then does the run stop as having lost its lease. A retried
-write whose first attempt ran (only its reply was lost) is recognised by its script and not
-written again.
+or renewed it, plus the sweeper's grace (`LeaseClock`). Only then does the run stop as having
+lost its lease. A lease that lapsed during the outage is taken back by its run's next renewal or
+write, unless the fork was revived meanwhile; the sweeper leaves a lapsed lease alone for a grace
+(`revival_grace_s`: a heartbeat interval and the heartbeat's longest retry delay) so that the
+worker, renewing as soon as Redis answers, gets there first. A claim is retried for as long as
+Redis does not answer: until it ran, nothing else would run the fork. A retried write whose first
+attempt ran (only its reply was lost) is recognised by its script and not written again.
 """
 
 from __future__ import annotations
@@ -46,6 +50,18 @@ RETRY_BASE_S: Final = 0.05  # first retry delay; doubles per failure, jittered
 RETRY_CAP_S: Final = 1.0  # longest delay: a restarted Redis is noticed within about a second
 # past the computed end of a lease, for the rate difference of this worker's clock and Redis's
 LAPSE_MARGIN_S: Final = 1.0
+# beyond a heartbeat interval and RETRY_CAP_S, in the sweeper's grace: the renewal's own round trip
+GRACE_MARGIN_S: Final = 0.5
+
+
+def revival_grace_s(heartbeat_s: float) -> float:
+    """How long past its end the sweeper leaves a lapsed lease to its worker before reviving the fork.
+
+    A lease renewed at most `heartbeat_s` before a Redis outage lapses at most that long before the end
+    of an outage shorter than the TTL, and the heartbeat retries within `RETRY_CAP_S` of Redis answering:
+    the worker takes its lease back before the grace ends, so the outage costs no attempt.
+    """
+    return heartbeat_s + RETRY_CAP_S + GRACE_MARGIN_S
 
 
 def backoff_s(failures: int) -> float:
@@ -60,18 +76,32 @@ class LeaseClock:
 
     ttl_s: float
     until: float = float("-inf")
+    grace_s: float = 0.0  # the sweeper's grace after a lease's end (`revival_grace_s`)
 
     def renewed(self, answered: float) -> None:
         """Redis set or renewed the lease before `answered` (when its reply arrived): it lives at most a TTL more."""
         self.until = max(self.until, answered + self.ttl_s)
 
     def deadline(self) -> float:
-        """When the lease has certainly lapsed in Redis: retrying a write past it is pointless."""
-        return self.until + LAPSE_MARGIN_S
+        """When the lease has certainly lapsed and its grace passed, so the fork may have been revived:
+        retrying a write past it is pointless (before it, a write takes a lapsed lease back)."""
+        return self.until + self.grace_s + LAPSE_MARGIN_S
 
 
-def ride_out(call: Callable[[], T], *, until: Callable[[], float], what: str, fork_id: str) -> T:
-    """`call()`, retried through Redis connection errors and timeouts until the monotonic time `until()`.
+def forever() -> float:
+    """A `ride_out` deadline that never comes: retry until Redis answers."""
+    return float("inf")
+
+
+def ride_out(
+    call: Callable[[], T],
+    *,
+    until: Callable[[], float],
+    what: str,
+    fork_id: str,
+    transient: tuple[type[Exception], ...] = TRANSIENT,
+) -> T:
+    """`call()`, retried through Redis connection errors and timeouts (`transient`) until the monotonic time `until()`.
 
     Raises:
         LeaseLost: (refusal `unreachable`) Redis did not answer before `until()`.
@@ -80,19 +110,20 @@ def ride_out(call: Callable[[], T], *, until: Callable[[], float], what: str, fo
     while True:
         try:
             result = call()
-        except TRANSIENT as exc:
+        except transient as exc:
             failures += 1
             left = until() - time.monotonic()
             if left <= 0:
                 raise LeaseLost(
                     f"fork {fork_id}: {what} failed: Redis did not answer for {time.monotonic() - started:.1f} s "
-                    f"({exc}), until this worker's lease had certainly lapsed; the sweeper revives the fork once "
-                    "Redis answers (check it with `forkq check`)",
+                    f"({exc}), until this worker's lease had lapsed and the sweeper's grace passed; the sweeper "
+                    "revives the fork once Redis answers (check it with `forkq check`)",
                     fork_id=fork_id,
                     refusal="unreachable",
                 ) from exc
             if failures == 1:
-                log.warning("fork %s: %s: Redis unreachable (%s); retrying for up to %.1f s", fork_id, what, exc, left)
+                bound = "until it answers" if left == float("inf") else f"for up to {left:.1f} s"
+                log.warning("fork %s: %s: Redis unreachable (%s); retrying %s", fork_id, what, exc, bound)
             time.sleep(min(backoff_s(failures), left))
             continue
         if failures:
@@ -125,11 +156,15 @@ class Claim:
 class Leases:
     """Claims, fenced writes and revival checks over one Redis client."""
 
-    def __init__(self, client: redis.Redis, keys: Keys, *, ttl_ms: int, retention_s: int) -> None:
+    def __init__(
+        self, client: redis.Redis, keys: Keys, *, ttl_ms: int, retention_s: int, lapse_grace_ms: int = 0
+    ) -> None:
         self.client = client
         self.keys = keys
         self.ttl_ms = ttl_ms
         self.retention_s = retention_s
+        # the sweeper's grace for a lapsed lease (`revival_grace_s`): a run retries its writes through it
+        self.lapse_grace_ms = lapse_grace_ms
         self._claim = client.register_script(lua.CLAIM)
         self._append = client.register_script(lua.APPEND)
         self._emit = client.register_script(lua.EMIT)
@@ -139,6 +174,7 @@ class Leases:
         self._renew = client.register_script(lua.RENEW)
         self._enqueued = client.register_script(lua.ENQUEUED)
         self._revive = client.register_script(lua.REVIVE)
+        self._sweep_clock = client.register_script(lua.SWEEP_CLOCK)
 
     def claim(
         self,
@@ -157,8 +193,10 @@ class Leases:
         and `digest` given, a first claim of a fork with an empty journal also appends the entry and
         publishes the `model_call` event (`Claim.primed`), if the stored record is `first`'s record bytes.
 
-        Redis errors are retried for one lease TTL; a claim whose first attempt ran (the lease holds
-        `owner`) is handed back as it was granted. Raises LeaseLost (`unreachable`) after that TTL.
+        Redis errors are retried until Redis answers, however long that takes: a claim that never ran
+        leaves the fork queued with this delivery its only job, and one that ran is indexed (the sweeper
+        revives it if this worker dies meanwhile). A claim whose first attempt ran (the lease holds
+        `owner`, or lapsed since and the state still names it) is handed back as it was granted.
         """
         record, entry, event = b"", b"", ""
         if first is not None and digest:
@@ -173,15 +211,12 @@ class Leases:
             k.journal(fork_id),
         ]
         args: list[Any] = [owner, self.ttl_ms, fork_id, digest or "", entry, event, record]
-        clock = LeaseClock(self.ttl_ms / 1000)
-        clock.renewed(time.monotonic())  # the window of the retries: a claim that ran lives a TTL at most
         reply = cast(
-            list[Any],
-            ride_out(lambda: self._claim(keys=keys, args=args), until=clock.deadline, what="claim", fork_id=fork_id),
+            list[Any], ride_out(lambda: self._claim(keys=keys, args=args), until=forever, what="claim", fork_id=fork_id)
         )
         if reply[0] != b"claimed":
             return cast(bytes, reply[0]).decode()
-        clock = LeaseClock(self.ttl_ms / 1000)
+        clock = LeaseClock(self.ttl_ms / 1000, grace_s=self.lapse_grace_ms / 1000)
         clock.renewed(time.monotonic())
         _, attempt, epoch, stored, journal, first_ms, now_ms, primed = reply
         return Claim(
@@ -197,7 +232,7 @@ class Leases:
         )
 
     def _write(self, claim: Claim, what: str, script: Any, keys: list[str], args: list[Any]) -> str:
-        """Run a fenced script under `claim`, riding out a Redis outage until its lease has certainly lapsed."""
+        """Run a fenced script under `claim`, riding out a Redis outage until the fork may have been revived."""
         outcome = ride_out(
             lambda: script(keys=keys, args=args), until=claim.clock.deadline, what=what, fork_id=claim.fork_id
         )
@@ -220,7 +255,7 @@ class Leases:
         """
         k = self.keys
         fid = claim.fork_id
-        args: list[Any] = [claim.epoch, claim.owner, entries[0].seq if entries else 0, len(entries)]
+        args: list[Any] = [claim.epoch, claim.owner, self.ttl_ms, entries[0].seq if entries else 0, len(entries)]
         args += [e.encode() for e in entries]
         args += [item for kind, data in events for item in (kind, json.dumps(data))]
         what = "journal entries " + (", ".join(f"{e.seq} ({e.kind})" for e in entries) or "events")
@@ -236,7 +271,8 @@ class Leases:
         k = self.keys
         fid = claim.fork_id
         mark = uuid.uuid4().hex  # lets a retry whose first attempt ran see that it did
-        args = [claim.epoch, claim.owner, mark, *(item for kind, data in events for item in (kind, json.dumps(data)))]
+        args = [claim.epoch, claim.owner, mark, self.ttl_ms]
+        args += [item for kind, data in events for item in (kind, json.dumps(data))]
         return self._write(claim, "checkpoint", self._emit, [k.state(fid), k.lease(fid), k.events(fid)], args)
 
     def journal(self, fork_id: str) -> list[JournalEntry]:
@@ -305,18 +341,19 @@ class Leases:
         args = [claim.epoch, claim.owner, fid, reason, "awaiting_approval", calls, event]
         self._fenced(claim, self._write(claim, "park", self._pause, keys, args), "park")
 
-    def renew(self, claims: list[Claim]) -> list[bool]:
-        """Renew many leases in one round trip; False where the lease is no longer ours."""
+    def renew(self, claims: list[Claim]) -> list[int]:
+        """Renew many leases in one round trip: 1 renewed, 2 lapsed and taken back (the fork was never
+        revived), 0 where the lease is no longer ours."""
         if not claims:
             return []
         pipe = self.client.pipeline(transaction=False)
         for claim in claims:
             self._renew(
                 keys=[self.keys.lease(claim.fork_id), self.keys.running, self.keys.state(claim.fork_id)],
-                args=[claim.owner, self.ttl_ms, claim.fork_id],
+                args=[claim.owner, self.ttl_ms, claim.fork_id, claim.epoch],
                 client=pipe,
             )
-        return [bool(v) for v in pipe.execute()]
+        return [int(v) for v in pipe.execute()]
 
     def expired(self, limit: int = 1000) -> list[str]:
         """Fork ids whose lease deadline (Redis time) has passed, oldest first."""
@@ -325,11 +362,12 @@ class Leases:
         ids = cast(list[bytes], self.client.zrangebyscore(self.keys.running, "-inf", now_ms, start=0, num=limit))
         return [i.decode() for i in ids]
 
-    def revive(self, fork_id: str, *, max_attempts: int, grace_ms: int = 30_000) -> str:
+    def revive(self, fork_id: str, *, max_attempts: int, grace_ms: int = 30_000, lapse_grace_ms: int = 0) -> str:
         """Sweeper's check of one fork.
 
         `revive` (now queued: enqueue it), `requeue` (revived earlier, its job may be missing:
-        enqueue it), `failed` (worker lost `max_attempts` times), `alive`, or the fork's status.
+        enqueue it), `failed` (worker lost `max_attempts` times), `alive`, `grace` (the lease lapsed
+        less than `lapse_grace_ms` ago: left to its worker to take back), or the fork's status.
         """
         k = self.keys
         failed = ForkResult(
@@ -339,9 +377,22 @@ class Leases:
         )
         outcome = self._revive(
             keys=[k.state(fork_id), k.lease(fork_id), k.events(fork_id), k.running, k.result(fork_id)],
-            args=[fork_id, max_attempts, failed.encode(), self.retention_s, grace_ms],
+            args=[fork_id, max_attempts, failed.encode(), self.retention_s, grace_ms, lapse_grace_ms],
         )
         return cast(bytes, outcome).decode()
+
+    def in_outage_grace(self, *, gap_ms: int) -> bool:
+        """Record a sweeper pass; True while lapsed leases are left to their workers (`lapse_grace_ms`).
+
+        The grace starts when no sweeper pass reached Redis for more than `gap_ms`: Redis was down
+        (restart, failover, a stopped process), so leases may have lapsed with their workers alive and
+        cut off; they take them back at their first renewal. Sweeping all along, a lapsed lease means
+        a dead or silent worker, and its fork is revived at once.
+        """
+        if self.lapse_grace_ms <= 0:
+            return False
+        day_ms = 24 * 3600 * 1000
+        return bool(self._sweep_clock(keys=[self.keys.sweep], args=[gap_ms, self.lapse_grace_ms, day_ms]))
 
     def enqueued(self, fork_id: str) -> None:
         """The revived fork's job is in the broker: it leaves the running index."""
@@ -400,6 +451,8 @@ class LeaseKeeper:
         for (claim, lost), ok in zip(held, renewed, strict=True):
             if ok:
                 claim.clock.renewed(answered)
+                if ok == 2:
+                    log.warning("fork %s: its lease lapsed while Redis was unreachable; taken back", claim.fork_id)
                 continue
             with self._lock:
                 still_held = self._held.get(claim.fork_id, (None,))[0] == claim

@@ -8,7 +8,14 @@ A run retries a write whose reply it never got (Redis restarted, a connection dr
 script a run calls recognises its own earlier effect and answers as if it had just written it: a
 claim finds its owner token in the lease, an append finds its entries at their position, an emit
 finds its mark, and finish, release and park find the claim's owner token in `released_by`. A
-retried write therefore never writes twice. The tests are those of `Leases` (tests/test_lease.py).
+retried write therefore never writes twice.
+
+A lease that lapsed while Redis was unreachable (the outage outlasted what was left of it) is taken
+back by its own run, at its next renewal or fenced write, if nobody revived the fork meanwhile: the
+lease key is gone, but the state still names the claim's owner token and epoch, and the fork is
+still `running`. Reviving resets the owner and the status, and a new claim bumps the epoch, so a
+fork that moved on is never taken back. Each take-back counts in the state's `retaken`. The tests
+are those of `Leases` (tests/test_lease.py).
 """
 
 from __future__ import annotations
@@ -19,12 +26,27 @@ MAXLEN: Final = "10000"
 _NOW = "local t = redis.call('TIME'); local now = t[1] * 1000 + math.floor(t[2] / 1000)\n"
 
 # KEYS[1] state, KEYS[2] lease: the guard every fenced write starts with. ARGV[1] epoch, ARGV[2] owner.
+# The lease must hold the owner token, or have lapsed with the state still naming this claim (see the
+# module docstring); `@RETAKE@` then runs, after every check passed.
 _FENCE = """
 if redis.call('HGET', KEYS[1], 'epoch') ~= ARGV[1] then return 'stale' end
-if redis.call('GET', KEYS[2]) ~= ARGV[2] then return 'lost' end
+local lease = redis.call('GET', KEYS[2])
+if lease ~= ARGV[2] and (lease or redis.call('HGET', KEYS[1], 'owner') ~= ARGV[2]) then return 'lost' end
 local status = redis.call('HGET', KEYS[1], 'status')
 if status ~= 'running' then return status or 'missing' end
+if not lease then
+  redis.call('HINCRBY', KEYS[1], 'retaken', 1)
+  @RETAKE@
+end
 """
+
+
+def _fence(ttl_arg: str | None) -> str:
+    """The fence; a write that keeps the fork running (`ttl_arg`: the ARGV holding the lease TTL in ms) sets the
+    lapsed lease again, one that gives the lease up (finish, release, park) has nothing to restore."""
+    retake = f"redis.call('SET', KEYS[2], ARGV[2], 'PX', {ttl_arg})" if ttl_arg else ""
+    return _FENCE.replace("@RETAKE@", retake)
+
 
 # Before the fence of the scripts that give the lease up (release, park): this claim's own earlier
 # attempt already gave it up, and only its reply was lost. ARGV[2] owner; `@DONE@` its reply.
@@ -39,7 +61,8 @@ if redis.call('HGET', KEYS[1], 'released_by') == ARGV[2] then return '@DONE@' en
 # record (which hashes to the job digest, checked here, and equals the stored record) also records its tool
 # surface and publishes the first `model_call`: the checkpoint before the first model call, in the same
 # round trip (`primed`; the record is then not sent back). A retried claim whose first attempt ran (the
-# lease holds its owner token) gets the same claim back and writes nothing.
+# lease holds its owner token, or lapsed since with the state still naming it) gets the same claim back
+# and writes nothing but the lapsed lease.
 CLAIM: Final = (
     _NOW
     + """
@@ -49,7 +72,12 @@ if ARGV[4] ~= '' and redis.call('HGET', KEYS[1], 'digest') ~= ARGV[4] then retur
 local record = redis.call('GET', KEYS[5]) or ''
 local epoch, attempt, primed = 0, 0, 0
 local surface = ARGV[5] and ARGV[5] ~= '' and ARGV[7] == record
-if status == 'running' and redis.call('GET', KEYS[2]) == ARGV[1] then
+local lease = redis.call('GET', KEYS[2])
+if status == 'running' and (lease == ARGV[1] or (not lease and redis.call('HGET', KEYS[1], 'owner') == ARGV[1])) then
+  if not lease then  -- granted, then lapsed while the worker could not reach Redis: still its own
+    redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
+    redis.call('HINCRBY', KEYS[1], 'retaken', 1)
+  end
   epoch = tonumber(redis.call('HGET', KEYS[1], 'epoch'))
   attempt = tonumber(redis.call('HGET', KEYS[1], 'attempt'))
   if surface and attempt == 1 and redis.call('LLEN', KEYS[6]) == 1 and redis.call('LINDEX', KEYS[6], 0) == ARGV[5] then
@@ -57,7 +85,7 @@ if status == 'running' and redis.call('GET', KEYS[2]) == ARGV[1] then
   end
 else
   if status ~= 'queued' then return {status} end
-  if redis.call('EXISTS', KEYS[2]) == 1 then return {'leased'} end
+  if lease then return {'leased'} end
   redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
   epoch = redis.call('HINCRBY', KEYS[1], 'epoch', 1)
   attempt = redis.call('HINCRBY', KEYS[1], 'attempt', 1)
@@ -77,38 +105,44 @@ return {'claimed', attempt, epoch, record, redis.call('LRANGE', KEYS[6], 0, -1),
 """
 ).replace("@MAXLEN@", MAXLEN)
 
-# KEYS: state, lease, journal, events. ARGV: epoch, owner, seq, n entries, entries…, then event (type, data)
-# pairs. Entries are appended only at the expected position; the events go with them. A retry that finds
-# exactly these entries at that position (its first attempt ran) succeeds without writing.
+# KEYS: state, lease, journal, events. ARGV: epoch, owner, lease ttl_ms, seq, n entries, entries…, then event
+# (type, data) pairs. Entries are appended only at the expected position; the events go with them. A retry
+# that finds exactly these entries at that position (its first attempt ran) succeeds without writing.
 APPEND: Final = (
-    _FENCE
+    _fence("ARGV[3]")
     + """
-local len, seq, n = redis.call('LLEN', KEYS[3]), tonumber(ARGV[3]), tonumber(ARGV[4])
+local len, seq, n = redis.call('LLEN', KEYS[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
 if len ~= seq then
   if n == 0 or len ~= seq + n then return 'seq' end
   local stored = redis.call('LRANGE', KEYS[3], seq, seq + n - 1)
-  for i = 1, n do if stored[i] ~= ARGV[4 + i] then return 'seq' end end
+  for i = 1, n do if stored[i] ~= ARGV[5 + i] then return 'seq' end end
   return 'ok'
 end
-for i = 5, 4 + n do redis.call('RPUSH', KEYS[3], ARGV[i]) end
-for i = 5 + n, #ARGV, 2 do
+for i = 6, 5 + n do redis.call('RPUSH', KEYS[3], ARGV[i]) end
+for i = 6 + n, #ARGV, 2 do
   redis.call('XADD', KEYS[4], 'MAXLEN', '~', @MAXLEN@, '*', 'type', ARGV[i], 'data', ARGV[i + 1])
 end
 return 'ok'
 """
 ).replace("@MAXLEN@", MAXLEN)
 
-# KEYS: state, lease, events. ARGV: epoch, owner, mark, then event (type, data) pairs. Fenced like every
-# write: `running` when the events were published (or had been, by a first attempt with this mark);
-# otherwise nothing is published and the reply says why: the fork's status when it no longer runs
-# (`cancelled`, `succeeded`, ...), else `stale` (another epoch) or `lost` (another owner).
+# KEYS: state, lease, events. ARGV: epoch, owner, mark, lease ttl_ms, then event (type, data) pairs. Fenced
+# like every write (a lapsed lease still its own is taken back): `running` when the events were published
+# (or had been, by a first attempt with this mark); otherwise nothing is published and the reply says why:
+# the fork's status when it no longer runs (`cancelled`, `succeeded`, ...), else `stale` (another epoch) or
+# `lost` (another owner).
 EMIT: Final = """
 local status = redis.call('HGET', KEYS[1], 'status') or 'missing'
 if status ~= 'running' then return status end
 if redis.call('HGET', KEYS[1], 'epoch') ~= ARGV[1] then return 'stale' end
-if redis.call('GET', KEYS[2]) ~= ARGV[2] then return 'lost' end
-if #ARGV > 3 and redis.call('HGET', KEYS[1], 'emitted') ~= ARGV[3] then
-  for i = 4, #ARGV, 2 do
+local lease = redis.call('GET', KEYS[2])
+if lease ~= ARGV[2] then
+  if lease or redis.call('HGET', KEYS[1], 'owner') ~= ARGV[2] then return 'lost' end
+  redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[4])
+  redis.call('HINCRBY', KEYS[1], 'retaken', 1)
+end
+if #ARGV > 4 and redis.call('HGET', KEYS[1], 'emitted') ~= ARGV[3] then
+  for i = 5, #ARGV, 2 do
     redis.call('XADD', KEYS[3], 'MAXLEN', '~', @MAXLEN@, '*', 'type', ARGV[i], 'data', ARGV[i + 1])
   end
   redis.call('HSET', KEYS[1], 'emitted', ARGV[3])
@@ -127,7 +161,7 @@ if redis.call('HGET', KEYS[1], 'released_by') == ARGV[2] and redis.call('GET', K
   return 'finished'
 end
 """
-    + _FENCE
+    + _fence(None)
     + """
 local n = tonumber(ARGV[10])
 if n > 0 and redis.call('LLEN', KEYS[6]) ~= tonumber(ARGV[9]) then return 'seq' end
@@ -149,7 +183,7 @@ return 'finished'
 RELEASE: Final = (
     _NOW
     + _ALREADY_RELEASED.replace("@DONE@", "released")
-    + _FENCE
+    + _fence(None)
     + """
 redis.call('HSET', KEYS[1], 'status', 'queued', 'owner', '', 'released_by', ARGV[2])
 redis.call('DEL', KEYS[2])
@@ -168,7 +202,7 @@ return 'released'
 PAUSE: Final = (
     _NOW
     + _ALREADY_RELEASED.replace("@DONE@", "released")
-    + _FENCE
+    + _fence(None)
     + """
 redis.call('HSET', KEYS[1], 'status', ARGV[5], 'owner', '', 'error', ARGV[4], 'pending', ARGV[6], 'parked_ms', now,
            'released_by', ARGV[2])
@@ -179,22 +213,51 @@ return 'released'
 """
 ).replace("@MAXLEN@", MAXLEN)
 
-# KEYS: lease, running, state. ARGV: owner, ttl_ms, fork_id. A fork that stopped running (cancelled)
-# is not renewed: its worker learns at the next beat and stops its tool (cooperative cancellation).
+# KEYS: lease, running, state. ARGV: owner, ttl_ms, fork_id, epoch. 1: renewed; 2: the lease had lapsed
+# and is taken back (the fork still runs under this claim: nobody revived it); 0: not ours any more. A
+# fork that stopped running (cancelled) is not renewed: its worker learns at the next beat and stops
+# its tool (cooperative cancellation).
 RENEW: Final = (
     _NOW
     + """
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+local lease = redis.call('GET', KEYS[1])
+if lease ~= ARGV[1] then
+  if lease or redis.call('HGET', KEYS[3], 'owner') ~= ARGV[1] then return 0 end
+  if redis.call('HGET', KEYS[3], 'epoch') ~= ARGV[4] then return 0 end
+end
 if redis.call('HGET', KEYS[3], 'status') ~= 'running' then return 0 end
-redis.call('PEXPIRE', KEYS[1], ARGV[2])
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 redis.call('ZADD', KEYS[2], now + tonumber(ARGV[2]), ARGV[3])
+if not lease then redis.call('HINCRBY', KEYS[3], 'retaken', 1); return 2 end
 return 1
 """
 )
 
+# KEYS: the sweepers' clock. ARGV: gap_ms, grace_ms, clock ttl_ms. One call per sweeper pass: records the pass
+# and returns 1 while lapsed leases are left to their workers. No pass reached Redis for more than `gap_ms`
+# (a Redis outage, or no sweeper running): the grace starts now, for `grace_ms`. Otherwise (sweepers ran all
+# along) a lapsed lease means a dead or silent worker, revived at once.
+SWEEP_CLOCK: Final = (
+    _NOW
+    + """
+local last = tonumber(redis.call('HGET', KEYS[1], 'last') or '0')
+local grace_until = tonumber(redis.call('HGET', KEYS[1], 'grace_until') or '0')
+if now - last > tonumber(ARGV[1]) then
+  grace_until = now + tonumber(ARGV[2])
+  redis.call('HSET', KEYS[1], 'grace_until', grace_until)
+end
+redis.call('HSET', KEYS[1], 'last', now)
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+if grace_until > now then return 1 end
+return 0
+"""
+)
+
 # KEYS: state, lease, events, running, result. ARGV: fork_id, max_attempts, failed result bytes, ttl_s,
-# grace_ms. A revived fork stays in the running index, `grace_ms` ahead, until its job is enqueued
-# (`ENQUEUED`): if the sweeper dies or the broker is down in between, a later sweep enqueues it.
+# grace_ms, lapse_grace_ms. A revived fork stays in the running index, `grace_ms` ahead, until its job is
+# enqueued (`ENQUEUED`): if the sweeper dies or the broker is down in between, a later sweep enqueues it.
+# A lease that lapsed less than `lapse_grace_ms` ago (its index score is its end) is left to its worker
+# (`grace`): after a Redis outage the worker takes it back at its first renewal.
 REVIVE: Final = (
     _NOW
     + """
@@ -209,6 +272,8 @@ end
 if status ~= 'running' then redis.call('ZREM', KEYS[4], ARGV[1]); return status or 'missing' end
 local left = redis.call('PTTL', KEYS[2])
 if left > 0 then redis.call('ZADD', KEYS[4], now + left, ARGV[1]); return 'alive' end
+local grace = tonumber(ARGV[6] or '0')
+if grace > 0 and tonumber(redis.call('ZSCORE', KEYS[4], ARGV[1]) or '0') + grace > now then return 'grace' end
 local lost = redis.call('HINCRBY', KEYS[1], 'lost', 1)
 if lost >= tonumber(ARGV[2]) then
   redis.call('ZREM', KEYS[4], ARGV[1])

@@ -24,7 +24,7 @@ from workers.errors import ForkNotFound, ForkqError, LeaseLost, RecordDecodeErro
 from workers.history import ForkSeed
 from workers.journal import JournalEntry, RequestDigests
 from workers.keys import FORK_ID_RE, Keys
-from workers.lease import Claim, LeaseKeeper, Leases, ride_out
+from workers.lease import Claim, LeaseKeeper, Leases, revival_grace_s, ride_out
 from workers.metrics import Metrics
 from workers.progress import Progress, RunObserver
 from workers.providers import ModelProvider
@@ -43,6 +43,21 @@ MAX_INLINE_JOB_BYTES: Final = INLINE_JOB_MAX_BYTES  # the broker's checks size t
 Requeue = Callable[[str, str, int], None]  # fork id, digest, attempt
 
 POOL_HEADROOM: Final = 16  # Redis connections of a worker process beyond one per fork slot
+# the shortest Redis socket timeout of a worker: above the longest command it blocks on by design (the
+# nested-subagent wait's XREAD BLOCK of spawn.POLL_MS, a launch's WAIT for replicas of store.WAIT_TIMEOUT_MS)
+MIN_REDIS_TIMEOUT_S: Final = 2.0
+MAX_REDIS_TIMEOUT_S: Final = 5.0
+
+
+def redis_timeout_s(settings: Settings) -> float:
+    """The worker's Redis socket and connect timeout: FORKQ_HEARTBEAT_S, within 2-5 s.
+
+    A Redis that goes silent (a stopped process, a partition, a primary lost in a failover) would
+    otherwise hold a write or a heartbeat until TCP gives up, long after the lease lapsed. Timed out,
+    the call is retried on a new connection (`workers.lease.ride_out`, the heartbeat's retry), so a
+    blocked renewal costs at most one beat.
+    """
+    return min(max(settings.heartbeat_s, MIN_REDIS_TIMEOUT_S), MAX_REDIS_TIMEOUT_S)
 
 
 class RunForkJob(BaseModel):
@@ -86,14 +101,22 @@ class WorkerRuntime:
 
     @cached_property
     def redis(self) -> redis.Redis:
-        """One client (one connection pool) per process, with a connection for every fork slot and the worker's own.
+        """One client (one connection pool) per process: a connection for every fork slot and the worker's own,
+        and calls that time out (`redis_timeout_s`).
 
         A run holds one connection at a time; the headroom is for the heartbeat, the dead letters and
         beat sweeps. redis-py's default pool (100) failed runs at `--concurrency 1000` with
         `MaxConnectionsError`; a full pool now makes a command wait for a connection instead.
         """
         slots = self.slots or self.settings.worker_concurrency
-        return redis_client(self.settings, health_check_interval=30, max_connections=slots + POOL_HEADROOM)
+        timeout = redis_timeout_s(self.settings)
+        return redis_client(
+            self.settings,
+            health_check_interval=30,
+            max_connections=slots + POOL_HEADROOM,
+            socket_timeout=timeout,
+            socket_connect_timeout=timeout,
+        )
 
     @cached_property
     def store(self) -> ForkStore:
@@ -113,6 +136,7 @@ class WorkerRuntime:
             Keys(self.settings.namespace),
             ttl_ms=int(self.settings.lease_ttl_s * 1000),
             retention_s=self.settings.record_ttl_s,
+            lapse_grace_ms=int(revival_grace_s(self.settings.heartbeat_s) * 1000),
         )
 
     @cached_property
@@ -141,8 +165,8 @@ class WorkerRuntime:
         return ProviderRouter(self.settings)
 
     @cached_property
-    def spawner(self) -> Spawner | None:
-        """Launches nested subagents (None without a broker to enqueue them on)."""
+    def spawner(self) -> SubagentSpawner | None:
+        """Launches nested subagents (None without a broker to enqueue them on); a run binds it to its claim."""
         if self.requeue is None:
             return None
         return SubagentSpawner(self.store, self.requeue, self.stopping)
@@ -317,6 +341,20 @@ def _first_step(runtime: WorkerRuntime, job: RunForkJob) -> FirstStep | None:
         return None
 
 
+@dataclass
+class Prepared:
+    """What a claimed run starts from: its inputs, its journal, its channel, the tools it lacks."""
+
+    record: BootstrapRecord
+    seed: ForkSeed
+    entries: list[JournalEntry]
+    channel: FencedChannel
+    declared: list[dict[str, Any]]
+    missing: list[str]
+    provider: ModelProvider
+    spawner: Spawner | None
+
+
 def _run_claimed(
     runtime: WorkerRuntime,
     job: RunForkJob,
@@ -328,24 +366,7 @@ def _run_claimed(
 ) -> str:
     fid = job.fork_id
     try:
-        # the job's record stands for the stored one only if they are the same bytes (else it is verified below)
-        same = first is not None and claim.record == first[2][0]
-        if first is not None and same:
-            record, seed = first[:2]
-        else:  # reads ride out a Redis outage like the fenced writes, while the lease certainly holds
-            record, seed = ride_out(
-                lambda: _load_inputs(runtime, job, claim.record),
-                until=claim.clock.deadline,
-                what="reading its inputs",
-                fork_id=fid,
-            )
-        entries = [JournalEntry.decode(raw, fork_id=fid) for raw in claim.journal]
-        channel = FencedChannel(runtime.leases, claim, lost, runtime.stopping, observe=observe)
-        if claim.primed and first is not None:
-            channel.published = [("model_call", first[2][2])]
-        declared = runtime.declarations.of(record)
-        missing = _check_tool_surface(runtime, declared, entries, channel)
-        provider, spawner = runtime.provider, runtime.spawner
+        run = _prepare(runtime, job, claim, lost, observe=observe, first=first)
     except LeaseLost:  # Redis unreachable until the lease lapsed: the fork is revived, not failed
         raise
     except (ForkqError, redis.RedisError) as exc:
@@ -356,28 +377,64 @@ def _run_claimed(
         error = f"worker setup failed: {type(exc).__name__}: {exc}"
         runtime.leases.finish(claim, ForkResult(fork_id=fid, status=Status.FAILED, error=error))
         return Status.FAILED.value
-    if missing:
+    if run.missing:
         reason = (
-            f"declared tool(s) {', '.join(missing)} not available on this worker; the fork was started "
+            f"declared tool(s) {', '.join(run.missing)} not available on this worker; the fork was started "
             "with them and does not run with a different tool surface: install them and `forkq resume`"
         )
         runtime.leases.pause(claim, reason)
         return "paused"
+    return _run_loop(runtime, job, claim, lost, run)
+
+
+def _prepare(
+    runtime: WorkerRuntime,
+    job: RunForkJob,
+    claim: Claim,
+    lost: threading.Event,
+    *,
+    observe: Callable[[str, dict[str, Any]], None] | None,
+    first: FirstStep | None,
+) -> Prepared:
+    """The run's inputs (the job's, when they are the stored record's bytes), journal, channel and tools."""
+    if first is not None and claim.record == first[2][0]:
+        record, seed = first[:2]
+    else:  # reads ride out a Redis outage like the fenced writes, while the lease certainly holds
+        record, seed = ride_out(
+            lambda: _load_inputs(runtime, job, claim.record),
+            until=claim.clock.deadline,
+            what="reading its inputs",
+            fork_id=job.fork_id,
+        )
+    entries = [JournalEntry.decode(raw, fork_id=job.fork_id) for raw in claim.journal]
+    channel = FencedChannel(runtime.leases, claim, lost, runtime.stopping, observe=observe)
+    if claim.primed and first is not None:
+        channel.published = [("model_call", first[2][2])]
+    declared = runtime.declarations.of(record)
+    missing = _check_tool_surface(runtime, declared, entries, channel)
+    spawner = runtime.spawner
+    # the nested-subagent wait rides out an outage like the claim's writes, until the same deadline
+    bound = None if spawner is None else spawner.under(claim.clock.deadline)
+    return Prepared(record, seed, entries, channel, declared, missing, runtime.provider, bound)
+
+
+def _run_loop(runtime: WorkerRuntime, job: RunForkJob, claim: Claim, lost: threading.Event, run: Prepared) -> str:
+    """The child loop of a prepared run, to its result, its park, or its stop."""
     settings = runtime.settings
     loop = ChildLoop(
-        record=record,
-        seed=seed,
-        provider=provider,
+        record=run.record,
+        seed=run.seed,
+        provider=run.provider,
         tools=runtime.tools,
-        tool_declarations=declared,
-        io=channel,
-        entries=entries,
+        tool_declarations=run.declared,
+        io=run.channel,
+        entries=run.entries,
         max_turns=settings.max_turns,
         max_wall_s=settings.max_wall_s,
         running_s=claim.running_ms / 1000,
         max_depth=settings.max_subagent_depth,
         schema_retries=settings.schema_retries,
-        spawner=spawner,
+        spawner=run.spawner,
         cancelled=lost.is_set,
         digests=runtime.digests,
     )
@@ -391,10 +448,10 @@ def _run_claimed(
     except (LeaseLost, redis.RedisError):
         raise
     except Exception as exc:  # a provider or loop failure ends the fork as failed, with the reason
-        log.exception("fork %s: attempt %d failed", fid, claim.attempt)
+        log.exception("fork %s: attempt %d failed", job.fork_id, claim.attempt)
         error = f"{type(exc).__name__}: {exc}"
-        result = ForkResult(fork_id=fid, status=Status.FAILED, error=error, usage=loop.usage())
-    channel.finish(result)
+        result = ForkResult(fork_id=job.fork_id, status=Status.FAILED, error=error, usage=loop.usage())
+    run.channel.finish(result)
     return result.status.value
 
 

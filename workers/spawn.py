@@ -3,24 +3,38 @@
 The nested fork's id is fixed by the calling fork and the call's position, and its bootstrap record
 is built from the caller's, so a revived caller re-launching it finds the same record (write-once)
 and simply waits for the same subagent: the call is idempotent.
+
+A caller waits through a Redis outage as its fenced writes do: every read and write of the launch and
+the wait (and the job's publish) is retried until Redis (or the broker) answers, or until the caller's
+own lease has lapsed past the sweeper's grace (`under(until)`, the claim's `LeaseClock.deadline`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, TypeVar
+
+from kombu.exceptions import OperationalError
 
 from workers.child import Stopped
 from workers.errors import ForkqError, InvalidAgentParams
+from workers.lease import TRANSIENT, ride_out
 from workers.params import validate_agent_params
 from workers.policy import effective_mode
 from workers.records import BootstrapRecord, ForkResult, Status
 from workers.store import ForkStore
 
+T = TypeVar("T")
+
+# the XREAD BLOCK of the wait: below the worker's Redis socket timeout (at least 2 s: runner.redis_timeout_s)
 POLL_MS: Final = 500
+# a publish that cannot reach the broker: kombu's error after Celery's own publish retries
+PUBLISH_TRANSIENT: Final = (*TRANSIENT, OperationalError)
 Enqueue = Callable[[str, str, int], None]  # fork id, digest, attempt
 
 
@@ -63,6 +77,17 @@ class SubagentSpawner:
     store: ForkStore
     enqueue: Enqueue
     stopping: threading.Event
+    # the caller's claim's `LeaseClock.deadline`: Redis and broker calls are retried until then
+    until: Callable[[], float] = lambda: float("-inf")  # unbound (see `under`): a failed call raises LeaseLost
+
+    def under(self, until: Callable[[], float]) -> SubagentSpawner:
+        """This spawner for one claim: its calls ride out an outage until `until()` (monotonic)."""
+        return dataclasses.replace(self, until=until)
+
+    def _ride(
+        self, call: Callable[[], T], what: str, fork_id: str, transient: tuple[type[Exception], ...] = TRANSIENT
+    ) -> T:
+        return ride_out(call, until=self.until, what=what, fork_id=fork_id, transient=transient)
 
     def spawn(
         self,
@@ -78,36 +103,42 @@ class SubagentSpawner:
         Raises:
             Stopped: the worker shuts down, or the caller lost its lease (it is revived elsewhere and
                 waits for the same subagent again).
+            LeaseLost: (`unreachable`) Redis or the broker did not answer until the caller's lease lapsed.
         """
         try:
             child = nested_record(record, args, child_id)
         except InvalidAgentParams as exc:
             return {"error": f"Error: {exc}"}
         data, digest = child.encode()
+        caller = record.fork_id
         try:
-            self.store.put_launch(child, data, digest)
+            self._ride(lambda: self.store.put_launch(child, data, digest), "launching its subagent", caller)
         except ForkqError as exc:
             return {"error": f"Error: the subagent could not be launched: {exc}"}
-        if self.store.state(child_id).attempt == 0:  # not yet run; a duplicate job would be a no-op anyway
-            self.enqueue(child_id, digest, 1)
-        return self._wait(record.fork_id, child_id, cancelled, deadline)
+        # not yet run; a duplicate job would be a no-op anyway
+        if self._ride(lambda: self.store.state(child_id), "reading its subagent's state", caller).attempt == 0:
+            enqueue = lambda: self.enqueue(child_id, digest, 1)  # noqa: E731
+            self._ride(enqueue, "enqueueing its subagent", caller, PUBLISH_TRANSIENT)
+        return self._wait(caller, child_id, cancelled, deadline)
 
     def _wait(self, caller: str, child_id: str, cancelled: Callable[[], bool], deadline: float) -> dict[str, Any]:
         after = "0-0"
         while True:
-            result = self.store.result(child_id)
+            result = self._ride(lambda: self.store.result(child_id), "reading its subagent's result", caller)
             if result is not None:
                 return _outcome(result)
             if cancelled():
-                if self.store.state(caller).status is not Status.CANCELLED:
+                state = self._ride(lambda: self.store.state(caller), "reading its own state", caller)
+                if state.status is not Status.CANCELLED:
                     raise Stopped("lease_lost")  # revived elsewhere: the new run waits for the same subagent
-                self.store.cancel(child_id)  # the caller was cancelled: so is what it launched
+                self._ride(lambda: self.store.cancel(child_id), "cancelling its subagent", caller)
             if time.monotonic() >= deadline:  # the caller's wall clock ran out: its subagent's work is moot
-                self.store.cancel(child_id)
+                self._ride(lambda: self.store.cancel(child_id), "cancelling its subagent", caller)
                 return {"error": "Error: the caller's wall-clock limit was reached while the subagent ran"}
             if self.stopping.is_set():
                 raise Stopped("shutdown")
-            for event in self.store.events(child_id, after=after, block_ms=POLL_MS):
+            poll = functools.partial(self.store.events, child_id, after=after, block_ms=POLL_MS)
+            for event in self._ride(poll, "waiting for its subagent", caller):
                 after = event.id
             time.sleep(0)  # let the heartbeat thread run between polls
 

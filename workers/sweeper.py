@@ -1,7 +1,12 @@
 """The sweeper: finds forks whose lease expired and revives them (or fails them after max attempts).
 
 Any number of sweepers may run: the revive transition is one Lua script per fork, so each expired
-lease is revived once. A fork whose worker merely stalls for less than its lease is never touched.
+lease is revived once. A fork whose worker merely stalls for less than its lease is never touched,
+and after a Redis outage a lease that lapsed is left to its worker for a grace (`Leases.lapse_grace_ms`,
+a heartbeat interval and a second and a half by default: `workers.lease.revival_grace_s`), so that a
+worker cut off by an outage shorter than the lease takes its lease back before anyone revives the fork.
+The grace applies only after an outage (no sweeper pass reached Redis for `outage_gap_s`); while the
+sweepers reach Redis all along, a lapsed lease means a dead or silent worker and is revived at once.
 """
 
 from __future__ import annotations
@@ -19,6 +24,13 @@ from workers.store import ForkStore
 log = logging.getLogger("forkq.sweeper")
 
 Enqueue = Callable[[str, str, int], None]  # fork id, digest, attempt
+
+
+def outage_gap_s(interval_s: float) -> float:
+    """How long no sweeper pass may reach Redis before the sweepers treat it as an outage: two passes
+    missed and a second. Shorter than a lease TTL less a heartbeat (10 s by default), the shortest outage
+    that can lapse a renewed lease."""
+    return 2 * interval_s + 1.0
 
 
 @dataclass
@@ -42,8 +54,12 @@ class Sweeper:
         outcomes: Counter[str] = Counter()
         # another sweeper re-enqueues a revived fork only if this one failed to within the grace
         grace_ms = int(max(1.0, 5 * self.interval_s) * 1000)
+        outage = self.leases.in_outage_grace(gap_ms=int(outage_gap_s(self.interval_s) * 1000))
+        lapse_grace_ms = self.leases.lapse_grace_ms if outage else 0
         for fork_id in self.leases.expired():
-            outcome = self.leases.revive(fork_id, max_attempts=self.max_attempts, grace_ms=grace_ms)
+            outcome = self.leases.revive(
+                fork_id, max_attempts=self.max_attempts, grace_ms=grace_ms, lapse_grace_ms=lapse_grace_ms
+            )
             outcomes[outcome] += 1
             if self.metrics is not None:
                 self.metrics.swept(outcome)
