@@ -117,12 +117,16 @@ def test_a_live_lease_is_never_revived_even_when_its_index_entry_looks_expired(
 def test_a_lapsed_lease_is_left_to_its_worker_for_the_grace_and_revived_after_it(
     redis_client: redis.Redis, fork_store: ForkStore, make_queued_fork: Callable[..., tuple[str, str]]
 ) -> None:
-    # Given a fork whose lease lapsed just now, and sweepers whose leases give a lapsed lease a 1.5 s grace
+    # Given a fork whose lease lapsed just now, and sweepers whose leases give a lapsed lease a 1.5 s grace,
+    # whose last pass is older than the outage gap (Redis was unreachable for a while)
     fid, digest = make_queued_fork()
     claim_and_abandon(redis_client, [fid])
     enqueued = Enqueued()
     sweeper = make_sweeper(redis_client, enqueued)
     sweeper.leases.lapse_grace_ms = 1500
+    seconds, micros = redis_client.time()
+    gap_ms = int(outage_gap_s(sweeper.interval_s) * 1000)
+    redis_client.hset(KEYS.sweep, "last", seconds * 1000 + micros // 1000 - gap_ms - 1)
     lapsed_at = time.monotonic()
 
     # When they sweep during the grace
@@ -379,13 +383,12 @@ def test_the_sweep_loop_survives_a_broker_outage(
 def test_a_sweeper_that_reached_redis_all_along_revives_a_lapsed_lease_at_once_without_the_grace(
     redis_client: redis.Redis, fork_store: ForkStore, make_queued_fork: Callable[..., tuple[str, str]]
 ) -> None:
-    # Given sweepers that have been passing all along (the first pass after none starts the outage grace),
-    # every 10 s: the test's own pauses are far inside the outage gap
+    # Given sweepers that have been passing all along, every 10 s: the test's own pauses are far inside the
+    # outage gap
     enqueued = Enqueued()
     sweeper = make_sweeper(redis_client, enqueued, interval_s=10.0)
     sweeper.leases.lapse_grace_ms = 60_000
     sweeper.sweep_once()
-    redis_client.hset(KEYS.sweep, "grace_until", 0)  # that first grace over: sweeping as in steady state
 
     # When a worker dies (its lease lapses with no Redis outage), and a pass follows
     fid, digest = make_queued_fork()
@@ -407,7 +410,7 @@ def test_after_no_sweeper_pass_reached_redis_for_a_while_a_lapsed_lease_gets_the
     sweeper.sweep_once()
     seconds, micros = redis_client.time()
     gap_ms = int(outage_gap_s(sweeper.interval_s) * 1000)
-    redis_client.hset(KEYS.sweep, mapping={"grace_until": 0, "last": seconds * 1000 + micros // 1000 - gap_ms - 1})
+    redis_client.hset(KEYS.sweep, "last", seconds * 1000 + micros // 1000 - gap_ms - 1)
 
     # When a lease has lapsed and the sweeper passes again
     fid, _ = make_queued_fork()
@@ -417,3 +420,21 @@ def test_after_no_sweeper_pass_reached_redis_for_a_while_a_lapsed_lease_gets_the
     # Then the fork is left to its worker to take its lease back
     assert outcomes == Counter({"grace": 1})
     assert enqueued.jobs == []
+
+
+def test_a_sweeper_that_finds_no_earlier_pass_revives_at_once(
+    redis_client: redis.Redis, fork_store: ForkStore, make_queued_fork: Callable[..., tuple[str, str]]
+) -> None:
+    # Given no sweeper pass recorded (a first deployment, or none for a day): no outage to tell of
+    enqueued = Enqueued()
+    sweeper = make_sweeper(redis_client, enqueued)
+    sweeper.leases.lapse_grace_ms = 60_000
+    fid, digest = make_queued_fork()
+    claim_and_abandon(redis_client, [fid])
+
+    # When the first pass finds a lapsed lease
+    outcomes = sweeper.sweep_once()
+
+    # Then it revives the fork at once
+    assert outcomes == Counter({"revive": 1})
+    assert enqueued.jobs == [(fid, digest, 2)]

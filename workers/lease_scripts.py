@@ -235,14 +235,15 @@ return 1
 
 # KEYS: the sweepers' clock. ARGV: gap_ms, grace_ms, clock ttl_ms. One call per sweeper pass: records the pass
 # and returns 1 while lapsed leases are left to their workers. No pass reached Redis for more than `gap_ms`
-# (a Redis outage, or no sweeper running): the grace starts now, for `grace_ms`. Otherwise (sweepers ran all
+# (a Redis outage, or no sweeper running): the grace starts now, for `grace_ms`. No pass for a day or ever
+# (the clock expired): nothing to tell, no grace. Otherwise (sweepers ran all
 # along) a lapsed lease means a dead or silent worker, revived at once.
 SWEEP_CLOCK: Final = (
     _NOW
     + """
 local last = tonumber(redis.call('HGET', KEYS[1], 'last') or '0')
 local grace_until = tonumber(redis.call('HGET', KEYS[1], 'grace_until') or '0')
-if now - last > tonumber(ARGV[1]) then
+if last > 0 and now - last > tonumber(ARGV[1]) then
   grace_until = now + tonumber(ARGV[2])
   redis.call('HSET', KEYS[1], 'grace_until', grace_until)
 end

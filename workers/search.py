@@ -455,7 +455,9 @@ def grep_search(args: Mapping[str, Any], ctx: ToolContext) -> str:
         try:
             found = _found(root, ctx, path, include, search)
         except OutOfTime:
-            if time.monotonic() < search.deadline:  # time was left: a cancel stopped it
+            # a cancel stopped it only if the fork was cancelled with time left: the regex engine's own
+            # timeout can fire a little before `time.monotonic()` reaches the deadline
+            if time.monotonic() < search.deadline and ctx.cancelled():
                 raise ToolError("the fork was cancelled; the search was stopped") from None
             raise ToolError(
                 f"grep_search stopped after {round(budget, 1):g} s, its time limit, in {search.where!r}: the "
