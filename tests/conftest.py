@@ -252,19 +252,7 @@ def make_queued_fork(fork_store: ForkStore) -> Callable[..., tuple[str, str]]:
 
     def make(fork_id: str | None = None) -> tuple[str, str]:
         fid = fork_id or f"f-unit-{next(counter):04d}-{os.getpid()}"
-        record = BootstrapRecord(
-            fork_id=fid,
-            parent_session="s-unit",
-            kind="fork",
-            seed_chunks=[],
-            message_count=0,
-            task_prompt="Begin.",
-            directive="Do the task.",
-            description="unit fork",
-        )
-        data, digest = record.encode()
-        fork_store.put_launch(record, data, digest)
-        return fid, digest
+        return fid, put_queued_fork(fork_store, fid)
 
     return make
 
@@ -284,3 +272,20 @@ def forkq(forkq_env: Settings, capsys: pytest.CaptureFixture[str]) -> Callable[.
         return code, out, err
 
     return run
+
+
+def put_queued_fork(store: ForkStore, fork_id: str) -> str:
+    """Write a minimal queued fork `fork_id` through `store` (no job enqueued); its digest."""
+    record = BootstrapRecord(
+        fork_id=fork_id,
+        parent_session="s-unit",
+        kind="fork",
+        seed_chunks=[],
+        message_count=0,
+        task_prompt="Begin.",
+        directive="Do the task.",
+        description="unit fork",
+    )
+    data, digest = record.encode()
+    store.put_launch(record, data, digest)
+    return digest

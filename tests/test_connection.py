@@ -274,6 +274,16 @@ def _rss_kib(pid: int, field: str) -> int:
     raise AssertionError(f"no {field} in /proc/{pid}/status")
 
 
+def _settled_worker(
+    client: ForkClient, worker_process: Callable[..., WorkerProcess], parent: dict[str, Any], tmp_path: Path
+) -> tuple[WorkerProcess, int]:
+    """A worker process that has run one fork, and its peak resident size (KiB) by then."""
+    worker = worker_process(FORKQ_PROVIDER="scripted")
+    first = client.launch({**parent, "cwd": str(tmp_path)}, FORK)
+    assert first.wait(timeout=60).status is Status.SUCCEEDED, worker.log()[-3000:]
+    return worker, _rss_kib(worker.process.pid, "VmHWM")
+
+
 @pytest.mark.slow
 def test_a_compressed_bomb_is_dead_lettered_before_it_is_inflated(
     client: ForkClient,
@@ -283,10 +293,7 @@ def test_a_compressed_bomb_is_dead_lettered_before_it_is_inflated(
     tmp_path: Path,
 ) -> None:
     # Given an idle worker process that has run a fork (so its resident size has settled)
-    worker = worker_process(FORKQ_PROVIDER="scripted")
-    first = client.launch({**parent, "cwd": str(tmp_path)}, FORK)
-    assert first.wait(timeout=60).status is Status.SUCCEEDED, worker.log()[-3000:]
-    idle_kib = _rss_kib(worker.process.pid, "VmHWM")
+    worker, idle_kib = _settled_worker(client, worker_process, parent, tmp_path)
 
     # When a ~255 KiB message that inflates to 256 MiB reaches its queue (gzip, as kombu names zlib)
     bomb = zlib.compress(b"\0" * (256 * 1024 * 1024), 9)
@@ -338,10 +345,7 @@ def test_items_that_would_build_millions_of_objects_are_dead_lettered_before_the
     tmp_path: Path,
 ) -> None:
     # Given an idle worker process that has run a fork (so its resident size has settled)
-    worker = worker_process(FORKQ_PROVIDER="scripted")
-    first = client.launch({**parent, "cwd": str(tmp_path)}, FORK)
-    assert first.wait(timeout=60).status is Status.SUCCEEDED, worker.log()[-3000:]
-    idle_kib = _rss_kib(worker.process.pid, "VmHWM")
+    worker, idle_kib = _settled_worker(client, worker_process, parent, tmp_path)
 
     # When items within the envelope size limit reach its queue whose parsing would build millions of
     # objects: a msgpack body of empty arrays (right task, right id) and a JSON envelope of `{}`s

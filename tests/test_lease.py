@@ -16,7 +16,7 @@ from typing import Any, cast
 
 import pytest
 import redis
-from conftest import TEST_NAMESPACE
+from conftest import TEST_NAMESPACE, put_queued_fork
 from live import stop_redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
@@ -26,7 +26,7 @@ from workers.errors import LeaseLost
 from workers.journal import JournalEntry
 from workers.keys import Keys
 from workers.lease import LAPSE_MARGIN_S, Claim, LeaseKeeper, Leases
-from workers.records import BootstrapRecord, ForkResult, Status
+from workers.records import ForkResult, Status
 from workers.redis_server import RedisServer
 from workers.store import ForkStore
 
@@ -797,18 +797,7 @@ def test_a_claim_whose_reply_was_lost_is_handed_back_as_granted_and_claims_nothi
 def queue_fork(client: redis.Redis) -> str:
     """A queued fork on `client`'s Redis (a server of the test's own)."""
     fid = "f-outage"
-    record = BootstrapRecord(
-        fork_id=fid,
-        parent_session="s-unit",
-        kind="fork",
-        seed_chunks=[],
-        message_count=0,
-        task_prompt="Begin.",
-        directive="Do the task.",
-        description="unit fork",
-    )
-    data, digest = record.encode()
-    ForkStore(client, KEYS, ttl_s=3600).put_launch(record, data, digest)
+    put_queued_fork(ForkStore(client, KEYS, ttl_s=3600), fid)
     return fid
 
 
