@@ -19,8 +19,8 @@ from typing import Any
 import msgpack
 
 from workers import codec
-from workers.history import build_fork_seed
-from workers.messages import parse_history
+from workers.history.messages import parse_history
+from workers.history.selection import build_fork_seed
 
 _WORDS = ("fork", "worker", "redis", "lease", "journal", "model", "tool", "def", "return", "self", "=", "\n")
 _CORPUS = " ".join(random.Random(1).choice(_WORDS) for _ in range(40_000))

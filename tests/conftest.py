@@ -24,9 +24,9 @@ from workers.app import make_app
 from workers.client import ForkClient
 from workers.errors import ConfigurationError
 from workers.keys import Keys
-from workers.records import BootstrapRecord
-from workers.redis_server import RedisServer, find_redis_server
-from workers.store import ForkStore
+from workers.records.fork import BootstrapRecord
+from workers.store.forks import ForkStore
+from workers.store.redis_server import RedisServer, find_redis_server
 
 
 @pytest.fixture(scope="session")

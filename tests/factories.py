@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from workers.messages import Content
+from workers.history.messages import Content
 
 PartLike = str | dict[str, Any]
 

@@ -20,8 +20,8 @@ from broker_config.celery import RUN_FORK_TASK, SWEEP_TASK
 from broker_config.settings import Settings
 from workers.app import make_app, runtime_of
 from workers.client import ForkClient
-from workers.health import check_redis
-from workers.records import Status
+from workers.records.fork import Status
+from workers.store.health import check_redis
 
 REPO_ROOT = Path(app_module.__file__).resolve().parents[1]
 FORK = {"description": "d", "prompt": "Report back.", "subagent_type": "fork", "fork_turns": "1"}
@@ -90,7 +90,7 @@ def test_the_module_level_app_is_built_from_the_environment_on_first_access(
 def test_importing_forkq_builds_no_app_and_touches_no_redis() -> None:
     # FORKQ_REDIS_URL points nowhere: an import that connected or built an app would show here
     code = (
-        "import celery._state as state, workers.app, workers.client, workers.cli, workers.tasks; "
+        "import celery._state as state, workers.app, workers.client, workers.cli, workers.service.tasks; "
         "print(len(list(state._get_active_apps())))"
     )
     env = {"FORKQ_REDIS_URL": "redis://127.0.0.1:1/0", "PATH": ""}

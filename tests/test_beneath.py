@@ -1,4 +1,4 @@
-"""Opening paths beneath a directory (`workers.beneath`), with `openat2` and with the component walk.
+"""Opening paths beneath a directory (`workers.tools.beneath`), with `openat2` and with the component walk.
 
 Every test runs twice: once as this kernel allows (`openat2` where it has it) and once with the
 walk forced, so both implementations are held to the same answers. The race through the tools
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from workers import beneath
-from workers.beneath import ANY, DIRECTORY, RootDir
+from workers.tools import beneath
+from workers.tools.beneath import ANY, DIRECTORY, RootDir
 
 
 @pytest.fixture(params=["openat2", "walk"])

@@ -28,22 +28,23 @@ from test_journal import MemoryJournal
 
 from broker_config.settings import Settings
 from workers.app import make_app, runtime_of
-from workers.child import ChildLoop, Parked, Stopped
 from workers.cli import main
 from workers.client import ForkClient
 from workers.errors import ForkNotEnded, InvalidAgentParams, InvalidApproval
-from workers.history import ForkSeed
-from workers.journal import JournalEntry, replay
+from workers.history.params import agent_tool_schema
+from workers.history.selection import ForkSeed
 from workers.keys import Keys
-from workers.notification import NO_OUTPUT
-from workers.params import agent_tool_schema
-from workers.policy import FORK_NESTING_ERROR, SUBAGENT_FORK_ERROR, TEAMMATE_NESTING_ERROR
+from workers.loop.child import ChildLoop, Parked, Stopped
+from workers.loop.policy import FORK_NESTING_ERROR, SUBAGENT_FORK_ERROR, TEAMMATE_NESTING_ERROR
 from workers.providers import ModelRequest, ModelResponse
 from workers.providers.scripted import Script, ScriptedProvider
-from workers.records import BootstrapRecord, Status
-from workers.runner import RunForkJob, WorkerRuntime, run_fork_job
-from workers.spawn import SubagentSpawner, nested_record
-from workers.tools import Tool, ToolRegistry, builtin_tools
+from workers.records.fork import BootstrapRecord, Status
+from workers.records.journal import JournalEntry, replay
+from workers.records.notification import NO_OUTPUT
+from workers.service.runner import RunForkJob, WorkerRuntime, run_fork_job
+from workers.service.spawn import SubagentSpawner, nested_record
+from workers.tools.builtins import builtin_tools
+from workers.tools.registry import Tool, ToolRegistry
 
 FORK = {"description": "fix the limiter", "prompt": "Fix the rate limiter.", "subagent_type": "fork"}
 REGULAR = {"description": "audit", "prompt": "Audit the limiter.", "subagent_type": "general-purpose"}

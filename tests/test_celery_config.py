@@ -20,7 +20,7 @@ from broker_config.connection import DEAD_ITEMS_OPTION
 from broker_config.settings import Settings
 from workers.client import ForkClient
 from workers.keys import Keys
-from workers.records import Status
+from workers.records.fork import Status
 
 FORK = {"description": "d", "prompt": "Check the config.", "subagent_type": "fork", "fork_turns": "1"}
 

@@ -22,11 +22,11 @@ from cli_support import FORKQ, PARENT, PROMPT, Run, launch, wait_for
 
 from broker_config.settings import Settings
 from workers.cli import main
-from workers.history import build_fork_seed
+from workers.history.params import MSG_FORK_TURNS_VALUE
+from workers.history.selection import build_fork_seed
+from workers.history.snapshot import load_parent_snapshot
 from workers.keys import Keys
-from workers.lease import Leases
-from workers.params import MSG_FORK_TURNS_VALUE
-from workers.snapshot import load_parent_snapshot
+from workers.store.lease import Leases
 
 INSPECT_KEYS = {
     "fork_id",

@@ -12,7 +12,7 @@ import redis
 from cli_support import PARENT, PROMPT, Run, launch, parent_file
 
 from broker_config.settings import Settings
-from workers.params import MSG_FORK_TURNS_VALUE
+from workers.history.params import MSG_FORK_TURNS_VALUE
 
 
 def test_launch_json_prints_the_fork_id_and_its_status(forkq: Run) -> None:

@@ -27,9 +27,7 @@ from workers.errors import (
     RecordExistsError,
     RecordIntegrityError,
 )
-from workers.history import build_fork_seed
-from workers.lease import Leases
-from workers.params import (
+from workers.history.params import (
     MSG_FORK_TURNS_NOT_FORK,
     MSG_FORK_TURNS_TEAMMATE,
     MSG_FORK_TURNS_VALUE,
@@ -37,8 +35,10 @@ from workers.params import (
     AgentParams,
     validate_agent_params,
 )
-from workers.records import Status, split_seed
-from workers.snapshot import parse_parent_snapshot
+from workers.history.selection import build_fork_seed
+from workers.history.snapshot import parse_parent_snapshot
+from workers.records.fork import Status, split_seed
+from workers.store.lease import Leases
 
 FORK = {"description": "write expiry tests", "prompt": "Write the expiry tests.", "subagent_type": "fork"}
 

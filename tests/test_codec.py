@@ -20,7 +20,7 @@ from workers.codec import (
     encode_message,
 )
 from workers.errors import ForkqError, RecordDecodeError
-from workers.history import ForkSeed, build_fork_seed
+from workers.history.selection import ForkSeed, build_fork_seed
 
 RECORD: dict[str, Any] = {
     "zeta": 1,

@@ -33,8 +33,8 @@ from broker_config.settings import Settings
 from workers.app import make_app
 from workers.client import ForkClient
 from workers.keys import Keys
-from workers.records import Status
-from workers.redis_server import RedisServer
+from workers.records.fork import Status
+from workers.store.redis_server import RedisServer
 
 SENTINELS = "sentinel://:pw@s1:26379;sentinel://s2:26379"
 FORK = {"description": "list files", "prompt": "List the files.", "subagent_type": "fork", "fork_turns": "1"}

@@ -9,8 +9,8 @@ import redis
 from conftest import TEST_NAMESPACE
 
 from broker_config.connection import RAW_KEPT, Rejected
-from workers.dead_letters import DEAD_LETTERS_MAX, dead_letter
 from workers.keys import Keys
+from workers.store.dead_letters import DEAD_LETTERS_MAX, dead_letter
 
 
 def test_a_refused_items_record_keeps_its_first_bytes_its_size_and_the_digest_of_all_of_it(

@@ -34,9 +34,9 @@ from test_provider_openai import completion, error_body, tool_call
 from broker_config.settings import Settings
 from workers.app import make_app, runtime_of
 from workers.client import ForkClient, ForkHandle
-from workers.messages import load_contents
+from workers.history.messages import load_contents
 from workers.providers.openai_compat import to_messages
-from workers.records import ForkResult, Status
+from workers.records.fork import ForkResult, Status
 
 OPENAI_MODEL = "gpt-4.1-mini"
 GEMINI_MODEL = "gemini-2.5-flash"

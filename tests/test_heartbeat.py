@@ -16,7 +16,7 @@ from live import wait_until
 from broker_config.settings import Settings
 from workers.app import make_app
 from workers.cli import main
-from workers.heartbeat import Heartbeat, heartbeat_problem, write_heartbeat
+from workers.service.heartbeat import Heartbeat, heartbeat_problem, write_heartbeat
 
 
 def test_a_fresh_heartbeat_is_no_problem(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""Examples for workers.history, one or more per rule and trap of docs/fork-history.md (§1-§6)."""
+"""Examples for workers.history.selection, one or more per rule and trap of docs/fork-history.md (§1-§6)."""
 
 from __future__ import annotations
 
@@ -37,7 +37,8 @@ from factories import (
 )
 
 from workers.errors import InvalidAgentParams
-from workers.history import (
+from workers.history.messages import Content
+from workers.history.selection import (
     FORK_INSTRUCTIONS,
     ForkSeed,
     build_fork_seed,
@@ -46,7 +47,6 @@ from workers.history import (
     is_system_reminder_content,
     startup_context_length,
 )
-from workers.messages import Content
 
 DIRECTIVE = "Directive: rename parse_args to parse_cli everywhere."
 FORK_TURNS_VALUE_MESSAGE = 'Parameter "fork_turns" must be "all" or a positive integer string such as "3".'

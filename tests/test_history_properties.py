@@ -14,7 +14,8 @@ from pydantic import BaseModel
 from strategies import FORK_TURNS, GeneratedHistory, parent_histories
 
 from workers.codec import decode, digest, encode
-from workers.history import (
+from workers.history.messages import Content, dump_contents, parse_history
+from workers.history.selection import (
     FORK_ACK_TEXT,
     FORK_BEGIN_PROMPT,
     FORK_PLACEHOLDER_OUTPUT,
@@ -26,7 +27,6 @@ from workers.history import (
     is_system_reminder_text,
     startup_context_length,
 )
-from workers.messages import Content, dump_contents, parse_history
 
 _HEALTH = [HealthCheck.too_slow, HealthCheck.data_too_large]
 PROPERTY = settings(max_examples=200, deadline=None, suppress_health_check=_HEALTH)  # the properties

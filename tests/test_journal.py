@@ -16,16 +16,16 @@ from typing import Any
 import pytest
 from factories import model, user
 
-from workers.child import ChildLoop, Stopped
 from workers.codec import encode
 from workers.errors import LeaseLost, RecordDecodeError
-from workers.history import ForkSeed
-from workers.journal import INTERRUPTED_ERROR, JournalEntry, RequestDigests, replay, request_digest
-from workers.messages import Content
+from workers.history.messages import Content
+from workers.history.selection import ForkSeed
+from workers.loop.child import ChildLoop, Stopped
 from workers.providers import ModelRequest, ModelResponse
 from workers.providers.scripted import Script, ScriptedProvider
-from workers.records import BootstrapRecord, Status
-from workers.tools import Tool, ToolContext, ToolRegistry
+from workers.records.fork import BootstrapRecord, Status
+from workers.records.journal import INTERRUPTED_ERROR, JournalEntry, RequestDigests, replay, request_digest
+from workers.tools.registry import Tool, ToolContext, ToolRegistry
 
 FORK_ID = "f-journal"
 SEED = ForkSeed(initial_messages=[user("Please fix the parser."), model("On it.")], task_prompt="Begin.")
@@ -483,7 +483,7 @@ def test_request_digests_cover_the_output_schema_encoded_once_per_loop() -> None
 
 
 def test_journal_usage_counts_model_calls_tokens_and_tool_uses_and_skips_a_damaged_entry() -> None:
-    from workers.journal import journal_usage
+    from workers.records.journal import journal_usage
 
     model = {"role": "model", "parts": [{"functionCall": {"id": "c1", "name": "t", "args": {}}}]}
     entries = [

@@ -21,14 +21,14 @@ from live import stop_redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from workers import lease_scripts as lua
 from workers.errors import LeaseLost
-from workers.journal import JournalEntry
 from workers.keys import Keys
-from workers.lease import LAPSE_MARGIN_S, Claim, LeaseKeeper, Leases
-from workers.records import ForkResult, Status
-from workers.redis_server import RedisServer
-from workers.store import ForkStore
+from workers.records.fork import ForkResult, Status
+from workers.records.journal import JournalEntry
+from workers.store import lease_scripts as lua
+from workers.store.forks import ForkStore
+from workers.store.lease import LAPSE_MARGIN_S, Claim, LeaseKeeper, Leases
+from workers.store.redis_server import RedisServer
 
 KEYS = Keys(TEST_NAMESPACE)
 SHORT_TTL_MS = 150

@@ -1,4 +1,4 @@
-"""Examples for workers.messages: the wire round trip and parse_history (docs/fork-history.md §1)."""
+"""Examples for workers.history.messages: the wire round trip and parse_history (docs/fork-history.md §1)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from workers.errors import InvalidHistory
-from workers.messages import Content, parse_history
+from workers.history.messages import Content, parse_history
 
 
 def round_trip(raw: dict[str, Any]) -> dict[str, Any]:

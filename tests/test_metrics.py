@@ -20,8 +20,8 @@ from broker_config.settings import Settings
 from workers.app import runtime_of, serve_runtime_metrics
 from workers.client import ForkClient
 from workers.errors import ConfigurationError
-from workers.metrics import Metrics, serve_metrics
-from workers.records import Status
+from workers.records.fork import Status
+from workers.service.metrics import Metrics, serve_metrics
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
@@ -98,7 +98,7 @@ def test_a_lost_lease_counts_as_a_run_end_and_a_lease_loss() -> None:
 
 
 def test_two_runtimes_in_one_process_have_separate_registries(make_settings: Callable[..., Settings]) -> None:
-    from workers.runner import WorkerRuntime
+    from workers.service.runner import WorkerRuntime
 
     first, second = WorkerRuntime(make_settings()), WorkerRuntime(make_settings())
 
@@ -131,7 +131,7 @@ def test_metrics_are_served_over_http_and_the_port_is_freed_on_close() -> None:
 def test_a_taken_metrics_port_is_a_configuration_error_naming_the_variable(
     make_settings: Callable[..., Settings],
 ) -> None:
-    from workers.runner import WorkerRuntime
+    from workers.service.runner import WorkerRuntime
 
     with socket.socket() as taken:
         taken.bind(("0.0.0.0", 0))
@@ -218,7 +218,7 @@ def test_a_repeated_delivery_counts_as_a_skipped_duplicate(
 ) -> None:
     from live import wait_until
 
-    from workers.tasks import enqueue_fork
+    from workers.service.tasks import enqueue_fork
 
     # Given a fork that ran to its end
     start_live_worker(app)
@@ -259,7 +259,7 @@ def test_a_prefork_worker_serves_no_fork_metrics_and_says_why(
     from celery.concurrency.thread import TaskPool as ThreadPool
 
     from workers.app import _serve_worker_metrics
-    from workers.runner import WorkerRuntime
+    from workers.service.runner import WorkerRuntime
 
     runtime = WorkerRuntime(make_settings(metrics_port=free_port()))
 
@@ -274,8 +274,8 @@ def test_the_sweeper_counts_each_revival_once(
     from conftest import TEST_NAMESPACE
 
     from workers.keys import Keys
-    from workers.lease import Leases
-    from workers.sweeper import Sweeper
+    from workers.service.sweeper import Sweeper
+    from workers.store.lease import Leases
 
     # Given a running fork whose lease has expired (deleted: its worker is gone)
     leases = Leases(redis_client, Keys(TEST_NAMESPACE), ttl_ms=10_000, retention_s=3600)

@@ -1,4 +1,4 @@
-"""Examples for workers.params: the Agent tool's parameters (docs/fork-history.md §4)."""
+"""Examples for workers.history.params: the Agent tool's parameters (docs/fork-history.md §4)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,13 @@ from typing import Any
 import pytest
 
 from workers.errors import InvalidAgentParams
-from workers.params import MSG_FORK_TURNS_DIGITS, AgentParams, agent_tool_schema, revalidate, validate_agent_params
+from workers.history.params import (
+    MSG_FORK_TURNS_DIGITS,
+    AgentParams,
+    agent_tool_schema,
+    revalidate,
+    validate_agent_params,
+)
 
 VALUE = 'Parameter "fork_turns" must be "all" or a positive integer string such as "3".'
 NOT_FORK = 'Parameter "fork_turns" can only be used with subagent_type "fork".'

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from workers.pattern_size import GREP_MAX_PATTERN_SIZE, expanded_size
+from workers.tools.pattern_size import GREP_MAX_PATTERN_SIZE, expanded_size
 
 
 @pytest.mark.parametrize(

@@ -11,8 +11,7 @@ import pytest
 
 from workers.client import check_nesting, launch_options
 from workers.errors import InvalidAgentParams
-from workers.notification import NO_OUTPUT, render_task_notification
-from workers.params import (
+from workers.history.params import (
     MSG_FORK_TOOLS_LIST,
     MSG_FORK_TOOLS_NOT_FORK,
     MSG_FORK_TOOLS_STAR,
@@ -22,7 +21,8 @@ from workers.params import (
     tool_allowed,
     validate_agent_params,
 )
-from workers.policy import (
+from workers.history.structured import check_answer, check_schema, feedback_text
+from workers.loop.policy import (
     FORK_NESTING_ERROR,
     SUBAGENT_FORK_ERROR,
     TEAMMATE_NESTING_ERROR,
@@ -33,9 +33,10 @@ from workers.policy import (
     is_agent_call,
     needs_approval,
 )
-from workers.records import ForkResult, Status, Usage
-from workers.structured import check_answer, check_schema, feedback_text
-from workers.tools import Tool, builtin_tools
+from workers.records.fork import ForkResult, Status, Usage
+from workers.records.notification import NO_OUTPUT, render_task_notification
+from workers.tools.builtins import builtin_tools
+from workers.tools.registry import Tool
 
 BUILTINS = builtin_tools()
 READ_ONLY = ("read_file", "list_directory", "glob", "grep_search")

@@ -19,10 +19,10 @@ from prometheus_client import CollectorRegistry
 from broker_config.settings import Settings
 from workers.app import runtime_of
 from workers.client import ForkClient
-from workers.metrics import Metrics
-from workers.progress import RunObserver, step_progress
-from workers.records import Status
-from workers.tasks import final_event
+from workers.records.fork import Status
+from workers.service.metrics import Metrics
+from workers.service.progress import RunObserver, step_progress
+from workers.service.tasks import final_event
 
 
 class Clock:

@@ -10,7 +10,7 @@ from fakeapi import FakeAPI
 from google.genai import types
 
 from workers.errors import ConfigurationError, ProviderError
-from workers.messages import load_contents
+from workers.history.messages import load_contents
 from workers.providers import ModelRequest
 from workers.providers.gemini import GeminiProvider, fit, generation_config, to_contents, transport_failure
 from workers.providers.output_schema import schema_note

@@ -11,7 +11,7 @@ from fakeapi import FakeAPI
 from openai.types.chat import ChatCompletion
 
 from workers.errors import ConfigurationError, ProviderError
-from workers.messages import Content, load_contents
+from workers.history.messages import Content, load_contents
 from workers.providers import ModelRequest
 from workers.providers.openai_compat import (
     OpenAICompatProvider,

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from workers.errors import ProviderError
-from workers.messages import Content, Part
+from workers.history.messages import Content, Part
 from workers.providers import ModelRequest, ModelResponse
 from workers.providers.output_schema import SchemaModes, generate_with_schema, schema_note
 

@@ -9,13 +9,13 @@ import pytest
 
 from broker_config.settings import Settings
 from workers.errors import ConfigurationError
-from workers.messages import Content, Part
+from workers.history.messages import Content, Part
 from workers.providers import ModelRequest, ModelResponse
 from workers.providers.gemini import GeminiProvider
 from workers.providers.openai_compat import OpenAICompatProvider
 from workers.providers.routing import ProviderRouter, make_provider, provider_kind, provider_problems
 from workers.providers.scripted import ScriptedProvider
-from workers.runner import WorkerRuntime
+from workers.service.runner import WorkerRuntime
 
 KEY_VARS = ("FORKQ_OPENAI_API_KEY", "OPENAI_API_KEY", "FORKQ_GEMINI_API_KEY", "GEMINI_API_KEY")
 

@@ -11,9 +11,9 @@ from factories import call, model, response, user
 
 from workers import codec
 from workers.errors import RecordDecodeError, RecordIntegrityError
-from workers.history import ForkSeed
-from workers.messages import Content, dump_contents
-from workers.records import (
+from workers.history.messages import Content, dump_contents
+from workers.history.selection import ForkSeed
+from workers.records.fork import (
     CHUNK_BOUNDARY_MODULUS,
     CHUNK_MAX_MESSAGES,
     TAIL_MESSAGES,

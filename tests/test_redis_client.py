@@ -22,8 +22,8 @@ from broker_config.settings import Settings
 from workers.app import make_app
 from workers.client import ForkClient
 from workers.keys import Keys
-from workers.records import Status
-from workers.redis_server import RedisServer
+from workers.records.fork import Status
+from workers.store.redis_server import RedisServer
 
 FORK = {"description": "d", "prompt": "Summarise the session.", "subagent_type": "fork", "fork_turns": "1"}
 

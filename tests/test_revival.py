@@ -37,15 +37,15 @@ from live import kombu_envelope, stop_redis
 from broker_config.settings import Settings
 from workers.app import make_app
 from workers.client import ForkClient
-from workers.journal import INTERRUPTED_ERROR, replay, request_digest
 from workers.keys import Keys
-from workers.lease import Claim, Leases, revival_grace_s
 from workers.providers import ModelRequest
-from workers.records import ForkResult, Status
-from workers.redis_server import RedisServer
-from workers.runner import RunForkJob, WorkerRuntime, run_fork_job
-from workers.store import ForkEvent, ForkStore
-from workers.tasks import enqueue_fork
+from workers.records.fork import ForkResult, Status
+from workers.records.journal import INTERRUPTED_ERROR, replay, request_digest
+from workers.service.runner import RunForkJob, WorkerRuntime, run_fork_job
+from workers.service.tasks import enqueue_fork
+from workers.store.forks import ForkEvent, ForkStore
+from workers.store.lease import Claim, Leases, revival_grace_s
+from workers.store.redis_server import RedisServer
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -64,7 +64,7 @@ import os
 import signal
 import time
 
-from workers.tools import Tool
+from workers.tools.registry import Tool
 
 PARAMETERS = {"type": "object", "properties": {"sleep_s": {"type": "number"}}}
 

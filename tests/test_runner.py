@@ -19,16 +19,16 @@ from live import FreezingProxy, forkq_environment, sweeper_process, wait_until
 from broker_config.settings import Settings
 from workers.app import make_app
 from workers.client import ForkClient
-from workers.journal import RequestDigests
-from workers.lease import Leases
-from workers.messages import Content, FunctionCall, Part
+from workers.history.messages import Content, FunctionCall, Part
 from workers.providers import ModelRequest, ModelResponse
-from workers.records import Status
-from workers.redis_server import RedisServer
-from workers.runner import MIN_REDIS_TIMEOUT_S, RunForkJob, WorkerRuntime, redis_timeout_s, run_fork_job
-from workers.spawn import POLL_MS
-from workers.store import WAIT_TIMEOUT_MS
-from workers.tools import Tool, ToolContext, ToolRegistry
+from workers.records.fork import Status
+from workers.records.journal import RequestDigests
+from workers.service.runner import MIN_REDIS_TIMEOUT_S, RunForkJob, WorkerRuntime, redis_timeout_s, run_fork_job
+from workers.service.spawn import POLL_MS
+from workers.store.forks import WAIT_TIMEOUT_MS
+from workers.store.lease import Leases
+from workers.store.redis_server import RedisServer
+from workers.tools.registry import Tool, ToolContext, ToolRegistry
 
 
 class Died(BaseException):
@@ -264,8 +264,8 @@ def test_a_garbled_call_is_still_not_run_after_a_revival(
 
 
 def test_replay_keeps_a_garbled_call_unrunnable_when_it_was_not_answered_yet() -> None:
-    from workers.history import ForkSeed
-    from workers.journal import JournalEntry, replay
+    from workers.history.selection import ForkSeed
+    from workers.records.journal import JournalEntry, replay
 
     # Given a journal whose last model response holds a call the provider garbled, not yet answered
     call = {"role": "model", "parts": [{"functionCall": {"id": "c1", "name": "count", "args": {}}}]}

@@ -13,10 +13,10 @@ from hypothesis import strategies as st
 from strategies import FORK_TURNS, GeneratedHistory, parent_histories
 
 from workers.errors import InvalidAgentParams
-from workers.history import build_fork_seed_wire
-from workers.records import chunk_digest, split_wire
-from workers.seeds import SeedBuilder, _Selection, _split
-from workers.snapshot import ParentSnapshot, parse_parent_snapshot
+from workers.history.selection import build_fork_seed_wire
+from workers.history.snapshot import ParentSnapshot, parse_parent_snapshot
+from workers.records.fork import chunk_digest, split_wire
+from workers.records.seeds import SeedBuilder, _Selection, _split
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "workers" / "examples" / "parent.json"
 TURNS = st.none() | st.just("all") | FORK_TURNS

@@ -15,8 +15,8 @@ from pydantic import ValidationError
 from broker_config.settings import Settings, is_sentinel_url, redact_url, sentinel_nodes
 from workers.app import make_app
 from workers.client import ForkClient
-from workers.records import Status
-from workers.redis_server import RedisServer
+from workers.records.fork import Status
+from workers.store.redis_server import RedisServer
 
 FORK = {"description": "d", "prompt": "Summarise the session.", "subagent_type": "fork", "fork_turns": "1"}
 

@@ -11,8 +11,8 @@ import pytest
 
 import workers
 from workers.errors import InvalidParentSnapshot
-from workers.messages import Content
-from workers.snapshot import ParentSnapshot, load_parent_snapshot, parse_parent_snapshot
+from workers.history.messages import Content
+from workers.history.snapshot import ParentSnapshot, load_parent_snapshot, parse_parent_snapshot
 
 PARENT_PATH = Path(workers.__file__).parent / "examples" / "parent.json"
 

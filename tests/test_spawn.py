@@ -1,4 +1,4 @@
-"""Nested subagents (workers/spawn.py) through a Redis outage: a caller waiting for its subagent rides it out.
+"""Nested subagents (workers/service/spawn.py) through a Redis outage: a caller waiting for its subagent rides it out.
 
 The launch and the wait are covered at the loop and worker level in tests/test_capabilities.py; here a
 real `forkq worker` and `forkq sweep` run against a private redis-server that is stopped and started
@@ -20,8 +20,8 @@ from live import forkq_environment, stop_redis, sweeper_process, wait_until
 from broker_config.settings import Settings
 from workers.app import make_app
 from workers.client import ForkClient
-from workers.records import Status
-from workers.redis_server import RedisServer
+from workers.records.fork import Status
+from workers.store.redis_server import RedisServer
 
 REGULAR = {"description": "delegate", "prompt": "Have a subagent count the calls.", "subagent_type": "general-purpose"}
 NESTED = {"description": "count calls", "prompt": "Count the INCR calls.", "subagent_type": "general-purpose"}

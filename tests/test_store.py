@@ -12,14 +12,14 @@ import pytest
 import redis
 
 from workers.errors import ForkNotFound, LeaseLost, RecordDecodeError, RecordExistsError, RecordIntegrityError
-from workers.history import ForkSeed, build_fork_seed
-from workers.journal import JournalEntry
+from workers.history.selection import ForkSeed, build_fork_seed
+from workers.history.snapshot import parse_parent_snapshot
 from workers.keys import Keys
-from workers.lease import Leases
-from workers.records import BootstrapRecord, ChunkCache, ForkResult, Status, chunk_digest, split_seed
-from workers.redis_server import RedisServer
-from workers.snapshot import parse_parent_snapshot
-from workers.store import ForkStore
+from workers.records.fork import BootstrapRecord, ChunkCache, ForkResult, Status, chunk_digest, split_seed
+from workers.records.journal import JournalEntry
+from workers.store.forks import ForkStore
+from workers.store.lease import Leases
+from workers.store.redis_server import RedisServer
 
 TTL_S = 3600
 
@@ -398,7 +398,7 @@ def test_cancelling_or_reading_an_unknown_fork_raises_fork_not_found(store: Fork
 
 
 def emit(store: ForkStore, kind: str, data: dict[str, Any]) -> None:
-    """Publish an event in the form a worker's fenced scripts write it (workers.lease_scripts: type, data JSON)."""
+    """Publish an event in the form a worker's fenced scripts write it (lease_scripts: type, data JSON)."""
     store.client.xadd(store.keys.events("f-1"), {"type": kind, "data": json.dumps(data)})
 
 

@@ -19,11 +19,11 @@ from conftest import TEST_NAMESPACE
 from kombu.exceptions import OperationalError
 
 from workers.keys import Keys
-from workers.lease import Claim, Leases
-from workers.records import BootstrapRecord
-from workers.redis_server import RedisServer
-from workers.store import ForkStore
-from workers.sweeper import Sweeper, outage_gap_s
+from workers.records.fork import BootstrapRecord
+from workers.service.sweeper import Sweeper, outage_gap_s
+from workers.store.forks import ForkStore
+from workers.store.lease import Claim, Leases
+from workers.store.redis_server import RedisServer
 
 KEYS = Keys(TEST_NAMESPACE)
 SHORT_TTL_MS = 200

@@ -32,11 +32,11 @@ from workers import codec
 from workers.app import make_app, runtime_of
 from workers.client import ForkClient, ForkHandle
 from workers.errors import ForkTimeout
-from workers.history import build_fork_seed
-from workers.records import Status, split_seed
-from workers.snapshot import parse_parent_snapshot
-from workers.store import ForkEvent
-from workers.tasks import make_sweeper, previous_run_end
+from workers.history.selection import build_fork_seed
+from workers.history.snapshot import parse_parent_snapshot
+from workers.records.fork import Status, split_seed
+from workers.service.tasks import make_sweeper, previous_run_end
+from workers.store.forks import ForkEvent
 
 FORK = {"description": "write expiry tests", "prompt": "Write the expiry tests.", "subagent_type": "fork"}
 

@@ -36,17 +36,19 @@ from prometheus_client import CollectorRegistry
 from test_capabilities import FORK, call, parent_for, step, tool_results, workdir, write_script
 
 from broker_config.settings import Settings
-from workers import builtin_tools, search, shell, shell_supervisor
 from workers.app import make_app, runtime_of
 from workers.client import ForkClient
 from workers.errors import ConfigurationError
+from workers.history.messages import FunctionCall
 from workers.keys import Keys
-from workers.messages import FunctionCall
-from workers.metrics import Metrics
-from workers.records import Status
-from workers.runner import WorkerRuntime
-from workers.tools import (
-    ENTRY_POINT_GROUP,
+from workers.records.fork import Status
+from workers.service.metrics import Metrics
+from workers.service.runner import WorkerRuntime
+from workers.tools import files as builtin_tools
+from workers.tools import search, shell, shell_supervisor
+from workers.tools.builtins import ENTRY_POINT_GROUP, load_tools
+from workers.tools.builtins import builtin_tools as make_builtin_registry
+from workers.tools.registry import (
     TOOL_MAX_ABANDONED,
     TOOL_STOP_GRACE_S,
     TOOL_WAIT_POLL_S,
@@ -54,10 +56,8 @@ from workers.tools import (
     ToolContext,
     ToolError,
     ToolRegistry,
-    load_tools,
     resolve_inside,
 )
-from workers.tools import builtin_tools as make_builtin_registry
 
 # ── helpers ────────────────────────────────────────────────────────────────────────────────────
 
@@ -251,7 +251,7 @@ def test_handler_failures_become_error_responses(work: Path) -> None:
 
 
 PLUGIN = """
-from workers.tools import Tool
+from workers.tools.registry import Tool
 
 def _effect(args, ctx):
     with open(args["target"], "a", encoding="utf-8") as out:
@@ -1207,7 +1207,7 @@ def test_no_write_or_read_escapes_while_a_directory_is_swapped_for_a_symlink_out
 ) -> None:
     # Given a directory inside, with a file named like the secret outside, swapped with a symlink out
     if implementation == "walk":
-        monkeypatch.setattr("workers.beneath.use_openat2", False)
+        monkeypatch.setattr("workers.tools.beneath.use_openat2", False)
     outside = work.parent / "outside"
     (outside / "only-outside.txt").touch()
     (work / "dir").mkdir()

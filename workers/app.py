@@ -26,13 +26,13 @@ from broker_config.connection import DEAD_ITEMS_OPTION, ForkqAMQP, Rejected
 from broker_config.settings import Settings
 from workers.codec import MessageBounds, decode_message, encode_message
 from workers.errors import ConfigurationError
-from workers.health import check_redis
-from workers.heartbeat import Heartbeat
 from workers.keys import Keys
-from workers.metrics import MetricsServer, serve_metrics
 from workers.providers.routing import provider_problems
-from workers.runner import WorkerRuntime
-from workers.tasks import enqueue_again, register_tasks
+from workers.service.heartbeat import Heartbeat
+from workers.service.metrics import MetricsServer, serve_metrics
+from workers.service.runner import WorkerRuntime
+from workers.service.tasks import enqueue_again, register_tasks
+from workers.store.health import check_redis
 
 log = logging.getLogger("forkq.worker")
 

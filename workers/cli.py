@@ -33,10 +33,10 @@ from workers.errors import (
     InvalidHistory,
     InvalidParentSnapshot,
 )
-from workers.health import check_redis
-from workers.heartbeat import heartbeat_problem
+from workers.history.snapshot import load_parent_snapshot, read_json_file
 from workers.limits import MAX_SCHEMA_FILE_BYTES
-from workers.snapshot import load_parent_snapshot, read_json_file
+from workers.service.heartbeat import heartbeat_problem
+from workers.store.health import check_redis
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_PARKED = 0, 1, 2, 3
 PARKED: tuple[str, ...] = ("awaiting_approval", "paused")
@@ -341,7 +341,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 def cmd_sweep(args: argparse.Namespace) -> int:
     """Revive forks whose lease expired: one pass with --once, else every FORKQ_SWEEP_S until stopped."""
     from workers.app import make_app, runtime_of, serve_runtime_metrics
-    from workers.tasks import make_sweeper
+    from workers.service.tasks import make_sweeper
 
     settings = _settings()
     app = make_app(settings)

@@ -17,18 +17,18 @@ from broker_config.redis_client import redis_client as connect_redis
 from broker_config.settings import Settings
 from workers.app import make_app
 from workers.errors import ForkNotEnded, ForkParked, ForkTimeout, InvalidAgentParams, InvalidApproval
+from workers.history.params import AgentParams, revalidate, validate_agent_params
+from workers.history.snapshot import ParentSnapshot, parse_parent_snapshot
+from workers.history.structured import check_schema
 from workers.keys import FORK_ID_RE, Keys
-from workers.lease import Leases
 from workers.limits import MAX_LAUNCH_TURNS, MAX_LAUNCH_WALL_S, bad_text, nesting_problem, shown, text_problem, too_deep
-from workers.notification import render_task_notification
-from workers.params import AgentParams, revalidate, validate_agent_params
-from workers.policy import APPROVAL_POLICIES, ApprovalPolicy, depth_error
-from workers.records import BootstrapRecord, ForkResult, ForkState, Status
-from workers.seeds import SeedBuilder, SeedChunks
-from workers.snapshot import ParentSnapshot, parse_parent_snapshot
-from workers.store import ForkEvent, ForkStore
-from workers.structured import check_schema
-from workers.tasks import enqueue_fork, send_ended_event
+from workers.loop.policy import APPROVAL_POLICIES, ApprovalPolicy, depth_error
+from workers.records.fork import BootstrapRecord, ForkResult, ForkState, Status
+from workers.records.notification import render_task_notification
+from workers.records.seeds import SeedBuilder, SeedChunks
+from workers.service.tasks import enqueue_fork, send_ended_event
+from workers.store.forks import ForkEvent, ForkStore
+from workers.store.lease import Leases
 
 
 def check_nesting(agent: AgentParams, parent_depth: int, max_depth: int) -> None:
@@ -245,7 +245,7 @@ class ForkClient:
         """Validate, build the seed, write the bootstrap record, then enqueue the fork.
 
         Nothing reaches Redis or the broker when the parameters or the snapshot are invalid. Sibling
-        launches from one `ParentSnapshot` object share its history selection (`workers.seeds`); add
+        launches from one `ParentSnapshot` object share its history selection (`workers.records.seeds`); add
         messages to a snapshot's history list as you like, but never change a Content in place.
 
         Args:

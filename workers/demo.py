@@ -34,11 +34,11 @@ from redis.retry import Retry
 from broker_config.settings import Settings, redact_url
 from workers.client import ForkClient, ForkHandle
 from workers.errors import ConfigurationError
-from workers.history import is_real_user_turn
-from workers.messages import Content
-from workers.records import ForkResult, Status
-from workers.redis_server import RedisServer
-from workers.store import ForkEvent
+from workers.history.messages import Content
+from workers.history.selection import is_real_user_turn
+from workers.records.fork import ForkResult, Status
+from workers.store.forks import ForkEvent
+from workers.store.redis_server import RedisServer
 
 EXAMPLE_PARENT = Path(__file__).parent / "examples" / "parent.json"
 # FORKQ_SCRIPT of the demo's workers: every fork's k-th model call gets step k (look, read, answer)

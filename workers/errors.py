@@ -15,7 +15,7 @@ ForkqError                      base; never raised bare
 ├── LeaseLost                   this worker no longer holds the fork's lease (.fork_id)
 ├── InvalidApproval             approve/deny of a fork or call that is not awaiting a decision (.fork_id)
 ├── ConfigurationError          settings or the Redis server are unfit for forkq (.field)
-├── ToolError                   a tool call failed in a way the model should read (workers.tools)
+├── ToolError                   a tool call failed in a way the model should read (workers.tools.registry)
 └── ProviderError               a model provider call failed for good (.provider, .model, .status, .attempts)
 ```
 

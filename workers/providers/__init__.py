@@ -7,7 +7,7 @@ from typing import Any, Protocol
 from pydantic import BaseModel, ConfigDict, Field
 
 from workers.errors import ConfigurationError
-from workers.messages import Content
+from workers.history.messages import Content
 
 
 class ModelRequest(BaseModel):

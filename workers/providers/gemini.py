@@ -23,7 +23,7 @@ from pydantic import BaseModel, ValidationError
 from pydantic.alias_generators import to_camel, to_snake
 
 from workers.errors import ConfigurationError, ProviderError
-from workers.messages import Content
+from workers.history.messages import Content
 from workers.providers import ModelRequest, ModelResponse, TokenUsage, require_model
 from workers.providers.declarations import function_declarations, parameters_schema
 from workers.providers.output_schema import SchemaModes, generate_with_schema, schema_note

@@ -32,7 +32,7 @@ import openai
 from openai.types.chat import ChatCompletion, ChatCompletionMessage, ChatCompletionMessageFunctionToolCall
 
 from workers.errors import ProviderError
-from workers.messages import Content, FunctionCall, Part
+from workers.history.messages import Content, FunctionCall, Part
 from workers.providers import ModelRequest, ModelResponse, TokenUsage, require_model
 from workers.providers.declarations import function_declarations, parameters_schema
 from workers.providers.output_schema import SchemaModes, generate_with_schema, schema_note

@@ -7,7 +7,7 @@ servers refuse native mode (a Chat Completions server without `json_schema` supp
 that does not combine function calling with a JSON response): `generate_with_schema` then sends the
 same request with the schema stated as text in its system instruction, and remembers the model for
 the life of the process, so later steps go straight to text. The schema check after the answer
-(`workers/structured.py`) still applies either way.
+(`workers/history/structured.py`) still applies either way.
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from workers.errors import ConfigurationError
-from workers.history import is_real_user_turn
-from workers.messages import Content, Part
+from workers.history.messages import Content, Part
+from workers.history.selection import is_real_user_turn
 from workers.providers import ModelRequest, ModelResponse, TokenUsage
 
 DEFAULT_DELAY_S = 0.2

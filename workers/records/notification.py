@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Final
 from xml.sax.saxutils import escape
 
-from workers.records import ForkResult, Status
+from workers.records.fork import ForkResult, Status
 
 NO_OUTPUT: Final = "(subagent produced no model-visible output)"
 _STATUS: Final = {Status.SUCCEEDED: "completed", Status.FAILED: "failed", Status.CANCELLED: "cancelled"}

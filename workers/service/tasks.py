@@ -14,11 +14,11 @@ from pydantic import ValidationError
 
 from broker_config.celery import RUN_FORK_TASK, SWEEP_TASK
 from workers.errors import ForkNotFound, RecordDecodeError, RecordIntegrityError
-from workers.lease import Claim
-from workers.progress import Progress
-from workers.runner import RunForkJob, WorkerRuntime, run_fork_job
-from workers.store import ForkEvent
-from workers.sweeper import Sweeper
+from workers.service.progress import Progress
+from workers.service.runner import RunForkJob, WorkerRuntime, run_fork_job
+from workers.service.sweeper import Sweeper
+from workers.store.forks import ForkEvent
+from workers.store.lease import Claim
 
 log = logging.getLogger("forkq.worker")
 
@@ -63,7 +63,7 @@ def enqueue_fork(
     """Send a `run_fork` job (task id `<fork id>.<attempt>`, so Flower lists every run of a fork).
 
     With `record` (the stored record bytes) the worker prepares the first model call before its claim,
-    which then also makes the checkpoint before that call (`workers.lease.Leases.claim`).
+    which then also makes the checkpoint before that call (`workers.store.lease.Leases.claim`).
     `description` and `parent_session` only name the job in Flower (`argsrepr`); the job is the same.
     """
     app.send_task(

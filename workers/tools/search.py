@@ -34,8 +34,8 @@ from typing import Any
 
 import regex
 
-from workers.beneath import ANY, RootDir
-from workers.builtin_tools import (
+from workers.tools.beneath import ANY, RootDir
+from workers.tools.files import (
     BINARY_SNIFF_BYTES,
     bounded,
     clip,
@@ -44,8 +44,8 @@ from workers.builtin_tools import (
     relative,
     root_of,
 )
-from workers.pattern_size import GREP_MAX_PATTERN_SIZE, expanded_size
-from workers.tools import ToolContext, ToolError
+from workers.tools.pattern_size import GREP_MAX_PATTERN_SIZE, expanded_size
+from workers.tools.registry import ToolContext, ToolError
 
 GLOB_MAX_RESULTS = 1000
 GLOB_MAX_SCANNED = 50_000  # matches collected before sorting; past this the walk stops

@@ -22,10 +22,10 @@ from pydantic_core import to_jsonable_python
 
 from workers import codec
 from workers.errors import RecordDecodeError
-from workers.history import ForkSeed
-from workers.messages import Content, FunctionCall, FunctionResponse, Part
+from workers.history.messages import Content, FunctionCall, FunctionResponse, Part
+from workers.history.selection import ForkSeed
 from workers.providers import ModelRequest
-from workers.records import Usage
+from workers.records.fork import Usage
 
 INTERRUPTED_ERROR: Final = (
     "This tool call was interrupted: the worker running it stopped before it finished. It may or may not "
@@ -199,7 +199,7 @@ class RequestDigests:
 
     The digest is that of `request.model_dump(mode="json", exclude={"directive"})`, built from the
     encoding of each message kept by identity (weakly: an entry goes with its Content), so a step
-    encodes only its new messages, and forks sharing seed Contents (`workers.records.ChunkCache`)
+    encodes only its new messages, and forks sharing seed Contents (`workers.records.fork.ChunkCache`)
     share their encodings. Relies on what the chunk cache relies on: a Content is never changed in
     place. The tool declarations, system instruction and output schema, which a child loop passes to
     every request as the same objects, are encoded once per object too (kept, with a strong reference

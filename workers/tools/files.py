@@ -2,7 +2,7 @@
 
 Every path argument resolves against the fork's working directory and is refused when it escapes it
 (`..`, an absolute path elsewhere, a symlink pointing out). Resolving and opening are one step
-(`workers.beneath`): a tool reads or writes the very file it resolved, even while a symlink is
+(`workers.tools.beneath`): a tool reads or writes the very file it resolved, even while a symlink is
 swapped in meanwhile, and creates missing parent directories one at a time from the descriptor of
 the one above. Only regular files are read or written: a FIFO, socket or device is refused after
 a non-blocking open (never stat-then-open), so no call can hang on one. Every result is bounded:
@@ -26,8 +26,8 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any
 
-from workers.beneath import ANY, DIRECTORY, RootDir
-from workers.tools import ToolContext, ToolError, resolve_inside
+from workers.tools.beneath import ANY, DIRECTORY, RootDir
+from workers.tools.registry import ToolContext, ToolError, resolve_inside
 
 READ_MAX_LINES = 2000  # read_file's default and largest `limit`
 READ_MAX_CHARS = 256 * 1024  # a read stops at this many characters even before `limit` lines

@@ -1,4 +1,4 @@
-"""The Lua scripts behind `workers.lease.Leases`: claims, fenced writes, renewals and the sweeper's check.
+"""The Lua scripts behind `workers.store.lease.Leases`: claims, fenced writes, renewals and the sweeper's check.
 
 Each script is one atomic step on one fork's keys (and the shared running index). Every write a run
 makes under its claim is fenced: the epoch must still be the claim's, the lease must still hold the

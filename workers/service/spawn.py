@@ -21,13 +21,13 @@ from typing import Any, Final, TypeVar
 
 from kombu.exceptions import OperationalError
 
-from workers.child import Stopped
 from workers.errors import ForkqError, InvalidAgentParams
-from workers.lease import TRANSIENT, ride_out
-from workers.params import validate_agent_params
-from workers.policy import effective_mode
-from workers.records import BootstrapRecord, ForkResult, Status
-from workers.store import ForkStore
+from workers.history.params import validate_agent_params
+from workers.loop.child import Stopped
+from workers.loop.policy import effective_mode
+from workers.records.fork import BootstrapRecord, ForkResult, Status
+from workers.store.forks import ForkStore
+from workers.store.lease import TRANSIENT, ride_out
 
 T = TypeVar("T")
 

@@ -4,7 +4,7 @@ The shell is not a sandbox: a command starts in the working directory but may `c
 this module guarantees is that nothing a command starts outlives the call, and that the worker's own
 credentials are not in its environment.
 
-Each call runs under its own supervisor process (`workers.shell_supervisor`), in a session of its
+Each call runs under its own supervisor process (`workers.tools.shell_supervisor`), in a session of its
 own. The supervisor is a child subreaper: whatever the command leaves behind (a `cmd &` still
 running, `setsid`, `nohup`, a daemon's double fork, a process that cleared its environment) is
 reparented to it, and it kills all of it when the shell ends, when the call times out or the fork
@@ -32,8 +32,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from workers.shell_supervisor import SWEEP_MAX_S
-from workers.tools import ToolContext, ToolError
+from workers.tools.registry import ToolContext, ToolError
+from workers.tools.shell_supervisor import SWEEP_MAX_S
 
 SHELL_DEFAULT_TIMEOUT_S = 120
 SHELL_MAX_TIMEOUT_S = 600

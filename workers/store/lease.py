@@ -1,7 +1,7 @@
 """A fork's execution rights: the lease, the fencing epoch, and every write made under them.
 
 Claiming a fork sets its lease (`SET NX PX` owner token) and increments its epoch. Every journal
-append, checkpoint, release and result write runs as a Lua script (`workers.lease_scripts`) that
+append, checkpoint, release and result write runs as a Lua script (`workers.store.lease_scripts`) that
 first checks the epoch, the lease owner and the status, so a stale worker (paused, partitioned,
 revived behind) fails closed. Lease deadlines are Redis time (`PEXPIRE`, `TIME`), never worker
 clocks (a worker's own clock only bounds how long it retries). One heartbeat thread per process
@@ -33,11 +33,11 @@ from typing import Any, Final, TypeVar, cast
 
 import redis
 
-from workers import lease_scripts as lua
 from workers.errors import LeaseLost
-from workers.journal import JournalEntry
 from workers.keys import Keys
-from workers.records import ForkResult, Status
+from workers.records.fork import ForkResult, Status
+from workers.records.journal import JournalEntry
+from workers.store import lease_scripts as lua
 
 log = logging.getLogger("forkq.lease")
 

@@ -3,7 +3,7 @@
 Any number of sweepers may run: the revive transition is one Lua script per fork, so each expired
 lease is revived once. A fork whose worker merely stalls for less than its lease is never touched,
 and after a Redis outage a lease that lapsed is left to its worker for a grace (`Leases.lapse_grace_ms`,
-a heartbeat interval and a second and a half by default: `workers.lease.revival_grace_s`), so that a
+a heartbeat interval and a second and a half by default: `workers.store.lease.revival_grace_s`), so that a
 worker cut off by an outage shorter than the lease takes its lease back before anyone revives the fork.
 The grace applies only after an outage (no sweeper pass reached Redis for `outage_gap_s`); while the
 sweepers reach Redis all along, a lapsed lease means a dead or silent worker and is revived at once.
@@ -17,9 +17,9 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from workers.lease import Leases
-from workers.metrics import Metrics
-from workers.store import ForkStore
+from workers.service.metrics import Metrics
+from workers.store.forks import ForkStore
+from workers.store.lease import Leases
 
 log = logging.getLogger("forkq.sweeper")
 

@@ -1,6 +1,6 @@
 """Redis access for forks: launch writes, records, state, progress events, results and cancellation.
 
-Claims, leases and every write made while a fork runs are in `workers/lease.py`.
+Claims, leases and every write made while a fork runs are in `workers/store/lease.py`.
 
 Multi-key changes of one fork run as Lua scripts over keys that share the fork's hash tag, so
 each is atomic; timestamps come from Redis `TIME`, never from worker clocks.
@@ -20,12 +20,10 @@ import redis
 from redis.commands.core import Script
 
 from broker_config.connection import Rejected
-from workers import dead_letters
 from workers.errors import ForkNotFound, InvalidApproval, RecordExistsError, RecordIntegrityError
-from workers.history import ForkSeed
-from workers.journal import JournalEntry, journal_usage
+from workers.history.selection import ForkSeed
 from workers.keys import Keys
-from workers.records import (
+from workers.records.fork import (
     BootstrapRecord,
     ChunkCache,
     ForkResult,
@@ -35,6 +33,8 @@ from workers.records import (
     chunk_digest,
     join_seed,
 )
+from workers.records.journal import JournalEntry, journal_usage
+from workers.store import dead_letters
 
 EVENTS_MAXLEN: Final = 10_000
 WAIT_TIMEOUT_MS: Final = 1000
@@ -302,7 +302,7 @@ class ForkStore:
                 )
 
     def dead_letter(self, task_id: str | None, reason: str, *, item: Rejected | None = None) -> None:
-        """Keep a refused job's id and reason, or a refused queue item's (`workers.dead_letters`)."""
+        """Keep a refused job's id and reason, or a refused queue item's (`workers.store.dead_letters`)."""
         dead_letters.dead_letter(self.client, self.keys, task_id, reason, item=item)
 
     # ── worker side ───────────────────────────────────────────────────────────────────────────

@@ -16,8 +16,16 @@ from typing import Any, Final
 
 from pydantic import BaseModel, ConfigDict
 
-from workers.messages import Content, FunctionResponse, Part, copy_contents, dump_contents, load_contents, parse_content
-from workers.params import normalize_fork_turns
+from workers.history.messages import (
+    Content,
+    FunctionResponse,
+    Part,
+    copy_contents,
+    dump_contents,
+    load_contents,
+    parse_content,
+)
+from workers.history.params import normalize_fork_turns
 
 __all__ = [
     "FORK_ACK_TEXT",

@@ -1,6 +1,6 @@
 """The supervisor of one `run_shell_command` call: runs the command, then ends every process it left behind.
 
-`workers.shell` starts it as `python -I -S shell_supervisor.py PARENT_PID SHELL COMMAND` (standard
+`workers.tools.shell` starts it as `python -I -S shell_supervisor.py PARENT_PID SHELL COMMAND` (standard
 library only, nothing of forkq imported: it starts in 20 to 35 ms). It makes itself a child
 subreaper (`PR_SET_CHILD_SUBREAPER`), so every process the command orphans (a `cmd &` left running,
 `setsid`, `nohup`, a daemon's double fork, with or without its environment) is reparented to it

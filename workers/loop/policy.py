@@ -20,8 +20,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
-from workers.params import tool_allowed
-from workers.tools import Tool
+from workers.history.params import tool_allowed
+from workers.tools.registry import Tool
 
 ApprovalPolicy = Literal["deny", "park"]
 APPROVAL_POLICIES: Final = ("deny", "park")

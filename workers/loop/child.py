@@ -13,8 +13,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, Protocol
 
-from workers.history import ForkSeed
-from workers.journal import (
+from workers.history.messages import Content, Part
+from workers.history.selection import ForkSeed
+from workers.history.structured import check_answer, feedback_text
+from workers.loop.policy import (
+    Gate,
+    denied_by_policy,
+    denied_by_user,
+    effective_mode,
+    is_agent_call,
+    needs_approval,
+    undeclared_error,
+)
+from workers.providers import ModelProvider, ModelRequest
+from workers.records.fork import BootstrapRecord, ForkResult, Status, Usage
+from workers.records.journal import (
     INTERRUPTED_ERROR,
     MALFORMED_CALL,
     JournalEntry,
@@ -26,21 +39,8 @@ from workers.journal import (
     replay,
     response_part,
 )
-from workers.messages import Content, Part
-from workers.notification import NO_OUTPUT
-from workers.policy import (
-    Gate,
-    denied_by_policy,
-    denied_by_user,
-    effective_mode,
-    is_agent_call,
-    needs_approval,
-    undeclared_error,
-)
-from workers.providers import ModelProvider, ModelRequest
-from workers.records import BootstrapRecord, ForkResult, Status, Usage
-from workers.structured import check_answer, feedback_text
-from workers.tools import Tool, ToolContext, ToolRegistry, never_cancelled
+from workers.records.notification import NO_OUTPUT
+from workers.tools.registry import Tool, ToolContext, ToolRegistry, never_cancelled
 
 
 class ForkIO(Protocol):

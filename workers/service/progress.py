@@ -14,7 +14,7 @@ from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 from typing import Any
 
-from workers.metrics import Metrics
+from workers.service.metrics import Metrics
 
 log = logging.getLogger("forkq.worker")
 

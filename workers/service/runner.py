@@ -19,20 +19,21 @@ from broker_config.celery import INLINE_JOB_MAX_BYTES
 from broker_config.redis_client import redis_client
 from broker_config.settings import Settings
 from workers import codec
-from workers.child import ChildLoop, Parked, Spawner, Stopped, first_model_call
 from workers.errors import ForkNotFound, ForkqError, LeaseLost, RecordDecodeError, RecordIntegrityError
-from workers.history import ForkSeed
-from workers.journal import JournalEntry, RequestDigests
+from workers.history.selection import ForkSeed
 from workers.keys import FORK_ID_RE, Keys
-from workers.lease import Claim, LeaseKeeper, Leases, revival_grace_s, ride_out
-from workers.metrics import Metrics
-from workers.progress import Progress, RunObserver
+from workers.loop.child import ChildLoop, Parked, Spawner, Stopped, first_model_call
 from workers.providers import ModelProvider
 from workers.providers.routing import ProviderRouter
-from workers.records import BootstrapRecord, ChunkCache, Declarations, ForkResult, Status
-from workers.spawn import SubagentSpawner
-from workers.store import ForkStore
-from workers.tools import ToolRegistry, load_tools
+from workers.records.fork import BootstrapRecord, ChunkCache, Declarations, ForkResult, Status
+from workers.records.journal import JournalEntry, RequestDigests
+from workers.service.metrics import Metrics
+from workers.service.progress import Progress, RunObserver
+from workers.service.spawn import SubagentSpawner
+from workers.store.forks import ForkStore
+from workers.store.lease import Claim, LeaseKeeper, Leases, revival_grace_s, ride_out
+from workers.tools.builtins import load_tools
+from workers.tools.registry import ToolRegistry
 
 log = logging.getLogger("forkq.worker")
 
@@ -54,7 +55,7 @@ def redis_timeout_s(settings: Settings) -> float:
 
     A Redis that goes silent (a stopped process, a partition, a primary lost in a failover) would
     otherwise hold a write or a heartbeat until TCP gives up, long after the lease lapsed. Timed out,
-    the call is retried on a new connection (`workers.lease.ride_out`, the heartbeat's retry), so a
+    the call is retried on a new connection (`workers.store.lease.ride_out`, the heartbeat's retry), so a
     blocked renewal costs at most one beat.
     """
     return min(max(settings.heartbeat_s, MIN_REDIS_TIMEOUT_S), MAX_REDIS_TIMEOUT_S)
@@ -272,7 +273,7 @@ def run_fork_job(
 ) -> str:
     """Run one delivery of a fork job; returns what happened (`succeeded`, `duplicate:<status>`, ...).
 
-    `progress` is called once per step (`workers.progress.step_progress` fields), `claimed` once the
+    `progress` is called once per step (`workers.service.progress.step_progress` fields), `claimed` once the
     delivery holds the fork (Flower's final state of the run before it); neither can stop the fork.
 
     A delivery whose digest is not the fork's launch digest is refused without touching the fork;

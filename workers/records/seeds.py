@@ -1,8 +1,8 @@
 """The launcher's seed builder: a fork's seed as stored chunks, reusing what sibling forks share.
 
 A parent often launches several forks from one snapshot, with different directives. The selected
-history (`workers.history.select_fork_parts`) and the chunks of every message before the repaired
-end (`workers.records.split_body`) do not depend on the directive, so `SeedBuilder` keeps them per
+history (`workers.history.selection.select_fork_parts`) and the chunks of every message before the repaired
+end (`workers.records.fork.split_body`) do not depend on the directive, so `SeedBuilder` keeps them per
 snapshot object and `fork_turns`, and each launch only repairs, encodes and hashes the last three
 messages. A kept chunk is used only when the messages of this launch before its repaired end are the
 very Content objects it was built from (Contents are never changed in place), so the chunks are
@@ -17,11 +17,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from workers import codec
-from workers.history import repair_fork_end, select_fork_parts
-from workers.messages import Content, dump_contents
-from workers.params import normalize_fork_turns
-from workers.records import TAIL_MESSAGES, chunk_digest, split_body, tail_chunk
-from workers.snapshot import ParentSnapshot
+from workers.history.messages import Content, dump_contents
+from workers.history.params import normalize_fork_turns
+from workers.history.selection import repair_fork_end, select_fork_parts
+from workers.history.snapshot import ParentSnapshot
+from workers.records.fork import TAIL_MESSAGES, chunk_digest, split_body, tail_chunk
 
 SNAPSHOTS_KEPT = 4  # snapshots whose selections a builder keeps (the last ones used)
 

@@ -12,13 +12,12 @@ Every call has a deadline: the tool's own time limit (`Tool.timeout_s`, else the
 handler blocked where Python cannot interrupt it (a FIFO, a hung network mount, a plugin's stuck
 call) costs its call an error response at the deadline, or at once when the fork is cancelled,
 and never the worker slot: the caller goes on, and the handler's thread is left to end by itself.
-Those threads are counted per tool (`workers.metrics.ABANDONED`, the gauge
+Those threads are counted per tool (`workers.service.metrics.ABANDONED`, the gauge
 `forkq_tool_calls_abandoned`): a tool with TOOL_MAX_ABANDONED of them still running is refused until
 one ends, so a model retrying a stuck call cannot pile up threads.
 
-The built-in coding tools are declared at the end of this module and implemented in
-`workers.builtin_tools`, `workers.search` and `workers.shell`; deployers add their own through the
-`forkq.tools` entry point group.
+The built-in coding tools are declared in `workers.tools.builtins`; deployers add their own through
+the `forkq.tools` entry point group.
 """
 
 from __future__ import annotations
@@ -27,9 +26,8 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
-from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
@@ -38,12 +36,10 @@ from jsonschema.protocols import Validator
 from jsonschema.validators import Draft202012Validator, validator_for
 
 from workers.errors import ConfigurationError, ForkqError
-from workers.messages import FunctionCall
-from workers.metrics import ABANDONED
+from workers.history.messages import FunctionCall
+from workers.service.metrics import ABANDONED
 
 log = logging.getLogger("forkq.tools")
-
-ENTRY_POINT_GROUP = "forkq.tools"
 
 # how many schema violations one error response lists: enough to fix a call in one retry
 MAX_REPORTED_ERRORS = 5
@@ -315,7 +311,7 @@ def resolve_inside(cwd: Path, path: str) -> Path:
     """`path` resolved against `cwd` (symlinks followed); refuses anything outside `cwd`.
 
     A check of what a path names now, not a way to open it: the file tools open paths beneath the
-    working directory in one step (`workers.beneath`), since a symlink can be swapped in between.
+    working directory in one step (`workers.tools.beneath`), since a symlink can be swapped in between.
 
     Raises:
         ToolError: the path escapes `cwd` (by `..`, as an absolute path, or through a symlink), or
@@ -331,169 +327,3 @@ def resolve_inside(cwd: Path, path: str) -> Path:
     if target != root and root not in target.parents:
         raise ToolError(f"path {path!r} is outside the working directory {str(root)!r}; use a path inside it")
     return target
-
-
-def _schema(properties: dict[str, Any], *required: str) -> dict[str, Any]:
-    # extra arguments are refused: a misspelt name (`file_path`) must not be silently ignored
-    return {"type": "object", "properties": properties, "required": list(required), "additionalProperties": False}
-
-
-def _string(description: str) -> dict[str, Any]:
-    return {"type": "string", "description": description}
-
-
-PATH_DOC = "Path relative to the working directory (an absolute path must lie inside it)."
-
-
-# The declarations below are the contract a model sees; the handlers live in `workers.builtin_tools`
-# (whose docstring explains the flags), `workers.search` and `workers.shell`, imported inside the
-# functions because those modules import ToolContext, ToolError and resolve_inside from this one.
-
-
-def _file_tools() -> list[Tool]:
-    from workers import builtin_tools as impl  # noqa: PLC0415
-
-    return [
-        Tool(
-            "read_file",
-            f"Read a UTF-8 text file. Returns at most `limit` lines (default {impl.READ_MAX_LINES}) from line "
-            "`offset`, with a marker telling the offset to continue from when the file is longer.",
-            _schema(
-                {
-                    "path": _string(PATH_DOC),
-                    "offset": {"type": "integer", "minimum": 0, "description": "0-based line to start at."},
-                    "limit": {"type": "integer", "minimum": 1, "maximum": impl.READ_MAX_LINES, "description": "Lines."},
-                },
-                "path",
-            ),
-            impl.read_file,
-            idempotent=True,
-        ),
-        Tool(
-            "list_directory",
-            "List a directory (default: the working directory), sorted; directories end with '/'.",
-            _schema({"path": _string(PATH_DOC)}),
-            impl.list_directory,
-            idempotent=True,
-        ),
-        Tool(
-            "write_file",
-            "Write a file with the given content, replacing it if it exists; parent directories are created.",
-            _schema({"path": _string(PATH_DOC), "content": _string("The complete new content.")}, "path", "content"),
-            impl.write_file,
-            mutating=True,
-            idempotent=True,  # the same content twice is the same file: a re-run after a crash is harmless
-            edit=True,
-        ),
-        Tool(
-            "edit",
-            "Replace one exact occurrence of old_string with new_string in a file. old_string must match the "
-            "file exactly (whitespace included) and exactly once; include surrounding lines to make it unique.",
-            _schema(
-                {
-                    "path": _string(PATH_DOC),
-                    "old_string": _string("The exact text to replace, unique in the file."),
-                    "new_string": _string("The replacement text."),
-                },
-                "path",
-                "old_string",
-                "new_string",
-            ),
-            impl.edit,
-            mutating=True,
-            edit=True,
-        ),
-    ]
-
-
-def _search_and_shell_tools() -> list[Tool]:
-    from workers import search, shell  # noqa: PLC0415
-
-    return [
-        Tool(
-            "glob",
-            "Find paths matching a glob pattern such as '**/*.py' or 'src/*.{ts,tsx}' under `path`; sorted, "
-            f"relative to the working directory, at most {search.GLOB_MAX_RESULTS}; .git is skipped.",
-            _schema({"pattern": _string("Glob pattern, relative; '**' matches any depth."), "path": _string(PATH_DOC)}),
-            search.glob,
-            idempotent=True,
-        ),
-        Tool(
-            "grep_search",
-            "Search file contents with a Python regular expression; returns 'path:line:text' lines "
-            f"(at most {search.GREP_MAX_MATCHES}). Binary files, special files and .git are skipped; a search "
-            f"stops with an error after {search.GREP_TIME_LIMIT_S:g} s.",
-            _schema(
-                {
-                    "pattern": _string("Python regular expression (re syntax; (?i) for case-insensitive)."),
-                    "path": _string("File or directory to search. " + PATH_DOC),
-                    "include": _string("Glob on file names, e.g. '*.py' or '*.{ts,tsx}' (with '/': on paths)."),
-                },
-                "pattern",
-            ),
-            search.grep_search,
-            idempotent=True,
-        ),
-        Tool(
-            "run_shell_command",
-            "Run a command with bash in the working directory; returns combined stdout and stderr (the middle "
-            f"is cut past {shell.SHELL_OUTPUT_CAP // 1024} KiB) and the exit code. Background processes are "
-            "stopped when the command ends.",
-            _schema(
-                {
-                    "command": _string("The bash command line."),
-                    "timeout_s": {
-                        "type": "number",
-                        "minimum": 1,
-                        "maximum": shell.SHELL_MAX_TIMEOUT_S,
-                        "description": f"Seconds before it is killed (default {shell.SHELL_DEFAULT_TIMEOUT_S}).",
-                    },
-                },
-                "command",
-            ),
-            shell.run_shell_command,
-            mutating=True,
-            timeout_s=shell.SHELL_CALL_LIMIT_S,  # the command's own timeout_s (at most 600 s) governs it
-        ),
-    ]
-
-
-def builtin_tools() -> ToolRegistry:
-    """The built-in coding tools (files, search, shell), confined to the fork's working directory."""
-    registry = ToolRegistry()
-    for tool in _file_tools() + _search_and_shell_tools():
-        registry.register(tool)
-    return registry
-
-
-def _as_tools(obj: object) -> list[Tool]:
-    if isinstance(obj, Tool):
-        return [obj]
-    if callable(obj):
-        return _as_tools(obj())
-    if isinstance(obj, Iterable) and not isinstance(obj, str | bytes):
-        items = list(obj)
-        if all(isinstance(item, Tool) for item in items):
-            return items
-    raise TypeError(f"expected a Tool, a list of Tools, or a callable returning them; got {type(obj).__name__}")
-
-
-def load_tools(default_timeout_s: float = DEFAULT_TOOL_TIMEOUT_S) -> ToolRegistry:
-    """The built-ins plus every tool deployers register in the `forkq.tools` entry point group.
-
-    `default_timeout_s` is the time limit of a call whose tool sets none (`FORKQ_TOOL_TIMEOUT_S`).
-
-    An entry point names a `Tool`, a list of them, or a zero-argument callable returning either.
-    A broken entry point (or a tool whose parameters are not a valid JSON schema) is logged and
-    skipped: a worker with fewer tools still runs, and a fork that declares a missing tool gets an
-    error response naming it.
-    """
-    registry = builtin_tools()
-    registry.default_timeout_s = default_timeout_s
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        try:
-            for tool in _as_tools(ep.load()):
-                registry.register(tool)
-        except Exception as exc:  # a deployer's plugin must not keep the worker from starting
-            log.error("tool entry point %s (%s) could not be loaded: %s", ep.name, ep.value, exc)
-    return registry

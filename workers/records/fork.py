@@ -14,8 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from workers import codec
 from workers.errors import RecordDecodeError, RecordIntegrityError
-from workers.history import ForkSeed
-from workers.messages import Content, dump_contents, load_contents
+from workers.history.messages import Content, dump_contents, load_contents
+from workers.history.selection import ForkSeed
 
 SCHEMA_VERSION: Final = 1
 CHUNK_MAX_MESSAGES: Final = 64

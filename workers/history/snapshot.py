@@ -10,6 +10,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 from pydantic_core import PydanticCustomError
 
 from workers.errors import ForkqError, InvalidHistory, InvalidParentSnapshot
+from workers.history.messages import Content, check_history_text, dump_contents, parse_history
 from workers.limits import (
     MAX_NESTING_DEPTH,
     MAX_PARENT_FILE_BYTES,
@@ -20,7 +21,6 @@ from workers.limits import (
     text_problem,
     too_deep,
 )
-from workers.messages import Content, check_history_text, dump_contents, parse_history
 
 ApprovalMode = Literal["plan", "default", "auto-edit", "yolo"]
 

@@ -1,0 +1,1 @@
+"""The worker side: Celery tasks, the runner, nested spawns, the sweeper, heartbeat, metrics and progress events."""

@@ -1,0 +1,1 @@
+"""Redis: the fork store, leases and their Lua scripts, health checks, dead letters."""
