@@ -20,9 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import redis
-from pydantic import ValidationError
 
-from broker_config.settings import Settings, redact_url
+from broker_config.settings import Settings, load_settings, redact_url
 from workers.cli_args import build_parser
 from workers.errors import (
     ConfigurationError,
@@ -44,15 +43,7 @@ DEFAULT_DESCRIPTION_CHARS = 80  # the prompt's first words, when no --descriptio
 
 
 def _settings() -> Settings:
-    try:
-        return Settings()
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        message = str(first.get("ctx", {}).get("error", first["msg"]))
-        if not first["loc"]:  # a check across settings: its message names the variables
-            raise ConfigurationError(message, field=None, cause=exc) from exc
-        name = "FORKQ_" + "_".join(str(p) for p in first["loc"]).upper()
-        raise ConfigurationError(f"{name}: {message}", field=name, cause=exc) from exc
+    return load_settings()
 
 
 def _client() -> Any:
