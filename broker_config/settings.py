@@ -1,13 +1,15 @@
-"""The one reader of the environment: `Settings`, every `FORKQ_*` variable with its default."""
+"""The one reader of the environment: `Settings`, every `FORKQ_*` variable with its default, and `load_settings`."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
+from pydantic import AliasChoices, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from workers.errors import ConfigurationError
 
 REDIS_SCHEMES = ("redis", "rediss", "unix", "sentinel")
 # no `sentinel+ssl`: kombu would read it as transport `sentinel` with the host `ssl://…`
@@ -154,6 +156,34 @@ class Settings(BaseSettings):
             query = f"?{parts.query}" if parts.query else ""
             return f"redis+socket://{parts.path}{query}"
         return self.redis_url
+
+
+def load_settings(**overrides: Any) -> Settings:
+    """The environment's settings (`overrides` win over it), for every entry point that reads them.
+
+    Raises:
+        ConfigurationError: a FORKQ_* variable is invalid; the message starts with its name (`.field`)
+            and says what to set.
+    """
+    try:
+        return Settings(**overrides)
+    except ValidationError as exc:
+        raise settings_error(exc) from exc
+
+
+def settings_error(exc: ValidationError) -> ConfigurationError:
+    """The `ConfigurationError` for `Settings`' first validation error, naming the variable and the fix."""
+    first = exc.errors()[0]
+    message = str(first.get("ctx", {}).get("error", first["msg"]))
+    if not first["loc"]:  # a check across settings: its message names the variables and the fix
+        return ConfigurationError(message, cause=exc)
+    field, *inside = (str(part) for part in first["loc"])
+    name = field if field.isupper() else f"FORKQ_{field.upper()}"  # an alias (OPENAI_API_KEY) is a name already
+    where = f" (at {'.'.join(inside)})" if inside else ""
+    info = Settings.model_fields.get(field)
+    what = f" ({info.description.rstrip('.')})" if info is not None and info.description else ""
+    fix = f"set it to a valid value{what}, or unset it for its default"
+    return ConfigurationError(f"{name}: {message}{where}; {fix}", field=name, cause=exc)
 
 
 def is_sentinel_url(url: str) -> bool:

@@ -198,6 +198,21 @@ def test_an_invalid_setting_exits_2_with_a_message_starting_with_the_variable(
     assert err.startswith(f"forkq check: {named}")
 
 
+@pytest.mark.parametrize("command", ["check", "demo"])
+def test_check_and_demo_refuse_an_invalid_setting_with_the_same_message(
+    forkq: Run, monkeypatch: pytest.MonkeyPatch, command: str
+) -> None:
+    monkeypatch.setenv("FORKQ_MAX_ATTEMPTS", "0")
+
+    code, _, err = forkq(command)
+
+    assert code == 2
+    assert err == (
+        f"forkq {command}: FORKQ_MAX_ATTEMPTS: Input should be greater than or equal to 1; set it to a valid value "
+        "(Runs a fork gets before a lost worker fails it (worker_lost)), or unset it for its default\n"
+    )
+
+
 # ── the installed script, with a worker process ──────────────────────────────────────────────
 
 

@@ -16,9 +16,11 @@ from celery.worker import WorkController
 from live import MILESTONES, wait_until
 
 from workers import codec
-from workers.client import ForkClient
+from workers.client import ForkClient, ForkHandle
 from workers.errors import (
+    ForkNotEnded,
     ForkNotFound,
+    ForkNotPaused,
     ForkParked,
     ForkTimeout,
     InvalidAgentParams,
@@ -38,6 +40,7 @@ from workers.history.params import (
 from workers.history.selection import build_fork_seed
 from workers.history.snapshot import parse_parent_snapshot
 from workers.records.fork import Status, split_seed
+from workers.records.notification import render_task_notification
 from workers.store.lease import Leases
 
 FORK = {"description": "write expiry tests", "prompt": "Write the expiry tests.", "subagent_type": "fork"}
@@ -289,6 +292,28 @@ def test_cancelling_a_finished_fork_leaves_its_result(
     assert handle.cancel() is Status.SUCCEEDED
     assert client.result(handle.fork_id) == before
     assert handle.status().status is Status.SUCCEEDED
+
+
+def test_a_handle_gives_the_result_and_the_notification_of_its_fork_once_it_has_ended(
+    client: ForkClient, start_live_worker: Any, parent: dict[str, Any]
+) -> None:
+    # Given a launched fork that no worker has run yet
+    handle = client.launch(parent, {**FORK, "fork_turns": "1"})
+    assert handle.result() is None
+    with pytest.raises(ForkNotEnded, match=f"fork {handle.fork_id} is queued: it has no result to notify yet"):
+        handle.notification()
+
+    # When a worker runs it to its end
+    start_live_worker(client.app)
+    waited = handle.wait(timeout=15)
+
+    # Then the handle's result and notification are the client's for its fork id
+    assert waited.status is Status.SUCCEEDED, waited.error
+    assert handle.result() == waited == client.result(handle.fork_id)
+    notification = handle.notification()
+    assert notification == client.notification(handle.fork_id)
+    assert notification == render_task_notification(waited, description=FORK["description"])
+    assert f"<task-id>{handle.fork_id}</task-id>" in notification and "<status>completed</status>" in notification
 
 
 def test_the_event_stream_has_queued_started_step_finished_in_order(
@@ -569,3 +594,54 @@ def test_wait_with_a_huge_finite_timeout_follows_the_fork_until_it_ends(
     # Then the wait ends with the fork, not with an OverflowError
     canceller.join()
     assert result.status is Status.CANCELLED
+
+
+# ── acting on a fork: every call returns the fork's status afterwards ────────────────────────
+
+
+def parked_handle(client: ForkClient, parent: dict[str, Any], calls: list[dict[str, Any]]) -> ForkHandle:
+    """A launched fork parked on `calls`, as a worker parks it."""
+    handle = client.launch(parent, FORK, approval_policy="park")
+    leases = Leases(client.redis, client.store.keys, ttl_ms=10_000, retention_s=3600)
+    claim = leases.claim(handle.fork_id, "worker-1", handle.digest)
+    assert not isinstance(claim, str)
+    leases.park(claim, calls)
+    return handle
+
+
+def test_approve_and_deny_return_awaiting_approval_while_a_call_waits_then_queued(
+    client: ForkClient, parent: dict[str, Any]
+) -> None:
+    calls = [
+        {"call_id": "w1", "index": 0, "step": 0, "name": "write_file", "args": {"path": "a"}},
+        {"call_id": "w2", "index": 1, "step": 0, "name": "write_file", "args": {"path": "b"}},
+    ]
+    handle = parked_handle(client, parent, calls)
+
+    assert handle.approve("w1") is Status.AWAITING_APPROVAL
+    assert handle.status().pending_approval == calls[1:]
+    assert handle.deny("w2", "not b") is Status.QUEUED
+    assert handle.status().status is Status.QUEUED
+    assert client.redis.llen(client.settings.queue) == 2  # the launch's job, and the one the last decision sent
+
+
+def test_resume_returns_queued_for_a_paused_fork_and_refuses_one_that_is_not_paused(
+    client: ForkClient, parent: dict[str, Any]
+) -> None:
+    # Given a fork a worker paused (a tool it started with is missing)
+    handle = client.launch(parent, FORK)
+    leases = Leases(client.redis, client.store.keys, ttl_ms=10_000, retention_s=3600)
+    claim = leases.claim(handle.fork_id, "worker-1", handle.digest)
+    assert not isinstance(claim, str)
+    leases.pause(claim, "tool plugin_x is not installed on this worker")
+
+    # When it is resumed, and then resumed again
+    assert handle.resume() is Status.QUEUED
+    with pytest.raises(ForkNotPaused) as again:
+        handle.resume()
+
+    # Then the second resume changes nothing and says why
+    assert (again.value.status, again.value.fork_id) == ("queued", handle.fork_id)
+    assert str(again.value).startswith(f"fork {handle.fork_id} is queued, not paused: nothing to resume")
+    assert handle.status().status is Status.QUEUED
+    assert handle.cancel() is Status.CANCELLED

@@ -485,14 +485,19 @@ def test_revive_at_the_attempt_limit_fails_the_fork_with_worker_lost(
         expire(redis_client, fid)
         assert leases.revive(fid, max_attempts=2) == ("revive" if attempt == 1 else "failed")
 
+    # the state, the result and the finished event give one reason, which names the setting and the fix
+    reason = (
+        "worker_lost: the worker running this fork was lost 2 times (FORKQ_MAX_ATTEMPTS), so it is not run again; "
+        "each run died or stopped renewing its lease: look in the worker logs for what ended it (out of memory, "
+        "a killed process, a tool that hangs the process), fix that, then launch the task again"
+    )
     state = fork_store.state(fid)
-    assert state.status is Status.FAILED
-    assert state.error is not None and state.error.startswith("worker_lost")
+    assert (state.status, state.error) == (Status.FAILED, reason)
     result = fork_store.result(fid)
-    assert result is not None and result.status is Status.FAILED
-    assert result.error is not None and result.error.startswith("worker_lost")
+    assert result is not None and (result.status, result.error) == (Status.FAILED, reason)
     assert redis_client.zscore(KEYS.running, fid) is None
-    assert event_types(fork_store, fid)[-1] == "finished"
+    finished = list(fork_store.events(fid))[-1]
+    assert (finished.type, finished.data) == ("finished", {"status": "failed", "error": reason})
     assert leases.claim(fid, "worker-c") == "failed"
 
 

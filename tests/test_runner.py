@@ -179,7 +179,7 @@ def test_a_revived_fork_pauses_when_a_tool_it_started_with_is_missing(
     state = client.status(fork_id)
     assert outcome == "paused" and state.status is Status.PAUSED
     assert state.error is not None and "count" in state.error
-    assert client.resume(fork_id) is True
+    assert client.resume(fork_id) is Status.QUEUED
     assert client.status(fork_id).status is Status.QUEUED
 
 

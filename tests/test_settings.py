@@ -12,13 +12,24 @@ from celery import Celery
 from celery.worker import WorkController
 from pydantic import ValidationError
 
-from broker_config.settings import Settings, is_sentinel_url, redact_url, sentinel_nodes
+from broker_config.settings import Settings, is_sentinel_url, load_settings, redact_url, sentinel_nodes
 from workers.app import make_app
 from workers.client import ForkClient
+from workers.errors import ConfigurationError
 from workers.records.fork import Status
 from workers.store.redis_server import RedisServer
 
 FORK = {"description": "d", "prompt": "Summarise the session.", "subagent_type": "fork", "fork_turns": "1"}
+
+
+def configuration_error(**env: str) -> ConfigurationError:
+    """The ConfigurationError `load_settings()` raises under these FORKQ_* variables."""
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in env.items():
+            patch.setenv(name, value)
+        with pytest.raises(ConfigurationError) as caught:
+            load_settings()
+    return caught.value
 
 
 def error_of(**env: str) -> str:
@@ -233,3 +244,43 @@ def test_a_tool_timeout_that_is_not_a_finite_positive_day_at_most_is_refused_nam
     monkeypatch.setenv("FORKQ_TOOL_TIMEOUT_S", value)
     with pytest.raises(ValidationError, match="tool_timeout_s"):
         Settings()
+
+
+# ── load_settings: one message for every entry point ─────────────────────────────────────────
+
+
+def test_load_settings_names_the_invalid_variable_what_it_is_and_the_fix() -> None:
+    error = configuration_error(FORKQ_QUEUE="a:b")
+
+    assert error.field == "FORKQ_QUEUE"
+    assert str(error) == (
+        "FORKQ_QUEUE: String should match pattern '^[A-Za-z0-9_.-]+$'; set it to a valid value "
+        "(Celery queue of fork jobs), or unset it for its default"
+    )
+    assert isinstance(error.cause, ValidationError)
+
+
+def test_load_settings_names_the_entry_of_a_mapping_setting_that_is_invalid() -> None:
+    error = configuration_error(FORKQ_PROVIDER_ROUTES='{"gemini-*": "bard"}')
+
+    assert error.field == "FORKQ_PROVIDER_ROUTES"
+    assert str(error).startswith(
+        "FORKQ_PROVIDER_ROUTES: Input should be 'scripted', 'openai' or 'gemini' (at gemini-*); set it to a valid value"
+    )
+
+
+def test_load_settings_keeps_the_message_of_a_check_across_settings_which_names_both() -> None:
+    error = configuration_error(FORKQ_HEARTBEAT_S="60")
+
+    assert error.field is None
+    assert str(error) == (
+        "FORKQ_HEARTBEAT_S=60.0 must be at most half of FORKQ_LEASE_TTL_S=15.0, "
+        "so one missed heartbeat does not lose a live worker's forks"
+    )
+
+
+def test_load_settings_overrides_win_over_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FORKQ_QUEUE", "from-env")
+
+    assert load_settings(queue="given").queue == "given"
+    assert load_settings().queue == "from-env"

@@ -20,12 +20,12 @@ from pathlib import Path
 from typing import Any
 
 import redis
-from pydantic import ValidationError
 
-from broker_config.settings import Settings, redact_url
+from broker_config.settings import Settings, load_settings, redact_url
 from workers.cli_args import build_parser
 from workers.errors import (
     ConfigurationError,
+    ForkNotPaused,
     ForkParked,
     ForkqError,
     ForkTimeout,
@@ -44,15 +44,7 @@ DEFAULT_DESCRIPTION_CHARS = 80  # the prompt's first words, when no --descriptio
 
 
 def _settings() -> Settings:
-    try:
-        return Settings()
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        message = str(first.get("ctx", {}).get("error", first["msg"]))
-        if not first["loc"]:  # a check across settings: its message names the variables
-            raise ConfigurationError(message, field=None, cause=exc) from exc
-        name = "FORKQ_" + "_".join(str(p) for p in first["loc"]).upper()
-        raise ConfigurationError(f"{name}: {message}", field=name, cause=exc) from exc
+    return load_settings()
 
 
 def _client() -> Any:
@@ -123,9 +115,10 @@ def cmd_approve(args: argparse.Namespace) -> int:
     """Approve (or deny) a call a parked fork waits on."""
     with _client() as client:
         if args.command == "approve":
-            outcome = client.approve(args.fork_id, args.call_id)
+            status = client.approve(args.fork_id, args.call_id)
         else:
-            outcome = client.deny(args.fork_id, args.call_id, args.reason)
+            status = client.deny(args.fork_id, args.call_id, args.reason)
+    outcome = "queued" if status == "queued" else "recorded"  # the fork goes on, or other calls still wait
     if args.json:
         decision = {"fork_id": args.fork_id, "call_id": args.call_id, "decision": args.command, "outcome": outcome}
         _print_json(decision)
@@ -226,7 +219,11 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 def cmd_resume(args: argparse.Namespace) -> int:
     """Re-enqueue a paused fork (exit 1 when it was not paused)."""
     with _client() as client:
-        resumed = client.resume(args.fork_id)
+        try:
+            client.resume(args.fork_id)
+            resumed = True
+        except ForkNotPaused:
+            resumed = False
         status = client.status(args.fork_id).status.value
     if args.json:
         _print_json({"fork_id": args.fork_id, "resumed": resumed, "status": status})

@@ -16,7 +16,14 @@ from celery import Celery
 from broker_config.redis_client import redis_client as connect_redis
 from broker_config.settings import Settings
 from workers.app import make_app
-from workers.errors import ForkNotEnded, ForkParked, ForkTimeout, InvalidAgentParams, InvalidApproval
+from workers.errors import (
+    ForkNotEnded,
+    ForkNotPaused,
+    ForkParked,
+    ForkTimeout,
+    InvalidAgentParams,
+    InvalidApproval,
+)
 from workers.history.params import AgentParams, revalidate, validate_agent_params
 from workers.history.snapshot import ParentSnapshot, parse_parent_snapshot
 from workers.history.structured import check_schema
@@ -177,7 +184,11 @@ def new_fork_id() -> str:
 
 @dataclass(frozen=True)
 class ForkHandle:
-    """A launched fork: its id and record digest, with shortcuts to the client's calls."""
+    """A launched fork: its id and record digest, with shortcuts to the client's calls on it.
+
+    Like `ForkClient`'s, the calls that act on the fork (`cancel`, `resume`, `approve`, `deny`) return
+    the fork's `Status` once they are done.
+    """
 
     fork_id: str
     digest: str
@@ -188,17 +199,37 @@ class ForkHandle:
         """The fork's current state."""
         return self.client.status(self.fork_id)
 
+    def result(self) -> ForkResult | None:
+        """The final result, or None while the fork has not ended (`ForkClient.result`)."""
+        return self.client.result(self.fork_id)
+
     def wait(self, timeout: float | None = None) -> ForkResult:
         """Block until the fork ends and return its result (ForkParked at once if it is parked)."""
         return self.client.wait(self.fork_id, timeout=timeout)
+
+    def notification(self) -> str:
+        """The `<task-notification>` for the parent's model once the fork has ended (`ForkClient.notification`)."""
+        return self.client.notification(self.fork_id)
 
     def events(self, *, follow: bool = False) -> Iterator[ForkEvent]:
         """The fork's progress events."""
         return self.client.events(self.fork_id, follow=follow)
 
     def cancel(self) -> Status:
-        """Cancel the fork."""
+        """Cancel the fork; its status afterwards (`ForkClient.cancel`)."""
         return self.client.cancel(self.fork_id)
+
+    def resume(self) -> Status:
+        """Re-enqueue the paused fork; `Status.QUEUED` (`ForkClient.resume`: ForkNotPaused if it is not paused)."""
+        return self.client.resume(self.fork_id)
+
+    def approve(self, call_id: str) -> Status:
+        """Approve a call the fork waits on; its status afterwards (`ForkClient.approve`)."""
+        return self.client.approve(self.fork_id, call_id)
+
+    def deny(self, call_id: str, reason: str | None = None) -> Status:
+        """Deny a call the fork waits on; its status afterwards (`ForkClient.deny`)."""
+        return self.client.deny(self.fork_id, call_id, reason)
 
 
 class ForkClient:
@@ -401,7 +432,11 @@ class ForkClient:
         return iter(self.store.events(fork_id))
 
     def cancel(self, fork_id: str) -> Status:
-        """Cancel the fork; returns its status afterwards (unchanged if it had already ended)."""
+        """Cancel the fork; its status afterwards: `CANCELLED`, or the status it ended with before.
+
+        Raises:
+            ForkNotFound: the fork does not exist.
+        """
         before = self.store.state(fork_id)
         status = self.store.cancel(fork_id)
         if status is Status.CANCELLED and before.status in (Status.AWAITING_APPROVAL, Status.PAUSED):
@@ -411,39 +446,53 @@ class ForkClient:
             )
         return status
 
-    def resume(self, fork_id: str) -> bool:
-        """Re-enqueue a paused fork (after its missing tools were installed); False if it was not paused."""
-        if not self.store.resume(fork_id):
-            return False
-        self._enqueue_again(fork_id)
-        return True
+    def resume(self, fork_id: str) -> Status:
+        """Re-enqueue a paused fork (after its missing tools were installed); its status afterwards, `QUEUED`.
 
-    def approve(self, fork_id: str, call_id: str) -> str:
+        Raises:
+            ForkNotPaused: the fork is not paused (`.status` is its status); nothing was changed.
+            ForkNotFound: the fork does not exist.
+        """
+        if not self.store.resume(fork_id):
+            status = self.store.state(fork_id).status
+            raise ForkNotPaused(
+                f"fork {fork_id} is {status.value}, not paused: nothing to resume (only a paused fork is; "
+                "`forkq status` shows what it waits on)",
+                fork_id=fork_id,
+                status=status.value,
+            )
+        self._enqueue_again(fork_id)
+        return Status.QUEUED
+
+    def approve(self, fork_id: str, call_id: str) -> Status:
         """Approve a parked call; when no other call waits, the fork is enqueued to go on (on any worker).
 
-        Returns `queued` (the fork goes on) or `recorded` (other calls still wait).
+        Returns the fork's status afterwards: `QUEUED` (no call waits: the fork goes on) or
+        `AWAITING_APPROVAL` (other calls still wait for a decision).
 
         Raises:
             InvalidApproval: the fork is not awaiting approval, or has no such pending call.
         """
         return self._decide(fork_id, call_id, "approve", None)
 
-    def deny(self, fork_id: str, call_id: str, reason: str | None = None) -> str:
+    def deny(self, fork_id: str, call_id: str, reason: str | None = None) -> Status:
         """Deny a parked call: the model reads the denial (with `reason`) and goes on without it.
+
+        Returns the fork's status afterwards, as `approve` does.
 
         Raises:
             InvalidApproval: as `approve`, or `reason` is not valid Unicode text.
         """
         return self._decide(fork_id, call_id, "deny", reason)
 
-    def _decide(self, fork_id: str, call_id: str, decision: str, reason: str | None) -> str:
+    def _decide(self, fork_id: str, call_id: str, decision: str, reason: str | None) -> Status:
         problem = None if reason is None else text_problem("the reason of a denial", reason)
         if problem is not None:  # the journal stores it as UTF-8
             raise InvalidApproval(problem, fork_id=fork_id)
-        outcome = self.store.decide(fork_id, call_id, decision, reason)
-        if outcome == "queued":
-            self._enqueue_again(fork_id)
-        return outcome
+        if self.store.decide(fork_id, call_id, decision, reason) == "recorded":
+            return Status.AWAITING_APPROVAL
+        self._enqueue_again(fork_id)
+        return Status.QUEUED
 
     def _enqueue_again(self, fork_id: str) -> None:
         """Send the job of a fork put back in the queue state (resumed, decided), then confirm it enqueued."""

@@ -27,11 +27,10 @@ from typing import Any
 
 import redis
 from celery import Celery
-from pydantic import ValidationError
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from broker_config.settings import Settings, redact_url
+from broker_config.settings import Settings, load_settings, redact_url
 from workers.client import ForkClient, ForkHandle
 from workers.errors import ConfigurationError
 from workers.history.messages import Content
@@ -148,19 +147,9 @@ def _say(line: str) -> None:
 # ── Redis ─────────────────────────────────────────────────────────────────────────────────────
 
 
-def _env_settings() -> Settings:
-    """The environment's settings, with a validation error turned into a message that names the variable."""
-    try:
-        return Settings()
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        name = "FORKQ_" + "_".join(str(p) for p in first["loc"]).upper()
-        raise ConfigurationError(f"{name}: {first['msg']}", field=name, cause=exc) from exc
-
-
 def _demo_settings(stack: ExitStack, *, private_redis: bool) -> Settings:
     """Choose the Redis (see the module docstring) and build the settings shared by client and workers."""
-    env = _env_settings()
+    env = load_settings()  # an invalid FORKQ_* variable: ConfigurationError naming it
     name = f"forkq-demo-{secrets.token_hex(4)}"
     broker_url: str | None = None
     if "redis_url" in env.model_fields_set:

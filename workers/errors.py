@@ -12,6 +12,7 @@ ForkqError                      base; never raised bare
 ├── ForkTimeout                 a fork did not end within the caller's wait (.fork_id)
 ├── ForkNotEnded                a fork has no result yet (.fork_id)
 ├── ForkParked                  a waited-on fork is parked: awaiting approval or paused (.fork_id, .status, .pending)
+├── ForkNotPaused               a resumed fork is not paused: nothing to resume (.fork_id, .status)
 ├── LeaseLost                   this worker no longer holds the fork's lease (.fork_id)
 ├── InvalidApproval             approve/deny of a fork or call that is not awaiting a decision (.fork_id)
 ├── ConfigurationError          settings or the Redis server are unfit for forkq (.field)
@@ -106,6 +107,14 @@ class ForkParked(ForkqError):
         self.status = status
         self.pending = pending
         self.reason = reason
+
+
+class ForkNotPaused(ForkqError):
+    """A resume of a fork that is not paused, so there is nothing to resume; `status` is the fork's status."""
+
+    def __init__(self, message: str, *, fork_id: str, status: str) -> None:
+        super().__init__(message, fork_id=fork_id)
+        self.status = status
 
 
 class LeaseLost(ForkqError):

@@ -17,8 +17,9 @@ Each key: type; content; TTL; writer → readers.
   retention; launch, worker, cancel, approve/deny → status, wait, worker.
 - `{ns}:{<fork_id>}:result`: string; canonical msgpack `ForkResult` (final output, usage); retention;
   worker (once) → result, wait.
-- `{ns}:{<fork_id>}:events`: stream; progress events (`type`, `at` ms, `data` JSON); retention;
-  launch, worker, cancel → events, wait.
+- `{ns}:{<fork_id>}:events`: stream; progress events (`type`, `at` ms, `data` JSON), the newest
+  ~10,000 (every append trims it: `workers.store.script_parts.EVENTS_MAXLEN`); retention; launch, worker,
+  sweeper, cancel, resume, approve/deny → events, wait.
 - `{ns}:{<fork_id>}:lease`: string; the owner token of the worker running the fork; PX lease TTL,
   renewed by the worker's heartbeat, deleted by Lua compare-and-set only; worker → worker, sweeper.
 - `{ns}:{<fork_id>}:journal`: list; canonical msgpack `JournalEntry` per model response and tool

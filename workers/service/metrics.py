@@ -27,6 +27,8 @@ from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
+from workers.tools.registry import ABANDONED
+
 log = logging.getLogger("forkq.metrics")
 
 OTHER_TOOL: Final = "other"
@@ -51,43 +53,12 @@ LATENCY_BUCKETS: Final = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,
 ATTEMPT_BUCKETS: Final = (1.0, 2.0, 3.0, 4.0, 5.0, 10.0)
 
 
-class AbandonedCalls:
-    """Handler threads of this process whose caller gave up on them and that still run, by tool name."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._by_tool: dict[str, int] = {}
-
-    def add(self, tool: str) -> None:
-        """One more abandoned call of `tool` is running."""
-        with self._lock:
-            self._by_tool[tool] = self._by_tool.get(tool, 0) + 1
-
-    def remove(self, tool: str) -> None:
-        """An abandoned call of `tool` ended by itself."""
-        with self._lock:
-            left = self._by_tool.get(tool, 0) - 1
-            if left > 0:
-                self._by_tool[tool] = left
-            else:
-                self._by_tool.pop(tool, None)
-
-    def count(self, tool: str) -> int:
-        """Abandoned calls of `tool` still running."""
-        with self._lock:
-            return self._by_tool.get(tool, 0)
-
-    def snapshot(self) -> dict[str, int]:
-        """Abandoned calls still running, by tool (the gauge `forkq_tool_calls_abandoned`)."""
-        with self._lock:
-            return dict(self._by_tool)
-
-
-ABANDONED = AbandonedCalls()  # per process: the threads are the process's
-
-
 class AbandonedToolCalls(Collector):
-    """`forkq_tool_calls_abandoned`: handler threads of this process given up on and still running, by tool."""
+    """`forkq_tool_calls_abandoned`: handler threads of this process given up on and still running, by tool.
+
+    The tool registry counts them (`workers.tools.registry.ABANDONED`, which it reads to refuse a stuck
+    tool); this collector reads that count at each scrape.
+    """
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         """The current counts (only registered tools are run, so the tool label is bounded)."""

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from workers.service.metrics import Metrics
 from workers.store.forks import ForkStore
 from workers.store.lease import Leases
+from workers.store.lease_scripts import worker_lost_error
 
 log = logging.getLogger("forkq.sweeper")
 
@@ -69,7 +70,7 @@ class Sweeper:
                 self.leases.enqueued(fork_id)
                 log.info("fork %s: lease expired, %s (attempt %d)", fork_id, outcome, state.attempt + 1)
             elif outcome == "failed":
-                log.warning("fork %s: failed with worker_lost after %d lost runs", fork_id, self.max_attempts)
+                log.warning("fork %s: failed: %s", fork_id, worker_lost_error(self.max_attempts))
                 if self.failed is not None:  # its last run's row gets a final state (Flower): no run follows
                     self.failed(fork_id, self.store.state(fork_id).attempt)
         return outcomes

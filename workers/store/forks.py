@@ -35,20 +35,18 @@ from workers.records.fork import (
 )
 from workers.records.journal import JournalEntry, journal_usage
 from workers.store import dead_letters
+from workers.store.script_parts import NOW, lua_script
 
-EVENTS_MAXLEN: Final = 10_000
 WAIT_TIMEOUT_MS: Final = 1000
 KNOWN_CHUNKS_MAX: Final = 4096  # chunk keys a client remembers writing, so that it does not send them again
 DECISION_GRACE_MS: Final = 30_000  # a decided fork's job not confirmed enqueued by then is re-enqueued by a sweeper
 
 log = logging.getLogger("forkq.store")
 
-_NOW = "local t = redis.call('TIME'); local now = t[1] * 1000 + math.floor(t[2] / 1000)\n"
-
 # KEYS: bootstrap, state, events. ARGV: record bytes, ttl_s, kind, description, digest, event data.
-_LAUNCH = (
-    _NOW
-    + """
+_LAUNCH = lua_script(
+    NOW,
+    """
 local existing = redis.call('GET', KEYS[1])
 if existing and existing ~= ARGV[1] then return 'conflict' end
 if redis.call('EXISTS', KEYS[2]) == 1 then return 'exists' end
@@ -59,12 +57,13 @@ redis.call('EXPIRE', KEYS[2], ARGV[2])
 redis.call('XADD', KEYS[3], 'MAXLEN', '~', @MAXLEN@, '*', 'type', 'queued', 'data', ARGV[6])
 redis.call('EXPIRE', KEYS[3], ARGV[2])
 return 'created'
-""".replace("@MAXLEN@", str(EVENTS_MAXLEN))
+""",
 )
 
 # KEYS: chunks of one parent (one hash tag). ARGV: ttl_s, then each chunk's bytes, or '' for a chunk the client
 # wrote before (not sent again). Returns the 1-based positions of the '' chunks that are gone.
-_PUT_CHUNKS = """
+_PUT_CHUNKS = lua_script(
+    """
 local gone = {}
 for i, key in ipairs(KEYS) do
   if ARGV[i + 1] ~= '' then redis.call('SET', key, ARGV[i + 1], 'NX', 'EX', ARGV[1]) end
@@ -73,15 +72,16 @@ for i, key in ipairs(KEYS) do
 end
 return gone
 """
+)
 
 # KEYS: state, events, result, bootstrap, journal. ARGV: fork_id, ttl_s, n, and the usage of the first n journal
 # entries (input tokens, output tokens, model calls, tool uses). Terminal forks stay. The entries appended since
 # the caller read those n are counted here (so the usage is exact however the fork raced the cancel), and the
 # duration runs from the first start to now, or to when the fork parked. The result is msgpack (cmsgpack's, which
 # ForkResult.decode reads); the finished event carries the same usage.
-_CANCEL = (
-    _NOW
-    + """
+_CANCEL = lua_script(
+    NOW,
+    """
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status then return 'missing' end
 if status == 'succeeded' or status == 'failed' or status == 'cancelled' then return status end
@@ -111,7 +111,7 @@ redis.call('XADD', KEYS[2], 'MAXLEN', '~', @MAXLEN@, '*', 'type', 'finished', 'd
            cjson.encode({status = 'cancelled', error = err, usage = usage}))
 for _, i in ipairs({1, 2, 4, 5}) do redis.call('EXPIRE', KEYS[i], ARGV[2]) end
 return 'cancelled'
-""".replace("@MAXLEN@", str(EVENTS_MAXLEN))
+""",
 )
 
 
@@ -125,26 +125,26 @@ redis.call('HDEL', KEYS[1], 'parked_ms')
 """
 
 # KEYS: state, events. A paused fork goes back to queued (the caller re-enqueues it).
-_RESUME = (
-    _NOW
-    + """
+_RESUME = lua_script(
+    NOW,
+    """
 if redis.call('HGET', KEYS[1], 'status') ~= 'paused' then return 'no' end
 """
     + _UNPARK
     + """
 redis.call('HSET', KEYS[1], 'status', 'queued', 'error', '')
-redis.call('XADD', KEYS[2], '*', 'type', 'resumed', 'data', '{}')
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', @MAXLEN@, '*', 'type', 'resumed', 'data', '{}')
 return 'queued'
-"""
+""",
 )
 
 
 # KEYS: state, journal, events, running. ARGV: call id, approval entry bytes, its seq, event type, event
 # data, grace_ms, fork_id. Records a person's decision on one parked call; the last one puts the fork
 # back in the queue state (indexed, due after grace_ms, until its job is confirmed enqueued).
-_DECIDE = (
-    _NOW
-    + """
+_DECIDE = lua_script(
+    NOW,
+    """
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status then return 'missing' end
 if status ~= 'awaiting_approval' then return status end
@@ -167,8 +167,8 @@ redis.call('HSET', KEYS[1], 'status', 'queued', 'pending', '', 'error', '')
     + """
 redis.call('ZADD', KEYS[4], now + tonumber(ARGV[6]), ARGV[7])
 return 'queued'
-"""
-).replace("@MAXLEN@", str(EVENTS_MAXLEN))
+""",
+)
 
 DECIDE_ATTEMPTS: Final = 5
 

@@ -370,14 +370,11 @@ class Leases:
         less than `lapse_grace_ms` ago: left to its worker to take back), or the fork's status.
         """
         k = self.keys
-        failed = ForkResult(
-            fork_id=fork_id,
-            status=Status.FAILED,
-            error="worker_lost: the worker running this fork was lost too many times; attempts exhausted",
-        )
+        reason = lua.worker_lost_error(max_attempts)
+        failed = ForkResult(fork_id=fork_id, status=Status.FAILED, error=reason)
         outcome = self._revive(
             keys=[k.state(fork_id), k.lease(fork_id), k.events(fork_id), k.running, k.result(fork_id)],
-            args=[fork_id, max_attempts, failed.encode(), self.retention_s, grace_ms, lapse_grace_ms],
+            args=[fork_id, max_attempts, failed.encode(), self.retention_s, grace_ms, lapse_grace_ms, reason],
         )
         return cast(bytes, outcome).decode()
 

@@ -22,8 +22,17 @@ from __future__ import annotations
 
 from typing import Final
 
-MAXLEN: Final = "10000"
-_NOW = "local t = redis.call('TIME'); local now = t[1] * 1000 + math.floor(t[2] / 1000)\n"
+from workers.store.script_parts import NOW, lua_script
+
+
+def worker_lost_error(max_attempts: int) -> str:
+    """Why a fork whose worker was lost `max_attempts` times failed: its state's, result's and event's error."""
+    return (
+        f"worker_lost: the worker running this fork was lost {max_attempts} times (FORKQ_MAX_ATTEMPTS), so it is "
+        "not run again; each run died or stopped renewing its lease: look in the worker logs for what ended it "
+        "(out of memory, a killed process, a tool that hangs the process), fix that, then launch the task again"
+    )
+
 
 # KEYS[1] state, KEYS[2] lease: the guard every fenced write starts with. ARGV[1] epoch, ARGV[2] owner.
 # The lease must hold the owner token, or have lapsed with the state still naming this claim (see the
@@ -63,9 +72,9 @@ if redis.call('HGET', KEYS[1], 'released_by') == ARGV[2] then return '@DONE@' en
 # round trip (`primed`; the record is then not sent back). A retried claim whose first attempt ran (the
 # lease holds its owner token, or lapsed since with the state still naming it) gets the same claim back
 # and writes nothing but the lapsed lease.
-CLAIM: Final = (
-    _NOW
-    + """
+CLAIM: Final = lua_script(
+    NOW,
+    """
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status then return {'missing'} end
 if ARGV[4] ~= '' and redis.call('HGET', KEYS[1], 'digest') ~= ARGV[4] then return {'forged'} end
@@ -102,13 +111,13 @@ else
 end
 return {'claimed', attempt, epoch, record, redis.call('LRANGE', KEYS[6], 0, -1),
         redis.call('HGET', KEYS[1], 'first_started_ms'), now, primed}
-"""
-).replace("@MAXLEN@", MAXLEN)
+""",
+)
 
 # KEYS: state, lease, journal, events. ARGV: epoch, owner, lease ttl_ms, seq, n entries, entries…, then event
 # (type, data) pairs. Entries are appended only at the expected position; the events go with them. A retry
 # that finds exactly these entries at that position (its first attempt ran) succeeds without writing.
-APPEND: Final = (
+APPEND: Final = lua_script(
     _fence("ARGV[3]")
     + """
 local len, seq, n = redis.call('LLEN', KEYS[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
@@ -124,14 +133,15 @@ for i = 6 + n, #ARGV, 2 do
 end
 return 'ok'
 """
-).replace("@MAXLEN@", MAXLEN)
+)
 
 # KEYS: state, lease, events. ARGV: epoch, owner, mark, lease ttl_ms, then event (type, data) pairs. Fenced
 # like every write (a lapsed lease still its own is taken back): `running` when the events were published
 # (or had been, by a first attempt with this mark); otherwise nothing is published and the reply says why:
 # the fork's status when it no longer runs (`cancelled`, `succeeded`, ...), else `stale` (another epoch) or
 # `lost` (another owner).
-EMIT: Final = """
+EMIT: Final = lua_script(
+    """
 local status = redis.call('HGET', KEYS[1], 'status') or 'missing'
 if status ~= 'running' then return status end
 if redis.call('HGET', KEYS[1], 'epoch') ~= ARGV[1] then return 'stale' end
@@ -148,14 +158,15 @@ if #ARGV > 4 and redis.call('HGET', KEYS[1], 'emitted') ~= ARGV[3] then
   redis.call('HSET', KEYS[1], 'emitted', ARGV[3])
 end
 return 'running'
-""".replace("@MAXLEN@", MAXLEN)
+"""
+)
 
 # KEYS: state, lease, events, running, result, journal, bootstrap. ARGV: epoch, owner, status,
 # result bytes, error, event data, ttl_s, fork_id, seq, n entries, entries…, then event (type, data)
 # pairs. The last journal entries and events go with the result (at the expected position only).
-FINISH: Final = (
-    _NOW
-    + """
+FINISH: Final = lua_script(
+    NOW,
+    """
 -- this claim's own earlier attempt wrote this very result, and only its reply was lost
 if redis.call('HGET', KEYS[1], 'released_by') == ARGV[2] and redis.call('GET', KEYS[5]) == ARGV[4] then
   return 'finished'
@@ -176,13 +187,13 @@ redis.call('ZREM', KEYS[4], ARGV[8])
 redis.call('XADD', KEYS[3], 'MAXLEN', '~', @MAXLEN@, '*', 'type', 'finished', 'data', ARGV[6])
 for _, i in ipairs({1, 3, 6, 7}) do redis.call('EXPIRE', KEYS[i], ARGV[7]) end
 return 'finished'
-"""
-).replace("@MAXLEN@", MAXLEN)
+""",
+)
 
 # KEYS: state, lease, events, running. ARGV: epoch, owner, fork_id, reason, grace_ms. Back to queued.
-RELEASE: Final = (
-    _NOW
-    + _ALREADY_RELEASED.replace("@DONE@", "released")
+RELEASE: Final = lua_script(
+    NOW,
+    _ALREADY_RELEASED.replace("@DONE@", "released")
     + _fence(None)
     + """
 redis.call('HSET', KEYS[1], 'status', 'queued', 'owner', '', 'released_by', ARGV[2])
@@ -193,15 +204,15 @@ redis.call('ZADD', KEYS[4], now + tonumber(ARGV[5]), ARGV[3])
 redis.call('XADD', KEYS[3], 'MAXLEN', '~', @MAXLEN@, '*', 'type', 'released', 'data',
            cjson.encode({reason = ARGV[4]}))
 return 'released'
-"""
-).replace("@MAXLEN@", MAXLEN)
+""",
+)
 
 # KEYS: state, lease, events, running. ARGV: epoch, owner, fork_id, reason, status (paused or
 # awaiting_approval), pending calls (JSON), event data. Parked, holding no worker and out of the
 # running index (never revived), until an operator resumes it or a person decides its calls.
-PAUSE: Final = (
-    _NOW
-    + _ALREADY_RELEASED.replace("@DONE@", "released")
+PAUSE: Final = lua_script(
+    NOW,
+    _ALREADY_RELEASED.replace("@DONE@", "released")
     + _fence(None)
     + """
 redis.call('HSET', KEYS[1], 'status', ARGV[5], 'owner', '', 'error', ARGV[4], 'pending', ARGV[6], 'parked_ms', now,
@@ -210,16 +221,16 @@ redis.call('DEL', KEYS[2])
 redis.call('ZREM', KEYS[4], ARGV[3])
 redis.call('XADD', KEYS[3], 'MAXLEN', '~', @MAXLEN@, '*', 'type', ARGV[5], 'data', ARGV[7])
 return 'released'
-"""
-).replace("@MAXLEN@", MAXLEN)
+""",
+)
 
 # KEYS: lease, running, state. ARGV: owner, ttl_ms, fork_id, epoch. 1: renewed; 2: the lease had lapsed
 # and is taken back (the fork still runs under this claim: nobody revived it); 0: not ours any more. A
 # fork that stopped running (cancelled) is not renewed: its worker learns at the next beat and stops
 # its tool (cooperative cancellation).
-RENEW: Final = (
-    _NOW
-    + """
+RENEW: Final = lua_script(
+    NOW,
+    """
 local lease = redis.call('GET', KEYS[1])
 if lease ~= ARGV[1] then
   if lease or redis.call('HGET', KEYS[3], 'owner') ~= ARGV[1] then return 0 end
@@ -230,7 +241,7 @@ redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 redis.call('ZADD', KEYS[2], now + tonumber(ARGV[2]), ARGV[3])
 if not lease then redis.call('HINCRBY', KEYS[3], 'retaken', 1); return 2 end
 return 1
-"""
+""",
 )
 
 # KEYS: the sweepers' clock. ARGV: gap_ms, grace_ms, clock ttl_ms. One call per sweeper pass: records the pass
@@ -238,9 +249,9 @@ return 1
 # (a Redis outage, or no sweeper running): the grace starts now, for `grace_ms`. No pass for a day or ever
 # (the clock expired): nothing to tell, no grace. Otherwise (sweepers ran all
 # along) a lapsed lease means a dead or silent worker, revived at once.
-SWEEP_CLOCK: Final = (
-    _NOW
-    + """
+SWEEP_CLOCK: Final = lua_script(
+    NOW,
+    """
 local last = tonumber(redis.call('HGET', KEYS[1], 'last') or '0')
 local grace_until = tonumber(redis.call('HGET', KEYS[1], 'grace_until') or '0')
 if last > 0 and now - last > tonumber(ARGV[1]) then
@@ -251,17 +262,18 @@ redis.call('HSET', KEYS[1], 'last', now)
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
 if grace_until > now then return 1 end
 return 0
-"""
+""",
 )
 
 # KEYS: state, lease, events, running, result. ARGV: fork_id, max_attempts, failed result bytes, ttl_s,
-# grace_ms, lapse_grace_ms. A revived fork stays in the running index, `grace_ms` ahead, until its job is
+# grace_ms, lapse_grace_ms, the failure's reason (`worker_lost_error`: the state, the result and the
+# event carry the same text). A revived fork stays in the running index, `grace_ms` ahead, until its job is
 # enqueued (`ENQUEUED`): if the sweeper dies or the broker is down in between, a later sweep enqueues it.
 # A lease that lapsed less than `lapse_grace_ms` ago (its index score is its end) is left to its worker
 # (`grace`): after a Redis outage the worker takes it back at its first renewal.
-REVIVE: Final = (
-    _NOW
-    + """
+REVIVE: Final = lua_script(
+    NOW,
+    """
 local status = redis.call('HGET', KEYS[1], 'status')
 if status == 'queued' then
   -- revived earlier: enqueue again only if its job was never confirmed and its grace has passed
@@ -278,7 +290,7 @@ if grace > 0 and tonumber(redis.call('ZSCORE', KEYS[4], ARGV[1]) or '0') + grace
 local lost = redis.call('HINCRBY', KEYS[1], 'lost', 1)
 if lost >= tonumber(ARGV[2]) then
   redis.call('ZREM', KEYS[4], ARGV[1])
-  local reason = 'worker_lost: the worker running this fork was lost ' .. lost .. ' times; attempts exhausted'
+  local reason = ARGV[7]
   redis.call('HSET', KEYS[1], 'status', 'failed', 'finished_ms', now, 'error', reason, 'owner', '')
   redis.call('SET', KEYS[5], ARGV[3], 'EX', ARGV[4])
   for _, i in ipairs({1, 3}) do redis.call('EXPIRE', KEYS[i], ARGV[4]) end
@@ -292,11 +304,13 @@ local attempt = tonumber(redis.call('HGET', KEYS[1], 'attempt') or '0')
 redis.call('XADD', KEYS[3], 'MAXLEN', '~', @MAXLEN@, '*', 'type', 'revived', 'data',
            cjson.encode({attempt = attempt, lost = lost}))
 return 'revive'
-"""
-).replace("@MAXLEN@", MAXLEN)
+""",
+)
 
 # KEYS: state, running. ARGV: fork_id. The revived fork's job is in the broker: drop it from the index.
-ENQUEUED: Final = """
+ENQUEUED: Final = lua_script(
+    """
 if redis.call('HGET', KEYS[1], 'status') == 'queued' then redis.call('ZREM', KEYS[2], ARGV[1]) end
 return 1
 """
+)

@@ -12,7 +12,7 @@ Every call has a deadline: the tool's own time limit (`Tool.timeout_s`, else the
 handler blocked where Python cannot interrupt it (a FIFO, a hung network mount, a plugin's stuck
 call) costs its call an error response at the deadline, or at once when the fork is cancelled,
 and never the worker slot: the caller goes on, and the handler's thread is left to end by itself.
-Those threads are counted per tool (`workers.service.metrics.ABANDONED`, the gauge
+Those threads are counted per tool (`ABANDONED`, which a worker's metrics serve as the gauge
 `forkq_tool_calls_abandoned`): a tool with TOOL_MAX_ABANDONED of them still running is refused until
 one ends, so a model retrying a stuck call cannot pile up threads.
 
@@ -37,7 +37,6 @@ from jsonschema.validators import Draft202012Validator, validator_for
 
 from workers.errors import ConfigurationError, ForkqError
 from workers.history.messages import FunctionCall
-from workers.service.metrics import ABANDONED
 
 log = logging.getLogger("forkq.tools")
 
@@ -51,6 +50,41 @@ TOOL_STOP_GRACE_S = 0.5  # after a cancel or the deadline: time a handler that w
 # abandoned calls of one tool whose threads still run in this process; past it the tool is refused: a
 # model retrying a stuck plugin call would otherwise leave one more thread behind at every retry
 TOOL_MAX_ABANDONED = 4
+
+
+class AbandonedCalls:
+    """Handler threads of this process whose caller gave up on them and that still run, by tool name."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_tool: dict[str, int] = {}
+
+    def add(self, tool: str) -> None:
+        """One more abandoned call of `tool` is running."""
+        with self._lock:
+            self._by_tool[tool] = self._by_tool.get(tool, 0) + 1
+
+    def remove(self, tool: str) -> None:
+        """An abandoned call of `tool` ended by itself."""
+        with self._lock:
+            left = self._by_tool.get(tool, 0) - 1
+            if left > 0:
+                self._by_tool[tool] = left
+            else:
+                self._by_tool.pop(tool, None)
+
+    def count(self, tool: str) -> int:
+        """Abandoned calls of `tool` still running."""
+        with self._lock:
+            return self._by_tool.get(tool, 0)
+
+    def snapshot(self) -> dict[str, int]:
+        """Abandoned calls still running, by tool (the gauge `forkq_tool_calls_abandoned`)."""
+        with self._lock:
+            return dict(self._by_tool)
+
+
+ABANDONED = AbandonedCalls()  # per process: the threads are the process's; workers.service.metrics reads it
 
 
 def never_cancelled() -> bool:
