@@ -32,8 +32,8 @@ from celery.contrib.testing.worker import start_worker
 from celery.signals import task_postrun
 from conftest import TEST_NAMESPACE, WorkerProcess
 from live import wait_until
+from loop_support import FORK, call, parent_for, step, tool_results, workdir, write_script
 from prometheus_client import CollectorRegistry
-from test_capabilities import FORK, call, parent_for, step, tool_results, workdir, write_script
 
 from broker_config.settings import Settings
 from workers.app import make_app, runtime_of
