@@ -28,6 +28,9 @@ from workers.records.fork import BootstrapRecord
 from workers.store.forks import ForkStore
 from workers.store.redis_server import RedisServer, find_redis_server
 
+# the tool tests' fixtures (work, registry, fifo, live), shared by the files named after each tools module
+pytest_plugins = ["tools_support"]
+
 
 @pytest.fixture(scope="session")
 def redis_executable() -> str:

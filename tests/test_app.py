@@ -21,7 +21,6 @@ from broker_config.settings import Settings
 from workers.app import make_app, runtime_of
 from workers.client import ForkClient
 from workers.records.fork import Status
-from workers.store.health import check_redis
 
 REPO_ROOT = Path(app_module.__file__).resolve().parents[1]
 FORK = {"description": "d", "prompt": "Report back.", "subagent_type": "fork", "fork_turns": "1"}
@@ -152,15 +151,6 @@ def test_the_beat_sweep_task_revives_a_fork_whose_worker_died(
     assert client.status(handle.fork_id).attempt == 2
     assert "revived" in [e.type for e in client.events(handle.fork_id)]
     app.close()
-
-
-def test_a_redis_that_keeps_nothing_on_disk_gets_a_warning_but_is_accepted(settings: Settings) -> None:
-    # the test servers run with `--save '' --appendonly no`
-    health = check_redis(settings)
-
-    assert health.problems == []
-    assert len(health.warnings) == 1 and "persistence off" in health.warnings[0]
-    assert "appendonly yes" in health.warnings[0]
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="prctl is Linux's")

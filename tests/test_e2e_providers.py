@@ -28,8 +28,8 @@ from celery import Celery
 from celery.worker import WorkController
 from fakeapi import FakeAPI, Received, Reply
 from live import event_types, queue_drained, wait_until
-from test_provider_gemini import api_error, generated
-from test_provider_openai import completion, error_body, tool_call
+from test_gemini import api_error, generated
+from test_openai_compat import completion, error_body, tool_call
 
 from broker_config.settings import Settings
 from workers.app import make_app, runtime_of

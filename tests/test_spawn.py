@@ -1,8 +1,8 @@
 """Nested subagents (workers/service/spawn.py) through a Redis outage: a caller waiting for its subagent rides it out.
 
-The launch and the wait are covered at the loop and worker level in tests/test_capabilities.py; here a
-real `forkq worker` and `forkq sweep` run against a private redis-server that is stopped and started
-again while a caller waits.
+The launch and the wait are covered at the loop and worker level in tests/test_child.py and
+tests/test_capabilities.py; here a real `forkq worker` and `forkq sweep` run against a private
+redis-server that is stopped and started again while a caller waits.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""ForkStore against a private Redis: write-once records, verified seeds, events, cancel and retention."""
+"""ForkStore (workers/store/forks.py) on a real Redis: write-once records, verified seeds, events, cancel, retention."""
 
 from __future__ import annotations
 

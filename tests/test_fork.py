@@ -1,4 +1,4 @@
-"""Records: the bootstrap record's canonical bytes and digest, seed chunks, results and state."""
+"""Fork records (workers/records/fork.py): the canonical bootstrap bytes and digest, seed chunks, results and state."""
 
 from __future__ import annotations
 
