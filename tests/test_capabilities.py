@@ -36,10 +36,11 @@ from workers.history.selection import ForkSeed
 from workers.keys import Keys
 from workers.loop.child import ChildLoop, Parked, Stopped
 from workers.loop.policy import FORK_NESTING_ERROR, SUBAGENT_FORK_ERROR, TEAMMATE_NESTING_ERROR
+from workers.loop.replay import replay
 from workers.providers import ModelRequest, ModelResponse
 from workers.providers.scripted import Script, ScriptedProvider
 from workers.records.fork import BootstrapRecord, Status
-from workers.records.journal import JournalEntry, replay
+from workers.records.journal import JournalEntry
 from workers.records.notification import NO_OUTPUT
 from workers.service.runner import RunForkJob, WorkerRuntime, run_fork_job
 from workers.service.spawn import SubagentSpawner, nested_record
