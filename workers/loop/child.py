@@ -162,9 +162,14 @@ class ChildLoop:
                 )
             self._model_step(state)
 
+    @property
+    def state(self) -> LoopState | None:
+        """Where the run stands (None before `run`): always the replay of the journal written so far."""
+        return getattr(self, "_state", None)
+
     def usage(self) -> Usage:
         """What the fork consumed so far (for a run that failed with an exception)."""
-        state = getattr(self, "_state", None)
+        state = self.state
         if state is None:
             return Usage()
         return self._result(state, self._began, Status.FAILED, None, None).usage
