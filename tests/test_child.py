@@ -38,9 +38,10 @@ from workers.history.params import agent_tool_schema
 from workers.history.selection import ForkSeed
 from workers.loop.child import ChildLoop, Parked, Stopped
 from workers.loop.policy import FORK_NESTING_ERROR, SUBAGENT_FORK_ERROR, TEAMMATE_NESTING_ERROR
+from workers.loop.replay import replay
 from workers.providers import ModelRequest, ModelResponse
 from workers.records.fork import BootstrapRecord, Status
-from workers.records.journal import JournalEntry, replay
+from workers.records.journal import JournalEntry
 from workers.records.notification import NO_OUTPUT
 from workers.tools.builtins import builtin_tools
 from workers.tools.registry import Tool, ToolRegistry

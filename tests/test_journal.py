@@ -20,11 +20,12 @@ from workers.codec import encode
 from workers.errors import LeaseLost, RecordDecodeError
 from workers.history.messages import Content
 from workers.history.selection import ForkSeed
-from workers.loop.child import ChildLoop, Stopped
+from workers.loop.child import INTERRUPTED_ERROR, ChildLoop, Stopped
+from workers.loop.replay import replay
 from workers.providers import ModelRequest, ModelResponse
 from workers.providers.scripted import Script, ScriptedProvider
 from workers.records.fork import BootstrapRecord, Status
-from workers.records.journal import INTERRUPTED_ERROR, JournalEntry, RequestDigests, replay, request_digest
+from workers.records.journal import JournalEntry, RequestDigests, request_digest
 from workers.tools.registry import Tool, ToolContext, ToolRegistry
 
 FORK_ID = "f-journal"

@@ -38,9 +38,11 @@ from broker_config.settings import Settings
 from workers.app import make_app
 from workers.client import ForkClient
 from workers.keys import Keys
+from workers.loop.child import INTERRUPTED_ERROR
+from workers.loop.replay import replay
 from workers.providers import ModelRequest
 from workers.records.fork import ForkResult, Status
-from workers.records.journal import INTERRUPTED_ERROR, replay, request_digest
+from workers.records.journal import request_digest
 from workers.service.runner import RunForkJob, WorkerRuntime, run_fork_job
 from workers.service.tasks import enqueue_fork
 from workers.store.forks import ForkEvent, ForkStore

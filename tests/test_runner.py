@@ -265,7 +265,8 @@ def test_a_garbled_call_is_still_not_run_after_a_revival(
 
 def test_replay_keeps_a_garbled_call_unrunnable_when_it_was_not_answered_yet() -> None:
     from workers.history.selection import ForkSeed
-    from workers.records.journal import JournalEntry, replay
+    from workers.loop.replay import replay
+    from workers.records.journal import JournalEntry
 
     # Given a journal whose last model response holds a call the provider garbled, not yet answered
     call = {"role": "model", "parts": [{"functionCall": {"id": "c1", "name": "count", "args": {}}}]}

@@ -25,20 +25,10 @@ from workers.loop.policy import (
     needs_approval,
     undeclared_error,
 )
+from workers.loop.replay import LoopState, PendingCall, calls_of, replay
 from workers.providers import ModelProvider, ModelRequest
 from workers.records.fork import BootstrapRecord, ForkResult, Status, Usage
-from workers.records.journal import (
-    INTERRUPTED_ERROR,
-    MALFORMED_CALL,
-    JournalEntry,
-    PendingCall,
-    Replay,
-    RequestDigests,
-    calls_of,
-    malformed_call_message,
-    replay,
-    response_part,
-)
+from workers.records.journal import JournalEntry, RequestDigests
 from workers.records.notification import NO_OUTPUT
 from workers.tools.registry import Tool, ToolContext, ToolRegistry, never_cancelled
 
@@ -95,6 +85,10 @@ class Spawner(Protocol):
         ...
 
 
+INTERRUPTED_ERROR: Final = (
+    "This tool call was interrupted: the worker running it stopped before it finished. It may or may not "
+    "have taken effect; check the current state before you repeat it."
+)
 NO_SPAWNER: Final = "Error: this worker cannot launch sub-agents. Complete this task directly with your own tools."
 
 
@@ -168,14 +162,19 @@ class ChildLoop:
                 )
             self._model_step(state)
 
+    @property
+    def state(self) -> LoopState | None:
+        """Where the run stands (None before `run`): always the replay of the journal written so far."""
+        return getattr(self, "_state", None)
+
     def usage(self) -> Usage:
         """What the fork consumed so far (for a run that failed with an exception)."""
-        state = getattr(self, "_state", None)
+        state = self.state
         if state is None:
             return Usage()
         return self._result(state, self._began, Status.FAILED, None, None).usage
 
-    def _final(self, state: Replay) -> tuple[str | None, str | None]:
+    def _final(self, state: LoopState) -> tuple[str | None, str | None]:
         """(output, None) or (None, error) for the final answer; (None, None) after sending it back."""
         assert state.final is not None
         text = final_text(state.final)
@@ -192,18 +191,15 @@ class ChildLoop:
         content = Content(role="user", parts=[Part(text=feedback_text(problem))])
         self._write(state, step=state.step, kind="feedback", content=content.to_wire())
         self.io.emit("feedback", {"step": state.step, "error": problem[:500]})
-        state.messages.append(content)
-        state.feedbacks += 1
-        state.final = None
         return None, None
 
-    def _write(self, state: Replay, *, boundary: bool = False, **fields: Any) -> JournalEntry:
+    def _write(self, state: LoopState, *, boundary: bool = False, **fields: Any) -> None:
+        """Journal the next entry, then apply that same entry: the live state is what a replay rebuilds."""
         entry = JournalEntry(seq=state.next_seq, **fields)
         self.io.append(entry, boundary=boundary)
-        state.next_seq += 1
-        return entry
+        state.apply(entry)
 
-    def _model_step(self, state: Replay) -> None:
+    def _model_step(self, state: LoopState) -> None:
         request = self._request(state.step, state.messages)
         digest = self.digests.digest(request)  # what the model sees (the request without the directive)
         self.io.emit("model_call", model_call_event(state.step, digest))
@@ -231,20 +227,8 @@ class ChildLoop:
             invalid_calls=response.invalid_calls or None,
             finish_reason=None if response.finish_reason in ("stop", "tool_calls") else response.finish_reason,
         )
-        state.messages.append(content)
-        state.input_tokens += response.usage.input_tokens
-        state.output_tokens += response.usage.output_tokens
-        state.step += 1
-        state.answers, state.decisions = {}, {}  # decisions are per step: an index means another call now
-        invalid = response.invalid_calls
-        state.pending = [PendingCall(i, c, started=False, invalid=invalid.get(c.id or "")) for i, c in calls]
-        state.final = None if calls else content
-        state.finish_reason = response.finish_reason
-        if not calls and response.finish_reason == MALFORMED_CALL:  # tell the model, do not end the fork
-            state.messages.append(malformed_call_message())
-            state.final = None
 
-    def _run_tools(self, state: Replay, deadline: float) -> None:
+    def _run_tools(self, state: LoopState, deadline: float) -> None:
         step = state.step - 1
         for pending in list(state.pending):
             if time.monotonic() >= deadline:
@@ -260,14 +244,9 @@ class ChildLoop:
                 call_id=call.id,
                 name=call.name,
                 response=outcome,
-            )
-            state.answers[pending.index] = response_part(call, outcome)
-            state.pending.remove(pending)
-            state.tool_uses += 1
-        last = state.messages[-1]
-        state.messages.append(state.answer_content(calls_of(last)))
+            )  # applying the step's last result adds the answers to the messages
 
-    def _outcome(self, state: Replay, step: int, pending: PendingCall) -> dict[str, Any]:
+    def _outcome(self, state: LoopState, step: int, pending: PendingCall) -> dict[str, Any]:
         """Pass the call through the gate (nesting, declarations, allowlist, approval), then run it."""
         call = pending.call
         name = call.name or ""
@@ -294,7 +273,7 @@ class ChildLoop:
         # a tool this worker lacks gets the registry's error naming it; nothing was started
         return self.tools.run(call, self._context(step, pending))
 
-    def _approval(self, state: Replay, step: int, pending: PendingCall, tool: Tool) -> dict[str, Any] | None:
+    def _approval(self, state: LoopState, step: int, pending: PendingCall, tool: Tool) -> dict[str, Any] | None:
         """None when the call may run; a denial otherwise. Raises `Parked` to wait for a person."""
         if not needs_approval(tool, self.gate.mode):
             return None
@@ -307,7 +286,7 @@ class ChildLoop:
             return {"error": denied_by_user(tool.name, decision.reason)}
         return None
 
-    def _started(self, state: Replay, step: int, pending: PendingCall) -> None:
+    def _started(self, state: LoopState, step: int, pending: PendingCall) -> None:
         call = pending.call
         self._write(
             state,
@@ -329,7 +308,7 @@ class ChildLoop:
             deadline=self._deadline,  # a tool call never outlasts the fork's wall-clock limit
         )
 
-    def _spawn(self, state: Replay, step: int, pending: PendingCall) -> dict[str, Any]:
+    def _spawn(self, state: LoopState, step: int, pending: PendingCall) -> dict[str, Any]:
         """Launch (or, after a revival, rejoin) the nested subagent; its id is fixed by this call's position."""
         if self.spawner is None:
             return {"error": NO_SPAWNER}
@@ -339,7 +318,7 @@ class ChildLoop:
             self.record, pending.call.args or {}, child_id, cancelled=self.cancelled, deadline=self._deadline
         )
 
-    def _awaiting(self, state: Replay, step: int) -> list[dict[str, Any]]:
+    def _awaiting(self, state: LoopState, step: int) -> list[dict[str, Any]]:
         """The calls of this step that wait for a person: approval needed, undecided, past the other gates."""
         calls = []
         for pending in state.pending:
@@ -369,7 +348,7 @@ class ChildLoop:
         return model_request(self.record, self.declarations, step, messages)
 
     def _result(
-        self, state: Replay, started: float, status: Status, output: str | None, error: str | None
+        self, state: LoopState, started: float, status: Status, output: str | None, error: str | None
     ) -> ForkResult:
         usage = Usage(
             input_tokens=state.input_tokens,
