@@ -22,6 +22,7 @@ from workers.app import make_app, runtime_of
 from workers.client import ForkClient
 from workers.records.fork import Status
 from workers.store.health import check_redis
+from workers.store.lease import Claim
 
 REPO_ROOT = Path(app_module.__file__).resolve().parents[1]
 FORK = {"description": "d", "prompt": "Report back.", "subagent_type": "fork", "fork_turns": "1"}
@@ -129,7 +130,7 @@ def test_the_beat_sweep_task_revives_a_fork_whose_worker_died(
     with ForkClient(settings, app=app) as client:
         handle = client.launch(parent, FORK)
         leases = runtime_of(app).leases
-        assert not isinstance(leases.claim(handle.fork_id, "a-worker-that-dies"), str)
+        assert isinstance(leases.claim(handle.fork_id, "a-worker-that-dies"), Claim)
         deadline = time.monotonic() + 5
 
         def lapsed_ms() -> float:  # how long ago the lease ended (its index score), in Redis time
