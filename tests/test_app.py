@@ -21,6 +21,7 @@ from broker_config.settings import Settings
 from workers.app import make_app, runtime_of
 from workers.client import ForkClient
 from workers.records.fork import Status
+from workers.store.lease import Claim
 
 REPO_ROOT = Path(app_module.__file__).resolve().parents[1]
 FORK = {"description": "d", "prompt": "Report back.", "subagent_type": "fork", "fork_turns": "1"}
@@ -128,7 +129,7 @@ def test_the_beat_sweep_task_revives_a_fork_whose_worker_died(
     with ForkClient(settings, app=app) as client:
         handle = client.launch(parent, FORK)
         leases = runtime_of(app).leases
-        assert not isinstance(leases.claim(handle.fork_id, "a-worker-that-dies"), str)
+        assert isinstance(leases.claim(handle.fork_id, "a-worker-that-dies"), Claim)
         deadline = time.monotonic() + 5
 
         def lapsed_ms() -> float:  # how long ago the lease ended (its index score), in Redis time

@@ -80,7 +80,7 @@ def deliver(settings: Settings, runtimes: list[WorkerRuntime]) -> Callable[..., 
         runtime.provider = provider or scripted(steps)
         runtime.tools = builtin_tools()
         runtimes.append(runtime)
-        return run_fork_job(runtime, RunForkJob(fork_id=fork_id, digest=digest))
+        return str(run_fork_job(runtime, RunForkJob(fork_id=fork_id, digest=digest)))  # the task's return value
 
     return run
 
@@ -142,12 +142,12 @@ def test_what_runs_is_denied_or_parks_in_each_approval_mode_and_policy(
     # and a parked fork waits holding no worker: no lease, out of the running index, calls in status and events
     keys = Keys(TEST_NAMESPACE)
     assert outcome == "awaiting_approval" and state.status is Status.AWAITING_APPROVAL
-    assert [c["call_id"] for c in state.pending_approval] == parked
+    assert [c.call_id for c in state.pending_approval] == parked
     assert set(responses) == ran_calls | denied
     assert client.redis.exists(keys.lease(handle.fork_id)) == 0
     assert client.redis.zscore(keys.running, handle.fork_id) is None
     [event] = [e for e in client.events(handle.fork_id) if e.type == "awaiting_approval"]
-    assert event.data["calls"] == state.pending_approval
+    assert event.data["calls"] == [c.wire() for c in state.pending_approval]
     assert client.result(handle.fork_id) is None
 
 
@@ -206,7 +206,7 @@ def test_a_call_without_an_id_is_approved_by_its_step_and_index(
     steps = [step(call(None, "run_shell_command", command="echo ok > shell.txt")), step("done")]
     handle = client.launch(parent_for(parent, work, "plan"), FORK, approval_policy="park")
     assert deliver(handle.fork_id, handle.digest, steps) == "awaiting_approval"
-    assert [c["call_id"] for c in client.status(handle.fork_id).pending_approval] == ["0.0"]
+    assert [c.call_id for c in client.status(handle.fork_id).pending_approval] == ["0.0"]
 
     assert client.approve(handle.fork_id, "0.0") == "queued"
 
@@ -324,7 +324,7 @@ def test_cli_launch_records_the_approval_policy_schema_limits_and_allowlist(
     assert code == 0
     fork_id = json.loads(capsys.readouterr().out)["fork_id"]
     record = client.store.get_record(fork_id, None)
-    assert record.options == {
+    assert record.options.model_dump() == {
         "approval_policy": "park",
         "output_schema": SCHEMA,
         "max_turns": 7,
@@ -401,7 +401,7 @@ def test_a_parked_fork_denied_by_a_person_goes_on_and_its_model_reads_the_denial
     work = workdir(tmp_path)
     handle = client.launch(parent_for(parent, work, "default"), FORK, approval_policy="park")
     wait_until(lambda: handle.status().status is Status.AWAITING_APPROVAL, what="the fork to park")
-    assert handle.status().pending_approval == [
+    assert [c.wire() for c in handle.status().pending_approval] == [
         {"call_id": "s1", "index": 0, "step": 0, "name": "run_shell_command", "args": {"command": "touch denied.txt"}}
     ]
 
@@ -706,7 +706,7 @@ def test_a_nested_subagent_never_parks_even_when_its_caller_may(client: ForkClie
 
     child = nested_record(record, REGULAR, f"{caller.fork_id}.0.0")
 
-    assert record.options["approval_policy"] == "park" and "approval_policy" not in child.options
+    assert record.options.approval_policy == "park" and "approval_policy" not in child.options.model_dump()
 
 
 def test_time_spent_waiting_for_a_person_does_not_count_against_the_wall_clock_limit(

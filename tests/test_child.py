@@ -265,7 +265,7 @@ def test_a_parked_step_lists_only_the_calls_that_passed_the_allowlist_and_the_ne
     assert "fork_tools: read_file, write_file, edit" in responses["s1"]["error"]
     assert responses["a1"] == {"error": FORK_NESTING_ERROR}
     assert ran(run.entries) == {"r1"}
-    assert parked.value.calls == [
+    assert [c.wire() for c in parked.value.calls] == [
         {"call_id": "w1", "index": 3, "step": 0, "name": "write_file", "args": {"path": "edited.txt", "content": "x"}},
         {
             "call_id": "0.4",  # a call without an id is named by its step and index
@@ -481,7 +481,7 @@ def test_an_approval_answers_only_the_call_it_was_given_for_not_a_later_steps_ca
 
     # Then the first call ran, and the second parks for its own decision instead of riding on the first's
     assert (second.work / "first.txt").exists() and not (second.work / "second.txt").exists()
-    assert [c["call_id"] for c in parked.value.calls] == ["s2"]
+    assert [c.call_id for c in parked.value.calls] == ["s2"]
     # and a replay of that journal does not carry the step-0 decision over to step 1's call either
     state = replay(ForkSeed(initial_messages=[], task_prompt="Begin."), second.entries)
     assert state.decisions == {} and [p.call.id for p in state.pending] == ["s2"]

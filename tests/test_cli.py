@@ -26,7 +26,7 @@ from workers.history.params import MSG_FORK_TURNS_VALUE
 from workers.history.selection import build_fork_seed
 from workers.history.snapshot import load_parent_snapshot
 from workers.keys import Keys
-from workers.store.lease import Leases
+from workers.store.lease import Claim, Leases
 
 INSPECT_KEYS = {
     "fork_id",
@@ -313,7 +313,7 @@ def test_sweep_json_prints_json_lines_while_it_runs_and_stops_with_0_on_sigterm(
     # Given a fork whose worker claimed it and went silent past its lease
     fork_id = launch(forkq)
     leases = Leases(redis_client, Keys(forkq_env.namespace), ttl_ms=200, retention_s=60)
-    assert not isinstance(leases.claim(fork_id, "gone-worker"), str)
+    assert isinstance(leases.claim(fork_id, "gone-worker"), Claim)
 
     # When `forkq sweep --json` runs (a pass every 0.2 s)
     out = tmp_path / "sweep.out"

@@ -41,7 +41,8 @@ from workers.history.selection import build_fork_seed
 from workers.history.snapshot import parse_parent_snapshot
 from workers.records.fork import Status, split_seed
 from workers.records.notification import render_task_notification
-from workers.store.lease import Leases
+from workers.records.parked import ParkedCall
+from workers.store.lease import Claim, Leases
 
 FORK = {"description": "write expiry tests", "prompt": "Write the expiry tests.", "subagent_type": "fork"}
 
@@ -532,9 +533,9 @@ def test_wait_on_a_parked_fork_raises_fork_parked_at_once_with_the_pending_calls
     handle = client.launch(parent, FORK, approval_policy="park")
     leases = Leases(client.redis, client.store.keys, ttl_ms=10_000, retention_s=3600)
     claim = leases.claim(handle.fork_id, "worker-1", handle.digest)
-    assert not isinstance(claim, str)
+    assert isinstance(claim, Claim)
     calls = [{"call_id": "w1", "index": 0, "step": 0, "name": "write_file", "args": {"path": "a"}}]
-    leases.park(claim, calls)
+    leases.park(claim, [ParkedCall.model_validate(call) for call in calls])
 
     # When the parent waits for it, with a long timeout
     started = time.monotonic()
@@ -556,9 +557,9 @@ def park(client: ForkClient, parent: dict[str, Any]) -> tuple[str, list[dict[str
     handle = client.launch(parent, FORK, approval_policy="park")
     leases = Leases(client.redis, client.store.keys, ttl_ms=10_000, retention_s=3600)
     claim = leases.claim(handle.fork_id, "worker-1", handle.digest)
-    assert not isinstance(claim, str)
+    assert isinstance(claim, Claim)
     calls = [{"call_id": "w1", "index": 0, "step": 0, "name": "write_file", "args": {"path": "a"}}]
-    leases.park(claim, calls)
+    leases.park(claim, [ParkedCall.model_validate(call) for call in calls])
     return handle.fork_id, calls
 
 
@@ -571,7 +572,7 @@ def test_a_denial_whose_reason_is_not_valid_unicode_is_refused_and_the_call_stil
         client.deny(fork_id, "w1", "not \udcff now")
 
     state = client.status(fork_id)
-    assert (state.status, state.pending_approval) == (Status.AWAITING_APPROVAL, calls)
+    assert (state.status, [c.wire() for c in state.pending_approval]) == (Status.AWAITING_APPROVAL, calls)
 
 
 @pytest.mark.parametrize("timeout", [float("nan"), float("inf"), -1, "5", True], ids=repr)

@@ -17,8 +17,9 @@ from workers.history.snapshot import parse_parent_snapshot
 from workers.keys import Keys
 from workers.records.fork import BootstrapRecord, ChunkCache, ForkResult, Status, chunk_digest, split_seed
 from workers.records.journal import JournalEntry
+from workers.records.parked import ParkedCall
 from workers.store.forks import ForkStore
-from workers.store.lease import Leases
+from workers.store.lease import Claim, Leases
 from workers.store.redis_server import RedisServer
 
 TTL_S = 3600
@@ -61,7 +62,7 @@ def finished(store: ForkStore, fork_id: str, status: Status = Status.SUCCEEDED) 
     """Run the real claim and finish of a worker on a launched fork."""
     leases = Leases(store.client, store.keys, ttl_ms=10_000, retention_s=TTL_S)
     claim = leases.claim(fork_id, "worker-1")
-    assert not isinstance(claim, str), claim
+    assert isinstance(claim, Claim), claim
     result = ForkResult(fork_id=fork_id, status=status, output="done")
     leases.finish(claim, result)
     return result
@@ -267,7 +268,7 @@ def test_cancelling_a_running_fork_marks_it_for_the_worker_to_stop(store: ForkSt
     launch(store, seed)
     leases = Leases(store.client, store.keys, ttl_ms=10_000, retention_s=TTL_S)
     claim = leases.claim("f-1", "worker-1")
-    assert not isinstance(claim, str)
+    assert isinstance(claim, Claim)
 
     assert store.cancel("f-1") is Status.CANCELLED
     assert store.state("f-1").status is Status.CANCELLED
@@ -285,7 +286,7 @@ def test_a_cancelled_running_fork_keeps_the_usage_its_journal_records(store: For
     launch(store, seed)
     leases = Leases(store.client, store.keys, ttl_ms=10_000, retention_s=TTL_S)
     claim = leases.claim("f-1", "worker-1")
-    assert not isinstance(claim, str)
+    assert isinstance(claim, Claim)
     result_entry = JournalEntry(seq=1, step=0, kind="tool_result", call_index=0, response={"output": "ok"})
     leases.append(claim, model_entry(0, 0, 120), result_entry)
     leases.append(claim, model_entry(2, 1, 80))
@@ -307,9 +308,9 @@ def test_a_cancelled_parked_fork_reports_its_time_until_it_parked(store: ForkSto
     launch(store, seed)
     leases = Leases(store.client, store.keys, ttl_ms=10_000, retention_s=TTL_S)
     claim = leases.claim("f-1", "worker-1")
-    assert not isinstance(claim, str)
+    assert isinstance(claim, Claim)
     time.sleep(0.05)
-    leases.park(claim, [{"call_id": "w1", "index": 0, "step": 0, "name": "write_file", "args": {}}])
+    leases.park(claim, [ParkedCall(call_id="w1", index=0, step=0, name="write_file", args={})])
     time.sleep(0.2)  # parked: not the fork's time
 
     store.cancel("f-1")
@@ -325,7 +326,7 @@ def test_a_cancel_racing_a_running_fork_counts_every_entry_the_fork_wrote(store:
     launch(store, seed)
     leases = Leases(store.client, store.keys, ttl_ms=10_000, retention_s=TTL_S)
     claim = leases.claim("f-1", "worker-1")
-    assert not isinstance(claim, str)
+    assert isinstance(claim, Claim)
     leases.append(claim, model_entry(0, 0, 1))
 
     def run() -> None:
@@ -358,7 +359,7 @@ def test_the_cancel_script_tallies_every_entry_appended_after_the_journal_the_cl
     launch(store, seed)
     leases = Leases(store.client, store.keys, ttl_ms=10_000, retention_s=TTL_S)
     claim = leases.claim("f-1", "worker-1")
-    assert not isinstance(claim, str)
+    assert isinstance(claim, Claim)
     leases.append(claim, model_entry(0, 0, 100))
     read = store.client.lrange(store.keys.journal("f-1"), 0, -1)
     # and to which the fork appended a tool result and two more model calls before the cancel script ran

@@ -12,7 +12,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, cast
+from typing import cast
 
 import pytest
 import redis
@@ -25,7 +25,9 @@ from workers.errors import LeaseLost
 from workers.keys import Keys
 from workers.records.fork import ForkResult, Status
 from workers.records.journal import JournalEntry
+from workers.records.parked import ParkedCall
 from workers.store import lease_scripts as lua
+from workers.store.claims import FirstWrite, Refusal, RefusalReason
 from workers.store.forks import ForkStore
 from workers.store.lease import LAPSE_MARGIN_S, Claim, LeaseKeeper, Leases
 from workers.store.redis_server import RedisServer
@@ -113,10 +115,10 @@ def test_a_fork_that_is_not_queued_cannot_be_claimed(
     cancelled, _ = make_queued_fork()
     fork_store.cancel(cancelled)
 
-    assert leases.claim(running, "worker-b") == "running"
-    assert leases.claim(finished, "worker-b") == "succeeded"
-    assert leases.claim(cancelled, "worker-b") == "cancelled"
-    assert leases.claim("f-never-launched", "worker-b") == "missing"
+    assert leases.claim(running, "worker-b") == Refusal(RefusalReason.NOT_QUEUED, Status.RUNNING)
+    assert leases.claim(finished, "worker-b") == Refusal(RefusalReason.NOT_QUEUED, Status.SUCCEEDED)
+    assert leases.claim(cancelled, "worker-b") == Refusal(RefusalReason.NOT_QUEUED, Status.CANCELLED)
+    assert leases.claim("f-never-launched", "worker-b") == Refusal(RefusalReason.MISSING)
     assert redis_client.get(KEYS.lease(running)) == b"worker-a"
     assert state_field(redis_client, running, "epoch") == "1"
 
@@ -127,7 +129,7 @@ def test_a_queued_fork_whose_lease_is_still_held_cannot_be_claimed(
     fid, _ = make_queued_fork()
     redis_client.set(KEYS.lease(fid), b"someone-else", px=10_000)
 
-    assert make_leases(redis_client).claim(fid, "worker-b") == "leased"
+    assert make_leases(redis_client).claim(fid, "worker-b") == Refusal(RefusalReason.LEASED)
     assert state_field(redis_client, fid, "status") == "queued"
     assert state_field(redis_client, fid, "epoch") is None
 
@@ -498,7 +500,7 @@ def test_revive_at_the_attempt_limit_fails_the_fork_with_worker_lost(
     assert redis_client.zscore(KEYS.running, fid) is None
     finished = list(fork_store.events(fid))[-1]
     assert (finished.type, finished.data) == ("finished", {"status": "failed", "error": reason})
-    assert leases.claim(fid, "worker-c") == "failed"
+    assert leases.claim(fid, "worker-c") == Refusal(RefusalReason.NOT_QUEUED, Status.FAILED)
 
 
 @pytest.mark.parametrize("end", ["finish", "cancel"])
@@ -615,7 +617,7 @@ def test_fenced_scripts_are_atomic_under_concurrent_claims(
     # Given twenty workers racing to claim the same queued fork with separate connections
     fid, _ = make_queued_fork()
     barrier = threading.Barrier(20)
-    outcomes: list[Claim | str] = []
+    outcomes: list[Claim | Refusal] = []
     lock = threading.Lock()
 
     def race(i: int) -> None:
@@ -636,7 +638,7 @@ def test_fenced_scripts_are_atomic_under_concurrent_claims(
     winners = [o for o in outcomes if isinstance(o, Claim)]
     assert len(outcomes) == 20 and len(winners) == 1
     assert winners[0].epoch == 1
-    assert {o for o in outcomes if isinstance(o, str)} == {"running"}
+    assert {o for o in outcomes if isinstance(o, Refusal)} == {Refusal(RefusalReason.NOT_QUEUED, Status.RUNNING)}
 
 
 def test_releases_at_shutdown_do_not_count_toward_the_worker_lost_limit(
@@ -716,8 +718,8 @@ def sha(script: str) -> bytes:
     return hashlib.sha1(script.encode()).hexdigest().encode()
 
 
-def park_calls() -> list[dict[str, Any]]:
-    return [{"call_id": "c1", "name": "write_file", "args": {}}]
+def park_calls() -> list[ParkedCall]:
+    return [ParkedCall(call_id="c1", index=0, step=1, name="write_file", args={})]
 
 
 def surface_entry() -> JournalEntry:
@@ -784,7 +786,8 @@ def test_a_claim_whose_reply_was_lost_is_handed_back_as_granted_and_claims_nothi
         proxy.lose_reply_to(sha(lua.CLAIM))
 
         # When the claim runs in Redis but its reply never arrives
-        claim = make_leases(lossy).claim(fid, "worker-a", digest, first=(record, surface_entry(), {"step": 1}))
+        first = FirstWrite(record, surface_entry(), {"step": 1})
+        claim = make_leases(lossy).claim(fid, "worker-a", digest, first=first)
     finally:
         lossy.close()
         proxy.close()

@@ -275,12 +275,12 @@ def test_the_sweeper_counts_each_revival_once(
 
     from workers.keys import Keys
     from workers.service.sweeper import Sweeper
-    from workers.store.lease import Leases
+    from workers.store.lease import Claim, Leases
 
     # Given a running fork whose lease has expired (deleted: its worker is gone)
     leases = Leases(redis_client, Keys(TEST_NAMESPACE), ttl_ms=10_000, retention_s=3600)
     fork_id, digest = make_queued_fork()
-    assert not isinstance(leases.claim(fork_id, "gone-worker", digest), str)
+    assert isinstance(leases.claim(fork_id, "gone-worker", digest), Claim)
     redis_client.delete(leases.keys.lease(fork_id))
     redis_client.zadd(leases.keys.running, {fork_id: 0})  # due now
     registry = CollectorRegistry()

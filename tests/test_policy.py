@@ -282,8 +282,9 @@ def test_without_fork_tools_every_inherited_tool_may_run() -> None:
 
 def test_launch_options_keep_only_what_differs_from_the_defaults() -> None:
     agent = validate_agent_params({**FORK, "fork_tools": []})
-    assert launch_options(agent) == {"fork_tools": []}
-    assert launch_options(agent, approval_policy="park", output_schema=SCHEMA, max_wall_s=30, max_turns=5) == {
+    assert launch_options(agent).model_dump() == {"fork_tools": []}
+    options = launch_options(agent, approval_policy="park", output_schema=SCHEMA, max_wall_s=30, max_turns=5)
+    assert options.model_dump() == {
         "fork_tools": [],
         "approval_policy": "park",
         "output_schema": SCHEMA,

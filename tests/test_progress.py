@@ -21,6 +21,7 @@ from workers.app import runtime_of
 from workers.client import ForkClient
 from workers.records.fork import Status
 from workers.service.metrics import Metrics
+from workers.service.outcome import Outcome
 from workers.service.progress import RunObserver, step_progress
 from workers.service.tasks import final_event
 
@@ -55,7 +56,7 @@ def test_model_call_and_step_latencies_tokens_and_tools_are_measured_from_loop_e
     clock.now += 3
     run.observe("step", {"step": 2, "tool_calls": [], "input_tokens": 20, "output_tokens": 5})
     assert sample(registry, "forkq_forks_running") == 1
-    run.ended("succeeded")
+    run.ended(Outcome.SUCCEEDED)
     run.close()
 
     # Then each model call and each step was timed, and tokens and tools counted
@@ -82,7 +83,7 @@ def test_a_run_stopped_mid_step_does_not_time_the_unfinished_step() -> None:
 
     run.observe("model_call", {"step": 1})
     clock.now += 5
-    run.ended("released")
+    run.ended(Outcome.RELEASED)
     run.close()
 
     assert sample(registry, "forkq_step_seconds_count") == 0

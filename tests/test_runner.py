@@ -23,6 +23,7 @@ from workers.history.messages import Content, FunctionCall, Part
 from workers.providers import ModelRequest, ModelResponse
 from workers.records.fork import Status
 from workers.records.journal import RequestDigests
+from workers.service.outcome import Outcome, RunOutcome
 from workers.service.runner import MIN_REDIS_TIMEOUT_S, RunForkJob, WorkerRuntime, redis_timeout_s, run_fork_job
 from workers.service.spawn import POLL_MS
 from workers.store.forks import WAIT_TIMEOUT_MS
@@ -93,8 +94,8 @@ def test_a_fork_runs_to_its_result_and_a_second_delivery_is_a_no_op(
     effects: list[str] = []
     fork_id, job = launch(client, parent)
     runtime = runtime_with(settings, CallsThenAnswers(), counting_tools(effects))
-    assert run_fork_job(runtime, job) == "succeeded"
-    assert run_fork_job(runtime, job) == "duplicate:succeeded"
+    assert run_fork_job(runtime, job) == RunOutcome(Outcome.SUCCEEDED)
+    assert run_fork_job(runtime, job) == RunOutcome(Outcome.DUPLICATE, "succeeded")
     assert effects == [f"{fork_id}:0:c1"]
     result = client.result(fork_id)
     assert result is not None and result.output == "done" and result.usage.tool_uses == 1
@@ -114,7 +115,7 @@ def test_the_final_answer_is_journaled_with_the_result_in_the_same_write(
 
     runtime.leases.append = counted  # type: ignore[method-assign]
 
-    assert run_fork_job(runtime, job) == "succeeded"
+    assert run_fork_job(runtime, job) == RunOutcome(Outcome.SUCCEEDED)
 
     # the answer is in the journal, but it was not appended on its own: it went with the result
     assert [e.kind for e in runtime.leases.journal(fork_id)][-1] == "model"
@@ -134,7 +135,7 @@ def test_a_revived_fork_replays_its_journal_and_makes_the_same_request(
     # When its lease expires and another worker takes it
     expire(settings, fork_id)
     second = CallsThenAnswers()
-    assert run_fork_job(runtime_with(settings, second, counting_tools(effects)), job) == "succeeded"
+    assert run_fork_job(runtime_with(settings, second, counting_tools(effects)), job) == RunOutcome(Outcome.SUCCEEDED)
     # Then the recorded tool call is not run again and the step-1 request is identical
     assert effects == [f"{fork_id}:0:c1"]
     assert [r.step for r in second.requests] == [1]
@@ -155,7 +156,7 @@ def test_every_request_carries_the_launch_output_schema_and_a_revival_rebuilds_i
     # When another worker revives it
     expire(settings, fork_id)
     second = CallsThenAnswers(answer='{"counted": true}')
-    assert run_fork_job(runtime_with(settings, second, counting_tools([])), job) == "succeeded"
+    assert run_fork_job(runtime_with(settings, second, counting_tools([])), job) == RunOutcome(Outcome.SUCCEEDED)
 
     # Then every request the model saw carried the schema, and the revived step-1 request is the same
     assert [r.output_schema for r in [*first.requests, *second.requests]] == [schema] * 3
@@ -177,7 +178,7 @@ def test_a_revived_fork_pauses_when_a_tool_it_started_with_is_missing(
     outcome = run_fork_job(runtime_with(settings, CallsThenAnswers(), ToolRegistry()), job)
     # Then the fork pauses with a reason naming the tool, and resumes when asked
     state = client.status(fork_id)
-    assert outcome == "paused" and state.status is Status.PAUSED
+    assert outcome == RunOutcome(Outcome.PAUSED) and state.status is Status.PAUSED
     assert state.error is not None and "count" in state.error
     assert client.resume(fork_id) is Status.QUEUED
     assert client.status(fork_id).status is Status.QUEUED
@@ -199,13 +200,13 @@ def test_a_worker_shutting_down_releases_its_fork_for_another_worker(
 
     runtime.provider = StopsDuringTheCall()
     # Then the answer is journaled, the fork released at the next boundary and re-enqueued at once
-    assert run_fork_job(runtime, job) == "released"
+    assert run_fork_job(runtime, job) == RunOutcome(Outcome.RELEASED)
     assert client.status(fork_id).status is Status.QUEUED
     assert requeued == [(fork_id, 2)]
     assert [e.type for e in client.events(fork_id)][-1] == "released"
     assert [e.kind for e in WorkerRuntime(settings).leases.journal(fork_id)] == ["surface", "model"]
     # and a delivery that reaches a stopping worker is handed back without a claim
-    assert run_fork_job(runtime, job) == "handed_back"
+    assert run_fork_job(runtime, job) == RunOutcome(Outcome.HANDED_BACK)
     assert client.status(fork_id).attempt == 1
 
 
@@ -238,7 +239,7 @@ def test_a_call_the_provider_garbled_is_answered_with_its_error_and_never_run(
     _, job = launch(client, parent)
     provider = GarblesItsCall()
 
-    assert run_fork_job(runtime_with(settings, provider, counting_tools(effects)), job) == "succeeded"
+    assert run_fork_job(runtime_with(settings, provider, counting_tools(effects)), job) == RunOutcome(Outcome.SUCCEEDED)
 
     assert effects == []
     answer = provider.requests[1].messages[-1].parts[0].function_response
@@ -256,7 +257,7 @@ def test_a_garbled_call_is_still_not_run_after_a_revival(
     # When another worker revives it
     expire(settings, fork_id)
     second = CallsThenAnswers()
-    assert run_fork_job(runtime_with(settings, second, counting_tools(effects)), job) == "succeeded"
+    assert run_fork_job(runtime_with(settings, second, counting_tools(effects)), job) == RunOutcome(Outcome.SUCCEEDED)
     # Then the replayed request carries the recorded error answer, and the tool never ran
     assert effects == []
     answer = second.requests[0].messages[-1].parts[0].function_response

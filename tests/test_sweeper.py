@@ -19,8 +19,9 @@ from conftest import TEST_NAMESPACE
 from kombu.exceptions import OperationalError
 
 from workers.keys import Keys
-from workers.records.fork import BootstrapRecord
+from workers.records.fork import BootstrapRecord, Status
 from workers.service.sweeper import Sweeper, outage_gap_s
+from workers.store.claims import Refusal, RefusalReason
 from workers.store.forks import ForkStore
 from workers.store.lease import Claim, Leases
 from workers.store.redis_server import RedisServer
@@ -196,7 +197,7 @@ def test_a_fork_cancelled_after_its_revival_is_never_claimed_again(
 
     # Then the job's claim is refused and the fork stays cancelled
     leases = Leases(redis_client, KEYS, ttl_ms=10_000, retention_s=3600)
-    assert leases.claim(fid, "worker-b") == "cancelled"
+    assert leases.claim(fid, "worker-b") == Refusal(RefusalReason.NOT_QUEUED, Status.CANCELLED)
     assert fork_store.state(fid).status.value == "cancelled"
     assert event_count(fork_store, fid, "started") == 1
 
@@ -270,7 +271,7 @@ def test_cancels_racing_sweepers_never_resurrect_a_fork(
     for fid in forks:
         assert fork_store.state(fid).status.value == "cancelled", fid
         assert event_count(fork_store, fid, "revived") <= 1
-        assert leases.claim(fid, "worker-b") == "cancelled"
+        assert leases.claim(fid, "worker-b") == Refusal(RefusalReason.NOT_QUEUED, Status.CANCELLED)
     assert max(Counter(fid for fid, _, _ in enqueued.jobs).values(), default=0) <= 1
 
 

@@ -496,7 +496,7 @@ def test_flower_gives_a_lost_run_and_a_parked_run_a_final_state_once_their_fork_
     # and another worker takes it over, and a person approves the parked call
     worker_process(**env)
     [call] = parked.status().pending_approval
-    client.approve(pid, call["call_id"])
+    client.approve(pid, call.call_id)
 
     # Then both forks succeed on their second run
     assert running.wait(timeout=60).status is Status.SUCCEEDED

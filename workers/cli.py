@@ -138,7 +138,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             f"{state.fork_id} {state.status.value} attempt={state.attempt}"
             + (f" error={state.error}" if state.error else "")
         )
-        _print_pending(state.pending_approval)
+        _print_pending([call.wire() for call in state.pending_approval])
     return EXIT_OK
 
 

@@ -29,8 +29,16 @@ from workers.history.snapshot import ParentSnapshot, parse_parent_snapshot
 from workers.history.structured import check_schema
 from workers.keys import FORK_ID_RE, Keys
 from workers.limits import MAX_LAUNCH_TURNS, MAX_LAUNCH_WALL_S, bad_text, nesting_problem, shown, text_problem, too_deep
-from workers.loop.policy import APPROVAL_POLICIES, ApprovalPolicy, depth_error
-from workers.records.fork import BootstrapRecord, ForkResult, ForkState, Status
+from workers.loop.policy import depth_error
+from workers.records.fork import (
+    APPROVAL_POLICIES,
+    ApprovalPolicy,
+    BootstrapRecord,
+    ForkOptions,
+    ForkResult,
+    ForkState,
+    Status,
+)
 from workers.records.notification import render_task_notification
 from workers.records.seeds import SeedBuilder, SeedChunks
 from workers.service.tasks import enqueue_fork, send_ended_event
@@ -75,7 +83,7 @@ def launch_options(
     output_schema: dict[str, Any] | None = None,
     max_wall_s: float | None = None,
     max_turns: int | None = None,
-) -> dict[str, Any]:
+) -> ForkOptions:
     """The fork-only and launch options a bootstrap record keeps (only those that differ from the defaults).
 
     Raises:
@@ -98,7 +106,7 @@ def launch_options(
         if problem is not None:
             raise InvalidAgentParams(problem, field="output_schema")
         options["output_schema"] = check_schema(output_schema)
-    return {**options, **_limits(max_wall_s, max_turns)}
+    return ForkOptions.model_validate({**options, **_limits(max_wall_s, max_turns)})
 
 
 def _limits(max_wall_s: float | None, max_turns: int | None) -> dict[str, Any]:
@@ -134,11 +142,11 @@ def launch_settings(record: BootstrapRecord) -> dict[str, Any]:
     return {
         "subagent_type": record.subagent_type,
         "name": record.name,
-        "approval_policy": options.get("approval_policy", "deny"),
-        "output_schema": options.get("output_schema"),
-        "max_wall_s": options.get("max_wall_s"),
-        "max_turns": options.get("max_turns"),
-        "fork_tools": options.get("fork_tools"),
+        "approval_policy": options.approval_policy or "deny",
+        "output_schema": options.output_schema,
+        "max_wall_s": options.max_wall_s,
+        "max_turns": options.max_turns,
+        "fork_tools": options.fork_tools,
     }
 
 
@@ -148,7 +156,7 @@ def parked_error(state: ForkState) -> ForkParked:
     if state.status is Status.PAUSED:
         todo = f"{state.error or 'paused'}; once that is fixed, `forkq resume {fid}` (ForkClient.resume)"
     else:
-        calls = ", ".join(f"{c.get('call_id')} ({c.get('name')})" for c in state.pending_approval) or "none"
+        calls = ", ".join(f"{c.call_id} ({c.name})" for c in state.pending_approval) or "none"
         todo = (
             f"it waits on calls a person must decide: {calls}; `forkq approve {fid} CALL_ID` or "
             f"`forkq deny {fid} CALL_ID` (ForkClient.approve / deny), then wait again"
@@ -157,7 +165,7 @@ def parked_error(state: ForkState) -> ForkParked:
         f"fork {fid} is {state.status.value}: {todo}",
         fork_id=fid,
         status=state.status.value,
-        pending=list(state.pending_approval),
+        pending=[call.wire() for call in state.pending_approval],
         reason=state.error,
     )
 
@@ -354,7 +362,7 @@ class ForkClient:
         seed: SeedChunks,
         *,
         tools_json: str,
-        options: dict[str, Any],
+        options: ForkOptions,
     ) -> BootstrapRecord:
         return BootstrapRecord(
             fork_id=fid,

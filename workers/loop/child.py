@@ -30,6 +30,7 @@ from workers.providers import ModelProvider, ModelRequest
 from workers.records.fork import BootstrapRecord, ForkResult, Status, Usage
 from workers.records.journal import JournalEntry, RequestDigests
 from workers.records.notification import NO_OUTPUT
+from workers.records.parked import ParkedCall
 from workers.tools.registry import Tool, ToolContext, ToolRegistry, never_cancelled
 
 
@@ -63,7 +64,7 @@ class Stopped(Exception):
 class Parked(Stopped):
     """The fork waits for a person's decision on `calls` (launch policy `park`)."""
 
-    def __init__(self, calls: list[dict[str, Any]]) -> None:
+    def __init__(self, calls: list[ParkedCall]) -> None:
         super().__init__("awaiting_approval")
         self.calls = calls
 
@@ -119,19 +120,19 @@ class ChildLoop:
         self.declarations = record.tools if self.tool_declarations is None else self.tool_declarations
         self._by_name = {str(d.get("name")): d for d in self.declarations}
         options = record.options
-        allowlist = options.get("fork_tools")
+        allowlist = options.fork_tools
         self.gate = Gate(
             kind=record.kind,
             teammate=record.name is not None,
             depth=record.depth,
             max_depth=self.max_depth,
             mode=effective_mode(record.approval_mode),
-            policy="park" if options.get("approval_policy") == "park" else "deny",
+            policy=options.approval_policy or "deny",
             allowlist=None if allowlist is None else tuple(allowlist),
         )
-        self.max_turns = min(self.max_turns, int(options.get("max_turns") or self.max_turns))
-        self.max_wall_s = min(self.max_wall_s, float(options.get("max_wall_s") or self.max_wall_s))
-        self.schema: dict[str, Any] | None = options.get("output_schema")
+        self.max_turns = min(self.max_turns, options.max_turns or self.max_turns)
+        self.max_wall_s = min(self.max_wall_s, float(options.max_wall_s or self.max_wall_s))
+        self.schema: dict[str, Any] | None = options.output_schema
 
     def run(self) -> ForkResult:
         """Run to the final answer or the turn limit.
@@ -318,7 +319,7 @@ class ChildLoop:
             self.record, pending.call.args or {}, child_id, cancelled=self.cancelled, deadline=self._deadline
         )
 
-    def _awaiting(self, state: LoopState, step: int) -> list[dict[str, Any]]:
+    def _awaiting(self, state: LoopState, step: int) -> list[ParkedCall]:
         """The calls of this step that wait for a person: approval needed, undecided, past the other gates."""
         calls = []
         for pending in state.pending:
@@ -334,13 +335,13 @@ class ChildLoop:
                 and pending.index not in state.decisions
             ):
                 calls.append(
-                    {
-                        "call_id": approval_id(step, pending),
-                        "index": pending.index,
-                        "step": step,
-                        "name": tool.name,
-                        "args": dict(call.args or {}),
-                    }
+                    ParkedCall(
+                        call_id=approval_id(step, pending),
+                        index=pending.index,
+                        step=step,
+                        name=tool.name,
+                        args=dict(call.args or {}),
+                    )
                 )
         return calls
 
@@ -378,7 +379,7 @@ def model_request(
         messages=list(messages),
         generation=record.generation,
         directive=record.directive,
-        output_schema=record.options.get("output_schema"),
+        output_schema=record.options.output_schema,
     )
 
 

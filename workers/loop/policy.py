@@ -18,14 +18,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Final, Literal
+from typing import Any, Final
 
 from workers.history.params import tool_allowed
+from workers.history.snapshot import ApprovalMode
+from workers.records.fork import ApprovalPolicy
 from workers.tools.registry import Tool
 
-ApprovalPolicy = Literal["deny", "park"]
-APPROVAL_POLICIES: Final = ("deny", "park")
-PERMISSIVE_MODES: Final = ("yolo", "auto-edit")
+PERMISSIVE_MODES: Final[tuple[ApprovalMode, ...]] = ("yolo", "auto-edit")
 AGENT_TOOL_NAMES: Final = ("agent",)  # besides any declared tool taking `prompt` and `subagent_type`
 
 FORK_NESTING_ERROR: Final = "Error: Cannot spawn sub-agents from within a fork. Please execute tasks directly."
@@ -69,7 +69,7 @@ def undeclared_error(name: str, declared: Sequence[str]) -> str:
     )
 
 
-def denied_by_policy(name: str, mode: str) -> str:
+def denied_by_policy(name: str, mode: ApprovalMode) -> str:
     """The answer to a call that needs approval when the launch's policy is `deny`."""
     return (
         f"Error: tool {name!r} needs approval in approval mode {mode!r}, and this background fork has no one "
@@ -84,12 +84,12 @@ def denied_by_user(name: str, reason: str | None) -> str:
     return f"Error: tool {name!r} was denied by the user{why}. The call did not run; do not retry it as is."
 
 
-def effective_mode(parent_mode: str) -> str:
+def effective_mode(parent_mode: ApprovalMode) -> ApprovalMode:
     """The fork's approval mode: a permissive parent mode carries over, otherwise each mutating call is confirmed."""
     return parent_mode if parent_mode in PERMISSIVE_MODES else "default"
 
 
-def needs_approval(tool: Tool, mode: str) -> bool:
+def needs_approval(tool: Tool, mode: ApprovalMode) -> bool:
     """Whether a call of `tool` must be confirmed under `mode` (`auto-edit` approves file edits only)."""
     if not tool.mutating or mode == "yolo":
         return False
@@ -116,7 +116,7 @@ class Gate:
     teammate: bool
     depth: int  # the fork's own depth (a top-level session's child is 1)
     max_depth: int
-    mode: str  # effective approval mode
+    mode: ApprovalMode  # effective approval mode
     policy: ApprovalPolicy
     allowlist: tuple[str, ...] | None  # fork_tools, None: every inherited tool
 

@@ -1,3 +1,3 @@
-"""A fork's persistent formats: the bootstrap record, state and result, the step journal, seed chunks.
+"""A fork's persistent formats: the bootstrap record, state and result, parked calls, the step journal, seed chunks.
 
 Pure: these encode and decode bytes; the store writes them to Redis."""

@@ -8,14 +8,16 @@ import threading
 import zlib
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
 from workers import codec
 from workers.errors import RecordDecodeError, RecordIntegrityError
 from workers.history.messages import Content, dump_contents, load_contents
 from workers.history.selection import ForkSeed
+from workers.history.snapshot import ApprovalMode
+from workers.records.parked import ParkedCall, decode_parked
 
 SCHEMA_VERSION: Final = 1
 CHUNK_MAX_MESSAGES: Final = 64
@@ -40,6 +42,33 @@ class Status(enum.StrEnum):
     def terminal(self) -> bool:
         """True once nothing more will happen to the fork."""
         return self in (Status.SUCCEEDED, Status.FAILED, Status.CANCELLED)
+
+
+ApprovalPolicy = Literal["deny", "park"]  # what a call that needs approval gets: a denial, or the fork parks
+APPROVAL_POLICIES: Final[tuple[ApprovalPolicy, ...]] = get_args(ApprovalPolicy)
+
+
+class ForkOptions(BaseModel):
+    """The fork-only and launch options a bootstrap record keeps; a field left None is the default.
+
+    Stored as a map of the options that are set, nothing else (a record launched without any holds `{}`),
+    so records keep the bytes, and the digest, they had as a plain map. `max_wall_s` keeps the number the
+    launch gave (an int stays an int in the canonical bytes).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    fork_tools: list[str] | None = None  # the execution allowlist (forks only); [] runs no tool
+    approval_policy: ApprovalPolicy | None = None  # None: `deny`
+    output_schema: dict[str, Any] | None = None  # the final answer's JSON schema, checked at launch
+    max_wall_s: int | float | None = None  # the launch's own limits, below the worker's
+    max_turns: int | None = None
+
+    @model_serializer(mode="wrap")
+    def _set_only(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # an unset option is absent from the stored map, never a null: the bytes of today's records stay
+        dumped: dict[str, Any] = handler(self)
+        return {name: value for name, value in dumped.items() if value is not None}
 
 
 class BootstrapRecord(BaseModel):
@@ -67,11 +96,11 @@ class BootstrapRecord(BaseModel):
     tools_json: str = "[]"  # declarations as the parent sent them, key order kept (prompt-cache parity)
     model: str | None = None
     generation: dict[str, Any] = Field(default_factory=dict)
-    approval_mode: str = "default"
+    approval_mode: ApprovalMode = "default"
     cwd: str = "."
     depth: int = 0
     fork_turns: str | None = None
-    options: dict[str, Any] = Field(default_factory=dict)
+    options: ForkOptions = Field(default_factory=ForkOptions)
 
     @property
     def tools(self) -> list[dict[str, Any]]:
@@ -204,7 +233,7 @@ class ForkState(BaseModel):
     started_ms: int | None = None
     finished_ms: int | None = None
     error: str | None = None
-    pending_approval: list[dict[str, Any]] = Field(default_factory=list)  # awaiting_approval: the parked calls
+    pending_approval: list[ParkedCall] = Field(default_factory=list)  # awaiting_approval: the parked calls
 
     @classmethod
     def from_hash(cls, fork_id: str, fields: dict[str, str]) -> ForkState:
@@ -225,7 +254,7 @@ class ForkState(BaseModel):
             started_ms=num("started_ms"),
             finished_ms=num("finished_ms"),
             error=fields.get("error") or None,
-            pending_approval=json.loads(fields["pending"]) if fields.get("pending") else [],
+            pending_approval=decode_parked(fields.get("pending") or "", fork_id=fork_id),
         )
 
 

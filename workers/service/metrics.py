@@ -27,26 +27,17 @@ from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
+from workers.service.outcome import CLAIMED_RUN, SKIPPED, Outcome
 from workers.tools.registry import ABANDONED
 
 log = logging.getLogger("forkq.metrics")
 
 OTHER_TOOL: Final = "other"
-# how a claimed run ended: a result written (succeeded, failed), stopped by someone else (cancelled),
-# handed on (paused, awaiting_approval, released, lease_lost); `error`: an exception left the run
-# (Redis down, a bug); `other`: an outcome this list does not know yet
-RUN_STATUSES: Final = (
-    "succeeded",
-    "failed",
-    "cancelled",
-    "paused",
-    "awaiting_approval",
-    "released",
-    "lease_lost",
-    "error",
-    "other",
-)
-SKIP_REASONS: Final = ("duplicate", "handed_back", "refused", "rejected")
+# how a claimed run ended (`workers.service.outcome.CLAIMED_RUN`): a result written (succeeded, failed), stopped
+# by someone else (cancelled), handed on (paused, awaiting_approval, released, lease_lost); `error`: an exception
+# left the run (Redis down, a bug); `other`: an outcome this list does not know yet
+RUN_STATUSES: Final = (*(outcome.value for outcome in CLAIMED_RUN), "error", "other")
+SKIP_REASONS: Final = tuple(outcome.value for outcome in SKIPPED)
 SWEEP_OUTCOMES: Final = ("revive", "requeue", "failed")
 # model calls and steps take seconds (tens with long outputs or retries); attempts are few
 LATENCY_BUCKETS: Final = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
@@ -146,14 +137,14 @@ class Metrics:
             self.tokens.labels(direction=direction)
 
     def run_ended(self, status: str) -> None:
-        """Count one claimed run's end (an unknown status counts as `other`)."""
+        """Count one claimed run's end: an `Outcome` of `CLAIMED_RUN` or `error` (anything else counts as `other`)."""
         self.forks_finished.labels(status=status if status in RUN_STATUSES else "other").inc()
-        if status == "lease_lost":
+        if status == Outcome.LEASE_LOST:
             self.lease_losses.inc()
 
     def skipped(self, reason: str) -> None:
-        """Count a delivery that claimed nothing."""
-        self.deliveries_skipped.labels(reason=reason if reason in SKIP_REASONS else "refused").inc()
+        """Count a delivery that claimed nothing: an `Outcome` of `SKIPPED` (anything else counts as `refused`)."""
+        self.deliveries_skipped.labels(reason=reason if reason in SKIP_REASONS else Outcome.REFUSED.value).inc()
 
     def swept(self, outcome: str) -> None:
         """Count a sweeper outcome that changed a fork (`alive` and finished forks are not revivals)."""

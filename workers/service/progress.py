@@ -15,12 +15,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from workers.service.metrics import Metrics
+from workers.service.outcome import FINISHED, Outcome
 
 log = logging.getLogger("forkq.worker")
 
 Progress = Callable[[dict[str, Any]], None]  # called once per step with `step_progress` fields
-
-FINISHED = ("succeeded", "failed")  # runs whose last step ended with them (a stopped run's step did not)
 
 
 def step_progress(data: dict[str, Any], attempt: int) -> dict[str, Any]:
@@ -75,13 +74,13 @@ class RunObserver:
         elif kind == "tool":
             self.metrics.tool_call(str(data.get("tool")), ok=bool(data.get("ok")), known=self.tools)
 
-    def ended(self, status: str) -> str:
-        """Count how the run ended; returns `status`."""
-        if status in FINISHED:
+    def ended(self, outcome: Outcome) -> Outcome:
+        """Count how the run ended; returns `outcome`."""
+        if outcome in FINISHED:  # a stopped run's last step did not end: it is not a step's length
             self._end_step(self.clock())
-        self.metrics.run_ended(status)
+        self.metrics.run_ended(outcome)
         self._ended = True
-        return status
+        return outcome
 
     def close(self) -> None:
         """The run is over: it no longer counts as running (an exception ended it if `ended` was not called)."""

@@ -28,8 +28,10 @@ from workers.providers.routing import ProviderRouter
 from workers.records.fork import BootstrapRecord, ChunkCache, Declarations, ForkResult, Status
 from workers.records.journal import JournalEntry, RequestDigests
 from workers.service.metrics import Metrics
+from workers.service.outcome import Outcome, RunOutcome
 from workers.service.progress import Progress, RunObserver
 from workers.service.spawn import SubagentSpawner
+from workers.store.claims import FirstWrite, RefusalReason
 from workers.store.forks import ForkStore
 from workers.store.lease import Claim, LeaseKeeper, Leases, revival_grace_s, ride_out
 from workers.tools.builtins import load_tools
@@ -270,8 +272,8 @@ def run_fork_job(
     job: RunForkJob,
     progress: Progress | None = None,
     claimed: Callable[[Claim], None] | None = None,
-) -> str:
-    """Run one delivery of a fork job; returns what happened (`succeeded`, `duplicate:<status>`, ...).
+) -> RunOutcome:
+    """Run one delivery of a fork job; returns what happened (`succeeded`, a `duplicate` of `<status>`, ...).
 
     `progress` is called once per step (`workers.service.progress.step_progress` fields), `claimed` once the
     delivery holds the fork (Flower's final state of the run before it); neither can stop the fork.
@@ -284,22 +286,22 @@ def run_fork_job(
     if runtime.stopping.is_set() and runtime.requeue is not None:
         # a worker that is shutting down hands new deliveries back instead of claiming them
         runtime.requeue(fid, job.digest, 0)
-        runtime.metrics.skipped("handed_back")
-        return "handed_back"
+        runtime.metrics.skipped(Outcome.HANDED_BACK)
+        return RunOutcome(Outcome.HANDED_BACK)
     first = _first_step(runtime, job)
-    claim = runtime.leases.claim(fid, new_owner(), job.digest, first=first[2] if first else None)
-    if claim == "forged":
-        raise RecordIntegrityError(
-            f"fork {fid}: job digest {job.digest[:12]}… is not the fork's launch digest; "
-            "the job message was altered or belongs to another fork",
-            fork_id=fid,
-        )
-    if claim == "missing":
-        raise ForkNotFound(f"fork {fid}: no such fork (never launched, or past its retention)", fork_id=fid)
-    if isinstance(claim, str):
-        log.info("fork %s: delivery ignored, fork is %s", fid, claim)
-        runtime.metrics.skipped("duplicate")
-        return f"duplicate:{claim}"
+    claim = runtime.leases.claim(fid, new_owner(), job.digest, first=first.write if first else None)
+    if not isinstance(claim, Claim):
+        if claim.reason is RefusalReason.FORGED:
+            raise RecordIntegrityError(
+                f"fork {fid}: job digest {job.digest[:12]}… is not the fork's launch digest; "
+                "the job message was altered or belongs to another fork",
+                fork_id=fid,
+            )
+        if claim.reason is RefusalReason.MISSING:
+            raise ForkNotFound(f"fork {fid}: no such fork (never launched, or past its retention)", fork_id=fid)
+        log.info("fork %s: delivery ignored, fork is %s", fid, claim.word)
+        runtime.metrics.skipped(Outcome.DUPLICATE)
+        return RunOutcome(Outcome.DUPLICATE, claim.word)
     lost = runtime.keeper.hold(claim)
     run = RunObserver(runtime.metrics, runtime.tools.tools, claim.attempt, progress)
     if claimed is not None:
@@ -308,19 +310,25 @@ def run_fork_job(
         except Exception as exc:  # observability never stops a fork
             log.warning("fork %s: the claim of attempt %d was not reported: %s", fid, claim.attempt, exc)
     try:
-        return run.ended(_run_claimed(runtime, job, claim, lost, observe=run.observe, first=first))
+        return RunOutcome(run.ended(_run_claimed(runtime, job, claim, lost, observe=run.observe, first=first)))
     except LeaseLost as exc:
         if exc.refusal == "cancelled":  # cancelled mid-step: the write after it was fenced out, as it must be
             log.info("fork %s: cancelled while it ran; stopped", job.fork_id)
-            return run.ended("cancelled")
+            return RunOutcome(run.ended(Outcome.CANCELLED))
         log.warning("%s", exc)
-        return run.ended("lease_lost")
+        return RunOutcome(run.ended(Outcome.LEASE_LOST))
     finally:
         run.close()
         runtime.keeper.drop(claim)
 
 
-FirstStep = tuple[BootstrapRecord, ForkSeed, tuple[bytes, JournalEntry, dict[str, Any]]]
+@dataclass(frozen=True, slots=True)
+class FirstStep:
+    """A first run's inputs, read from the job before the claim, and what its claim writes with them."""
+
+    record: BootstrapRecord
+    seed: ForkSeed
+    write: FirstWrite  # the record bytes, the surface entry, the first `model_call` event's data
 
 
 def _first_step(runtime: WorkerRuntime, job: RunForkJob) -> FirstStep | None:
@@ -336,7 +344,8 @@ def _first_step(runtime: WorkerRuntime, job: RunForkJob) -> FirstStep | None:
         record, seed = _load_inputs(runtime, job, job.record)
         declared = runtime.declarations.of(record)
         surface = JournalEntry(seq=0, step=0, kind="surface", tools=_surface(runtime, declared))
-        return record, seed, (job.record, surface, first_model_call(record, seed, runtime.digests, declared))
+        model_call = first_model_call(record, seed, runtime.digests, declared)
+        return FirstStep(record, seed, FirstWrite(job.record, surface, model_call))
     except Exception as exc:  # nothing is claimed yet: the usual path reports it (as the fork's failure)
         log.warning("fork %s: inputs not prepared before the claim (%s); reading them after it", job.fork_id, exc)
         return None
@@ -364,7 +373,7 @@ def _run_claimed(
     *,
     observe: Callable[[str, dict[str, Any]], None] | None = None,
     first: FirstStep | None = None,
-) -> str:
+) -> Outcome:
     fid = job.fork_id
     try:
         run = _prepare(runtime, job, claim, lost, observe=observe, first=first)
@@ -377,14 +386,14 @@ def _run_claimed(
         log.exception("fork %s: worker could not set up the run", fid)
         error = f"worker setup failed: {type(exc).__name__}: {exc}"
         runtime.leases.finish(claim, ForkResult(fork_id=fid, status=Status.FAILED, error=error))
-        return Status.FAILED.value
+        return Outcome.FAILED
     if run.missing:
         reason = (
             f"declared tool(s) {', '.join(run.missing)} not available on this worker; the fork was started "
             "with them and does not run with a different tool surface: install them and `forkq resume`"
         )
         runtime.leases.pause(claim, reason)
-        return "paused"
+        return Outcome.PAUSED
     return _run_loop(runtime, job, claim, lost, run)
 
 
@@ -398,8 +407,8 @@ def _prepare(
     first: FirstStep | None,
 ) -> Prepared:
     """The run's inputs (the job's, when they are the stored record's bytes), journal, channel and tools."""
-    if first is not None and claim.record == first[2][0]:
-        record, seed = first[:2]
+    if first is not None and claim.record == first.write.record:
+        record, seed = first.record, first.seed
     else:  # reads ride out a Redis outage like the fenced writes, while the lease certainly holds
         record, seed = ride_out(
             lambda: _load_inputs(runtime, job, claim.record),
@@ -410,7 +419,7 @@ def _prepare(
     entries = [JournalEntry.decode(raw, fork_id=job.fork_id) for raw in claim.journal]
     channel = FencedChannel(runtime.leases, claim, lost, runtime.stopping, observe=observe)
     if claim.primed and first is not None:
-        channel.published = [("model_call", first[2][2])]
+        channel.published = [("model_call", first.write.model_call)]
     declared = runtime.declarations.of(record)
     missing = _check_tool_surface(runtime, declared, entries, channel)
     spawner = runtime.spawner
@@ -419,7 +428,7 @@ def _prepare(
     return Prepared(record, seed, entries, channel, declared, missing, runtime.provider, bound)
 
 
-def _run_loop(runtime: WorkerRuntime, job: RunForkJob, claim: Claim, lost: threading.Event, run: Prepared) -> str:
+def _run_loop(runtime: WorkerRuntime, job: RunForkJob, claim: Claim, lost: threading.Event, run: Prepared) -> Outcome:
     """The child loop of a prepared run, to its result, its park, or its stop."""
     settings = runtime.settings
     loop = ChildLoop(
@@ -443,7 +452,7 @@ def _run_loop(runtime: WorkerRuntime, job: RunForkJob, claim: Claim, lost: threa
         result = loop.run()
     except Parked as park:  # no worker slot is held while a person decides
         runtime.leases.park(claim, park.calls)
-        return "awaiting_approval"
+        return Outcome.AWAITING_APPROVAL
     except Stopped as stop:
         return _stopped(runtime, job, claim, stop.reason)
     except (LeaseLost, redis.RedisError):
@@ -453,7 +462,7 @@ def _run_loop(runtime: WorkerRuntime, job: RunForkJob, claim: Claim, lost: threa
         error = f"{type(exc).__name__}: {exc}"
         result = ForkResult(fork_id=job.fork_id, status=Status.FAILED, error=error, usage=loop.usage())
     run.channel.finish(result)
-    return result.status.value
+    return Outcome(result.status.value)
 
 
 def _load_inputs(runtime: WorkerRuntime, job: RunForkJob, data: bytes) -> tuple[BootstrapRecord, ForkSeed]:
@@ -489,11 +498,11 @@ def _surface(runtime: WorkerRuntime, declared: list[dict[str, Any]]) -> list[str
     return sorted({str(d.get("name")) for d in declared if runtime.tools.get(d.get("name"))})
 
 
-def _stopped(runtime: WorkerRuntime, job: RunForkJob, claim: Claim, reason: str) -> str:
+def _stopped(runtime: WorkerRuntime, job: RunForkJob, claim: Claim, reason: str) -> Outcome:
     if reason == "shutdown":  # checkpointed by the journal: hand the fork to another worker now
         runtime.leases.release(claim, "worker shutdown")
         if runtime.requeue is not None:
             runtime.requeue(job.fork_id, job.digest, claim.attempt + 1)
             runtime.leases.enqueued(job.fork_id)
-        return "released"
-    return reason
+        return Outcome.RELEASED
+    return Outcome(reason)  # `cancelled` or `lease_lost`: the loop's other reasons to stop

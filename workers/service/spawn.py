@@ -25,7 +25,7 @@ from workers.errors import ForkqError, InvalidAgentParams
 from workers.history.params import validate_agent_params
 from workers.loop.child import Stopped
 from workers.loop.policy import effective_mode
-from workers.records.fork import BootstrapRecord, ForkResult, Status
+from workers.records.fork import BootstrapRecord, ForkOptions, ForkResult, Status
 from workers.store.forks import ForkStore
 from workers.store.lease import TRANSIENT, ride_out
 
@@ -66,7 +66,7 @@ def nested_record(parent: BootstrapRecord, args: Mapping[str, Any], child_id: st
         cwd=parent.cwd,
         depth=parent.depth + 1,
         # no approval_policy: a nested subagent never parks, since its caller holds a worker slot waiting for it
-        options={k: v for k, v in parent.options.items() if k == "max_wall_s"},
+        options=ForkOptions(max_wall_s=parent.options.max_wall_s),
     )
 
 

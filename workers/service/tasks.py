@@ -14,6 +14,7 @@ from pydantic import ValidationError
 
 from broker_config.celery import RUN_FORK_TASK, SWEEP_TASK
 from workers.errors import ForkNotFound, RecordDecodeError, RecordIntegrityError
+from workers.service.outcome import Outcome, RunOutcome
 from workers.service.progress import Progress
 from workers.service.runner import RunForkJob, WorkerRuntime, run_fork_job
 from workers.service.sweeper import Sweeper
@@ -169,25 +170,17 @@ def previous_run_end(events: list[ForkEvent], attempt: int) -> str | None:
     return None
 
 
-def final_event(outcome: object) -> str | None:
-    """The Celery event that ends a `run_fork` delivery in Flower, for outcomes other than a fork's success.
+def final_event(result: object) -> str | None:
+    """The Celery event that ends a `run_fork` delivery in Flower (`RunOutcome.final_event`), from the
+    `result` field Celery's own `task-succeeded` would carry: the repr of the task's return value.
 
-    A fork that ended `succeeded` keeps Celery's `task-succeeded` (state SUCCESS). A fork that failed
-    ends `task-failed` (FAILURE, with the reason as its exception). Every other outcome is a custom
-    final state: `task-released` (RELEASED: handed to another worker at shutdown), `task-paused`,
-    `task-awaiting_approval`, `task-cancelled`, `task-lease_lost`, `task-handed_back`,
-    `task-duplicate` (a no-op delivery), and `task-rejected` (refused or malformed jobs, dead-lettered).
-    Flower shows the last event's subject as the state (AWAITING_APPROVAL, RELEASED, ...). A run that
-    sent none (its worker was lost) or parked gets `task-lost` / `task-resumed` later (`end_previous_run`).
+    None keeps Celery's `task-succeeded` (state SUCCESS): a fork that ended `succeeded`, or a value that
+    is no delivery outcome. Flower shows the last event's subject as the state (AWAITING_APPROVAL,
+    RELEASED, ...). A run that sent none (its worker was lost) or parked gets `task-lost` / `task-resumed`
+    later (`end_previous_run`).
     """
-    if not isinstance(outcome, str):
-        return None
-    kind = outcome.strip("'\"").split(":", 1)[0]  # the pool hands over the return value's repr
-    if kind == "succeeded":
-        return None
-    if kind in ("refused", "rejected"):
-        return "task-rejected"
-    return f"task-{kind}"
+    outcome = RunOutcome.from_wire(result) if isinstance(result, str) else None
+    return None if outcome is None else outcome.final_event
 
 
 def _request_class(events: WorkerEvents) -> type[ForkqRequest]:
@@ -224,18 +217,18 @@ def register_tasks(app: Celery, runtime: WorkerRuntime) -> None:
         Request=_request_class(events),
     )
     def run_fork(self: Task[Any, Any], *args: Any, **kwargs: Any) -> str:
-        """Run one delivery of a fork job (a no-op when the fork is not queued)."""
+        """Run one delivery of a fork job (a no-op when the fork is not queued); returns the outcome's text."""
         try:
             job = RunForkJob.model_validate(_job_fields(args, kwargs))
         except (ValidationError, TypeError) as exc:
             # a hostile or malformed message: refuse it, never run it, never crash the worker
             log.error("rejected malformed run_fork job %s: %s", self.request.id, exc)
             runtime.store.dead_letter(str(self.request.id), f"malformed run_fork job: {exc}")
-            runtime.metrics.skipped("rejected")
-            return "rejected:malformed"
+            runtime.metrics.skipped(Outcome.REJECTED)
+            return str(RunOutcome(Outcome.REJECTED, "malformed"))
         dispatcher = events.dispatcher()
         try:
-            return run_fork_job(
+            outcome = run_fork_job(
                 runtime,
                 job,
                 progress=progress_events(self, dispatcher),
@@ -244,8 +237,9 @@ def register_tasks(app: Celery, runtime: WorkerRuntime) -> None:
         except (RecordIntegrityError, RecordDecodeError, ForkNotFound) as exc:
             log.error("fork %s: refused: %s", job.fork_id, exc)
             runtime.store.dead_letter(str(self.request.id), str(exc))
-            runtime.metrics.skipped("refused")
-            return f"refused:{type(exc).__name__}"
+            runtime.metrics.skipped(Outcome.REFUSED)
+            outcome = RunOutcome(Outcome.REFUSED, type(exc).__name__)
+        return str(outcome)  # Celery's result and event carry text: the outcome's fixed words
 
     @app.task(name=SWEEP_TASK, shared=False, ignore_result=True, Request=ForkqRequest)
     def sweep() -> dict[str, int]:

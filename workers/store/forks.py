@@ -422,21 +422,21 @@ class ForkStore:
         """
         for _ in range(DECIDE_ATTEMPTS):  # the journal length can only change under us if a decision races
             state = self.state(fork_id)
-            call = next((p for p in state.pending_approval if p.get("call_id") == call_id), None)
+            call = next((p for p in state.pending_approval if p.call_id == call_id), None)
             if state.status is not Status.AWAITING_APPROVAL or call is None:
                 raise InvalidApproval(_approval_refusal(state, call_id), fork_id=fork_id)
             seq = self.client.llen(self.keys.journal(fork_id))
             entry = JournalEntry(
                 seq=seq,
-                step=int(call.get("step", 0)),
+                step=call.step,
                 kind="approval",
-                call_index=int(call["index"]),
+                call_index=call.index,
                 call_id=call_id,
-                name=str(call.get("name")),
+                name=call.name,
                 decision="approve" if decision == "approve" else "deny",
                 reason=reason or None,
             )
-            event = json.dumps({"call_id": call_id, "name": call.get("name"), "reason": reason})
+            event = json.dumps({"call_id": call_id, "name": call.name, "reason": reason})
             event_type = "approved" if entry.decision == "approve" else "denied"
             outcome = self._decide(
                 keys=[
@@ -480,7 +480,7 @@ class ForkStore:
 def _approval_refusal(state: ForkState, call_id: str) -> str:
     if state.status is not Status.AWAITING_APPROVAL:
         return f"fork {state.fork_id} is {state.status.value}, not awaiting approval: there is no call to decide"
-    waiting = ", ".join(f"{p.get('call_id')} ({p.get('name')})" for p in state.pending_approval) or "none"
+    waiting = ", ".join(f"{p.call_id} ({p.name})" for p in state.pending_approval) or "none"
     return f"fork {state.fork_id}: no pending call {call_id!r}; calls awaiting approval: {waiting}"
 
 

@@ -37,7 +37,9 @@ from workers.errors import LeaseLost
 from workers.keys import Keys
 from workers.records.fork import ForkResult, Status
 from workers.records.journal import JournalEntry
+from workers.records.parked import ParkedCall, encode_parked
 from workers.store import lease_scripts as lua
+from workers.store.claims import FirstWrite, Refusal
 
 log = logging.getLogger("forkq.lease")
 
@@ -182,14 +184,14 @@ class Leases:
         owner: str,
         digest: str | None = None,
         *,
-        first: tuple[bytes, JournalEntry, dict[str, Any]] | None = None,
-    ) -> Claim | str:
-        """Take a queued fork: a `Claim` (with the record and journal), or why not.
+        first: FirstWrite | None = None,
+    ) -> Claim | Refusal:
+        """Take a queued fork: a `Claim` (with the record and journal), or a `Refusal` saying why not.
 
-        The reason is the fork's status, `leased`, `missing`, or `forged` when `digest` is given
-        and is not the fork's launch digest (the fork is then left untouched). With `first` (the
-        record bytes, the surface entry and the first `model_call` event's data, built from that record,
-        which hashes to `digest`)
+        The refusal names the fork's status when it is not queued, else `leased`, `missing`, or `forged`
+        when `digest` is given and is not the fork's launch digest (the fork is then left untouched). With
+        `first` (the record bytes, the surface entry and the first `model_call` event's data, built from
+        that record, which hashes to `digest`)
         and `digest` given, a first claim of a fork with an empty journal also appends the entry and
         publishes the `model_call` event (`Claim.primed`), if the stored record is `first`'s record bytes.
 
@@ -200,7 +202,7 @@ class Leases:
         """
         record, entry, event = b"", b"", ""
         if first is not None and digest:
-            record, entry, event = first[0], first[1].encode(), json.dumps(first[2])
+            record, entry, event = first.record, first.surface.encode(), json.dumps(first.model_call)
         k = self.keys
         keys = [
             k.state(fork_id),
@@ -215,7 +217,7 @@ class Leases:
             list[Any], ride_out(lambda: self._claim(keys=keys, args=args), until=forever, what="claim", fork_id=fork_id)
         )
         if reply[0] != b"claimed":
-            return cast(bytes, reply[0]).decode()
+            return Refusal.from_reply(cast(bytes, reply[0]).decode())
         clock = LeaseClock(self.ttl_ms / 1000, grace_s=self.lapse_grace_ms / 1000)
         clock.renewed(time.monotonic())
         _, attempt, epoch, stored, journal, first_ms, now_ms, primed = reply
@@ -329,14 +331,15 @@ class Leases:
         args = [claim.epoch, claim.owner, fid, reason, "paused", "", json.dumps({"reason": reason})]
         self._fenced(claim, self._write(claim, "pause", self._pause, keys, args), "pause")
 
-    def park(self, claim: Claim, pending: list[dict[str, Any]]) -> None:
+    def park(self, claim: Claim, pending: Sequence[ParkedCall]) -> None:
         """Park the fork as `awaiting_approval` on `pending` calls: no lease, no worker, not revived."""
         k = self.keys
         fid = claim.fork_id
-        names = ", ".join(f"{p['name']} ({p['call_id']})" for p in pending)
+        names = ", ".join(f"{p.name} ({p.call_id})" for p in pending)
         reason = f"awaiting approval of {names}: forkq approve {fid} CALL_ID, or forkq deny {fid} CALL_ID"
-        calls = json.dumps(pending, ensure_ascii=False, separators=(",", ":"))
-        event = json.dumps({"reason": reason, "calls": pending}, ensure_ascii=False, separators=(",", ":"))
+        calls = encode_parked(pending)
+        wire = [p.wire() for p in pending]
+        event = json.dumps({"reason": reason, "calls": wire}, ensure_ascii=False, separators=(",", ":"))
         keys = [k.state(fid), k.lease(fid), k.events(fid), k.running]
         args = [claim.epoch, claim.owner, fid, reason, "awaiting_approval", calls, event]
         self._fenced(claim, self._write(claim, "park", self._pause, keys, args), "park")
