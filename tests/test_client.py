@@ -605,8 +605,8 @@ def parked_handle(client: ForkClient, parent: dict[str, Any], calls: list[dict[s
     handle = client.launch(parent, FORK, approval_policy="park")
     leases = Leases(client.redis, client.store.keys, ttl_ms=10_000, retention_s=3600)
     claim = leases.claim(handle.fork_id, "worker-1", handle.digest)
-    assert not isinstance(claim, str)
-    leases.park(claim, calls)
+    assert isinstance(claim, Claim)
+    leases.park(claim, [ParkedCall.model_validate(call) for call in calls])
     return handle
 
 
@@ -620,7 +620,7 @@ def test_approve_and_deny_return_awaiting_approval_while_a_call_waits_then_queue
     handle = parked_handle(client, parent, calls)
 
     assert handle.approve("w1") is Status.AWAITING_APPROVAL
-    assert handle.status().pending_approval == calls[1:]
+    assert [c.wire() for c in handle.status().pending_approval] == calls[1:]
     assert handle.deny("w2", "not b") is Status.QUEUED
     assert handle.status().status is Status.QUEUED
     assert client.redis.llen(client.settings.queue) == 2  # the launch's job, and the one the last decision sent
@@ -633,7 +633,7 @@ def test_resume_returns_queued_for_a_paused_fork_and_refuses_one_that_is_not_pau
     handle = client.launch(parent, FORK)
     leases = Leases(client.redis, client.store.keys, ttl_ms=10_000, retention_s=3600)
     claim = leases.claim(handle.fork_id, "worker-1", handle.digest)
-    assert not isinstance(claim, str)
+    assert isinstance(claim, Claim)
     leases.pause(claim, "tool plugin_x is not installed on this worker")
 
     # When it is resumed, and then resumed again
