@@ -14,6 +14,7 @@ from conftest import TEST_NAMESPACE, put_queued_fork
 from workers.keys import Keys
 from workers.records.fork import ForkResult, Status
 from workers.records.journal import JournalEntry
+from workers.records.parked import ParkedCall
 from workers.store import lease_scripts
 from workers.store.forks import ForkStore
 from workers.store.lease import Claim, Leases
@@ -52,7 +53,7 @@ def entry(seq: int) -> JournalEntry:
     return JournalEntry(seq=seq, step=0, kind="model", content={"role": "model", "parts": [{"text": "hm"}]})
 
 
-PENDING = [{"call_id": "c1", "name": "write_file", "args": {}, "index": 0, "step": 1}]
+PENDING = [ParkedCall(call_id="c1", name="write_file", args={}, index=0, step=1)]
 
 # each writer: (what puts the fork where the writer applies, the write itself); both get (store, leases, fork id)
 Step = Callable[[ForkStore, Leases, str], object]

@@ -215,14 +215,14 @@ def drive(case: Case, entries: list[JournalEntry]) -> Run:
             # the live state where the loop parked is the replay of its journal, field by field
             assert loop.state == replay(SEED, journal.entries)
             for call in parked.calls:  # what the client writes while the fork is parked
-                decision = "approve" if call["args"].get("approve") else "deny"
+                decision = "approve" if call.args.get("approve") else "deny"
                 entry = JournalEntry(
                     seq=len(journal.entries),
-                    step=call["step"],
+                    step=call.step,
                     kind="approval",
-                    call_index=call["index"],
-                    call_id=call["call_id"],
-                    name=call["name"],
+                    call_index=call.index,
+                    call_id=call.call_id,
+                    name=call.name,
                     decision=decision,
                     reason=None if decision == "approve" else "not now",
                 )
