@@ -31,7 +31,7 @@ def test_the_builtins_are_declared_with_their_flags(registry: ToolRegistry) -> N
 
 
 PLUGIN = """
-from workers.tools.registry import Tool
+from workers.tools import Tool
 
 def _effect(args, ctx):
     with open(args["target"], "a", encoding="utf-8") as out:

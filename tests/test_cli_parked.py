@@ -136,7 +136,7 @@ PROBE = {"name": "cli_probe", "description": "Answers ok.", "parameters": {"type
 PROBE_PLUGIN = f'''
 """A `forkq.tools` plugin some workers of test_cli_parked.py have and others lack."""
 
-from workers.tools.registry import Tool
+from workers.tools import Tool
 
 
 def tools():

@@ -11,8 +11,11 @@ Any circle of modules fails too.
 from __future__ import annotations
 
 import ast
+import importlib
 from dataclasses import dataclass
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -90,7 +93,8 @@ def module_name(path: Path, root: Path) -> str:
 def _type_checking_lines(tree: ast.Module) -> set[int]:
     lines: set[int] = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+        # only `if TYPE_CHECKING:` itself: `if not TYPE_CHECKING:` runs its body
+        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
             for child in node.body:
                 lines.update(range(child.lineno, (child.end_lineno or child.lineno) + 1))
     return lines
@@ -273,3 +277,33 @@ def test_a_circle_of_two_modules_is_found() -> None:
         Import("workers.tools.b", "workers.tools.a", 1, False),
     ]
     assert circles(imports) == [["workers.tools.a", "workers.tools.b"]]
+
+
+# ── the import paths of the previous flat layout that outside code uses ──────────────────────────
+
+KEPT_PATHS = {
+    # the fork-history contract's names
+    "workers.messages": ["Content", "Part", "FunctionCall", "FunctionResponse", "parse_history", "dump_contents"],
+    "workers.params": [
+        "AgentParams",
+        "validate_agent_params",
+        "MSG_FORK_TURNS_VALUE",
+        "MSG_MODEL_FORK",
+        "KNOWN_PARAMS",
+    ],
+    "workers.history": ["ForkSeed", "build_fork_seed", "select_fork_history", "curate_history", "build_fork_seed_wire"],
+    # what a deployer's tool plugin imports
+    "workers.tools": ["Tool", "ToolContext", "ToolError", "ToolRegistry", "resolve_inside", "load_tools"],
+}
+
+
+@pytest.mark.parametrize("module", sorted(KEPT_PATHS))
+def test_the_import_paths_outside_code_uses_still_hold_their_names(module: str) -> None:
+    imported = importlib.import_module(module)
+    assert [name for name in KEPT_PATHS[module] if not hasattr(imported, name)] == []
+
+
+def test_an_import_under_not_type_checking_loads_and_counts_as_a_runtime_import() -> None:
+    source = "from typing import TYPE_CHECKING\nif not TYPE_CHECKING:\n    import redis\n"
+    imports = [i for i in imports_of(source, "workers.loop.child", is_package=False) if i.target == "redis"]
+    assert problems_of(imports[0]) == ["workers.loop.child:3 imports redis: the workers.loop layer must not load redis"]

@@ -66,7 +66,7 @@ import os
 import signal
 import time
 
-from workers.tools.registry import Tool
+from workers.tools import Tool
 
 PARAMETERS = {"type": "object", "properties": {"sleep_s": {"type": "number"}}}
 

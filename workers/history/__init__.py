@@ -1,11 +1,31 @@
 """The pure conversation core: messages, launch parameters, parent snapshots, history selection, output schemas.
 
 Nothing here does I/O: no Redis, no Celery, no model SDK. The names the fork-history contract uses
-are importable from here: `build_fork_seed`, `ForkSeed`, `parse_history`, `validate_agent_params`.
+are importable from here (`build_fork_seed`, `select_fork_history`, `curate_history`, ...).
 """
 
 from workers.history.messages import Content, parse_history
 from workers.history.params import AgentParams, validate_agent_params
-from workers.history.selection import ForkSeed, build_fork_seed
+from workers.history.selection import (
+    ForkSeed,
+    build_fork_seed,
+    build_fork_seed_wire,
+    curate_history,
+    is_real_user_turn,
+    select_fork_history,
+    startup_context_length,
+)
 
-__all__ = ["AgentParams", "Content", "ForkSeed", "build_fork_seed", "parse_history", "validate_agent_params"]
+__all__ = [
+    "AgentParams",
+    "Content",
+    "ForkSeed",
+    "build_fork_seed",
+    "build_fork_seed_wire",
+    "curate_history",
+    "is_real_user_turn",
+    "parse_history",
+    "select_fork_history",
+    "startup_context_length",
+    "validate_agent_params",
+]
