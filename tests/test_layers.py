@@ -80,6 +80,7 @@ class Import:
     target: str
     line: int
     type_only: bool
+    lazy: bool = False  # inside a function: it loads when that function first runs, not with the module
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -88,6 +89,14 @@ def module_name(path: Path, root: Path) -> str:
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
+
+
+def _lines_of(nodes: list[ast.stmt]) -> set[int]:
+    return {line for node in nodes for line in range(node.lineno, (node.end_lineno or node.lineno) + 1)}
+
+
+def _function_lines(tree: ast.Module) -> set[int]:
+    return _lines_of([n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)])
 
 
 def _type_checking_lines(tree: ast.Module) -> set[int]:
@@ -104,6 +113,7 @@ def imports_of(source: str, module: str, *, is_package: bool) -> list[Import]:
     """Every import in a module's source, at any depth, with relative imports resolved."""
     tree = ast.parse(source)
     type_only = _type_checking_lines(tree)
+    in_functions = _function_lines(tree)
     found: list[Import] = []
     for node in ast.walk(tree):
         targets: list[str] = []
@@ -118,7 +128,9 @@ def imports_of(source: str, module: str, *, is_package: bool) -> list[Import]:
             # `from workers.tools import files` imports the submodule `workers.tools.files`
             targets = [f"{base}.{alias.name}" for alias in node.names]
             targets = list(dict.fromkeys(t if _is_module(t) else base for t in targets))
-        found.extend(Import(module, t, node.lineno, node.lineno in type_only) for t in targets)
+        found.extend(
+            Import(module, t, node.lineno, node.lineno in type_only, node.lineno in in_functions) for t in targets
+        )
     return found
 
 
@@ -209,6 +221,29 @@ def _package_imports(imports: list[Import]) -> list[Import]:
     return [i for i in imports if not i.source.startswith(i.target + ".")]
 
 
+def loaded_with(module: str, imports: list[Import]) -> set[str]:
+    """Every module (ours and third-party top-level names) that importing `module` loads, through any chain.
+
+    Only imports that run with a module count (not those inside functions or under TYPE_CHECKING); a
+    module also loads the `__init__` of every package above it.
+    """
+    eager: dict[str, set[str]] = {}
+    for imp in imports:
+        if not (imp.lazy or imp.type_only):
+            eager.setdefault(imp.source, set()).add(imp.target)
+    seen: set[str] = set()
+    todo = [module]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        parts = name.split(".")
+        todo.extend(".".join(parts[:n]) for n in range(1, len(parts)))
+        todo.extend(eager.get(name, ()))
+    return seen
+
+
 # ── the project ────────────────────────────────────────────────────────────────────────────────
 
 
@@ -221,6 +256,34 @@ def test_every_import_of_the_project_runs_down_the_layers() -> None:
 
 def test_no_module_of_the_project_is_in_a_circle_of_imports() -> None:
     assert circles(_package_imports(project_imports())) == []
+
+
+def test_importing_the_client_loads_nothing_of_the_worker_side_through_any_chain() -> None:
+    loaded = loaded_with("workers.client", project_imports())
+    assert "workers.store.forks" in loaded  # the walk follows chains
+    worker_side = sorted(m for m in loaded if m.startswith(CLIENT_NEVER) or m.split(".")[0] in BANNED["workers.client"])
+    assert worker_side == []
+
+
+def test_the_forkq_command_loads_no_celery_and_no_worker_side_when_it_starts() -> None:
+    loaded = loaded_with("workers.cli", project_imports())
+    assert "broker_config.settings" in loaded
+    heavy = sorted(
+        m
+        for m in loaded
+        if m.startswith(CLIENT_NEVER) or m.split(".")[0] in ("celery", "kombu", *BANNED["workers.client"])
+    )
+    assert heavy == []
+
+
+def test_the_closure_follows_a_chain_through_a_package_init_but_not_into_a_function() -> None:
+    imports = [
+        Import("workers.client", "workers.store.forks", 1, False),
+        Import("workers.store", "workers.service.tasks", 1, False),
+        Import("workers.store.forks", "celery", 9, False, lazy=True),
+    ]
+    loaded = loaded_with("workers.client", imports)
+    assert "workers.service.tasks" in loaded and "celery" not in loaded
 
 
 def test_nothing_inside_forkq_imports_the_contract_paths_kept_for_outside_callers() -> None:
