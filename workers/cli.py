@@ -35,7 +35,6 @@ from workers.errors import (
 )
 from workers.history.snapshot import load_parent_snapshot, read_json_file
 from workers.limits import MAX_SCHEMA_FILE_BYTES
-from workers.service.heartbeat import heartbeat_problem
 from workers.store.health import check_redis
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_PARKED = 0, 1, 2, 3
@@ -56,7 +55,7 @@ def _settings() -> Settings:
 
 
 def _client() -> Any:
-    from workers.client import ForkClient  # imports Celery: only for commands that need it
+    from workers.client import ForkClient  # no Celery: a send-only app is built on the first launch
 
     return ForkClient(_settings())
 
@@ -315,6 +314,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     settings = _settings()
     health = check_redis(settings)
     if args.worker:  # the worker's liveness: its heartbeat file, rewritten by its event loop
+        from workers.service.heartbeat import heartbeat_problem  # the worker side: only for --worker
+
         stale = heartbeat_problem(settings.heartbeat_file, settings.heartbeat_s)
         health.problems += [stale] if stale else []
     if args.json:

@@ -8,27 +8,34 @@ import secrets
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
-from celery import Celery
 
 from broker_config.redis_client import redis_client as connect_redis
 from broker_config.settings import Settings
-from workers.app import make_app
 from workers.errors import ForkNotEnded, ForkParked, ForkTimeout, InvalidAgentParams, InvalidApproval
-from workers.history.params import AgentParams, revalidate, validate_agent_params
+from workers.history.params import (
+    APPROVAL_POLICIES,
+    AgentParams,
+    ApprovalPolicy,
+    depth_error,
+    revalidate,
+    validate_agent_params,
+)
 from workers.history.snapshot import ParentSnapshot, parse_parent_snapshot
 from workers.history.structured import check_schema
 from workers.keys import FORK_ID_RE, Keys
 from workers.limits import MAX_LAUNCH_TURNS, MAX_LAUNCH_WALL_S, bad_text, nesting_problem, shown, text_problem, too_deep
-from workers.loop.policy import APPROVAL_POLICIES, ApprovalPolicy, depth_error
 from workers.records.fork import BootstrapRecord, ForkResult, ForkState, Status
 from workers.records.notification import render_task_notification
 from workers.records.seeds import SeedBuilder, SeedChunks
-from workers.service.tasks import enqueue_fork, send_ended_event
 from workers.store.forks import ForkEvent, ForkStore
 from workers.store.lease import Leases
+from workers.store.queue import enqueue_again, enqueue_fork, send_ended_event
+
+if TYPE_CHECKING:  # a type only: the send-only app is built on the first launch (broker_config.sender)
+    from celery import Celery
 
 
 def check_nesting(agent: AgentParams, parent_depth: int, max_depth: int) -> None:
@@ -210,7 +217,7 @@ class ForkClient:
         self.settings = settings or Settings()
         self.redis = redis_client or connect_redis(self.settings)
         self.store = ForkStore(self.redis, Keys(self.settings.namespace), ttl_s=self.settings.record_ttl_s)
-        self.app = app or make_app(self.settings)
+        self._app = app
         self._seeds = SeedBuilder()  # sibling forks of one snapshot share their selection and chunks
         # the last snapshot's declarations: (snapshot, JSON, the JSON read back, to see an edited list)
         self._tools_json: tuple[ParentSnapshot, str, Any] | None = None
@@ -220,6 +227,18 @@ class ForkClient:
             ttl_ms=int(self.settings.lease_ttl_s * 1000),
             retention_s=self.settings.record_ttl_s,
         )
+
+    @property
+    def app(self) -> Celery:
+        """The Celery app jobs are sent through: the one given, else a send-only app built on first use.
+
+        Built lazily, so a client that only follows forks (status, result, events) never loads Celery.
+        """
+        if self._app is None:
+            from broker_config.sender import sender_app  # noqa: PLC0415  (Celery and kombu: only once a job is sent)
+
+            self._app = sender_app(self.settings)
+        return self._app
 
     def close(self) -> None:
         """Release the Redis connections."""
@@ -448,11 +467,16 @@ class ForkClient:
     def _enqueue_again(self, fork_id: str) -> None:
         """Send the job of a fork put back in the queue state (resumed, decided), then confirm it enqueued."""
         state = self.store.state(fork_id)
-        attempt = state.attempt + 1
-        enqueue_fork(
-            self.app, self.settings.queue, fork_id, state.digest, attempt=attempt, description=state.description
+        # confirmed: out of the running index, where a decided fork waits until now
+        enqueue_again(
+            self.app,
+            fork_id,
+            state.digest,
+            state.attempt + 1,
+            queue=self.settings.queue,
+            store=self.store,
+            leases=self._leases,
         )
-        self._leases.enqueued(fork_id)  # out of the running index, where a decided fork waits until now
 
     def notification(self, fork_id: str) -> str:
         """The `<task-notification>` the parent's model reads once the fork has ended.

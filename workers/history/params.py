@@ -29,6 +29,19 @@ MSG_FORK_TOOLS_TEAMMATE: Final = 'Parameter "fork_tools" cannot be used when spa
 MSG_FORK_TOOLS_LIST: Final = (
     'Parameter "fork_tools" must be an array of non-empty tool names without surrounding whitespace.'
 )
+# a launch's approval policy for calls that need a person's decision: both the launcher and the loop read it
+ApprovalPolicy = Literal["deny", "park"]
+APPROVAL_POLICIES: Final = ("deny", "park")
+
+
+def depth_error(limit: int) -> str:
+    """The answer to an Agent call past the nesting limit (the loop's), and a launch's reason (the client's)."""
+    return (
+        f"Error: Nesting depth limit reached (max {limit}). Complete this task directly with your own tools "
+        "instead of spawning another sub-agent."
+    )
+
+
 MSG_FORK_TOOLS_STAR: Final = (
     'Parameter "fork_tools" does not accept "*"; omit it to allow every otherwise-executable inherited tool.'
 )

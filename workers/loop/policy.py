@@ -18,13 +18,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Final, Literal
+from typing import Any, Final
 
-from workers.history.params import tool_allowed
+from workers.history.params import ApprovalPolicy, depth_error, tool_allowed
 from workers.tools.registry import Tool
 
-ApprovalPolicy = Literal["deny", "park"]
-APPROVAL_POLICIES: Final = ("deny", "park")
 PERMISSIVE_MODES: Final = ("yolo", "auto-edit")
 AGENT_TOOL_NAMES: Final = ("agent",)  # besides any declared tool taking `prompt` and `subagent_type`
 
@@ -36,14 +34,6 @@ SUBAGENT_FORK_ERROR: Final = (
     'Error: Only a top-level session can fork (subagent_type "fork"). Complete this task directly with your '
     "own tools, or launch a regular subagent."
 )
-
-
-def depth_error(limit: int) -> str:
-    """The answer to an Agent call past the nesting limit."""
-    return (
-        f"Error: Nesting depth limit reached (max {limit}). Complete this task directly with your own tools "
-        "instead of spawning another sub-agent."
-    )
 
 
 def allowlist_error(name: str, allowlist: Sequence[str]) -> str:

@@ -15,7 +15,7 @@ import functools
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final, Literal
+from typing import TYPE_CHECKING, Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict
 from pydantic_core import to_jsonable_python
@@ -24,8 +24,10 @@ from workers import codec
 from workers.errors import RecordDecodeError
 from workers.history.messages import Content, FunctionCall, FunctionResponse, Part
 from workers.history.selection import ForkSeed
-from workers.providers import ModelRequest
 from workers.records.fork import Usage
+
+if TYPE_CHECKING:  # a type only: the records a launcher reads load no provider code
+    from workers.providers import ModelRequest
 
 INTERRUPTED_ERROR: Final = (
     "This tool call was interrupted: the worker running it stopped before it finished. It may or may not "

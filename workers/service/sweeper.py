@@ -23,7 +23,8 @@ from workers.store.lease import Leases
 
 log = logging.getLogger("forkq.sweeper")
 
-Enqueue = Callable[[str, str, int], None]  # fork id, digest, attempt
+# fork id, digest, attempt: sends the job, then confirms it enqueued (`workers.store.queue.enqueue_again`)
+Enqueue = Callable[[str, str, int], None]
 
 
 def outage_gap_s(interval_s: float) -> float:
@@ -65,8 +66,7 @@ class Sweeper:
                 self.metrics.swept(outcome)
             if outcome in ("revive", "requeue"):
                 state = self.store.state(fork_id)
-                self.enqueue(fork_id, state.digest, state.attempt + 1)
-                self.leases.enqueued(fork_id)
+                self.enqueue(fork_id, state.digest, state.attempt + 1)  # sends the job, then confirms it
                 log.info("fork %s: lease expired, %s (attempt %d)", fork_id, outcome, state.attempt + 1)
             elif outcome == "failed":
                 log.warning("fork %s: failed with worker_lost after %d lost runs", fork_id, self.max_attempts)

@@ -14,12 +14,11 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Final, cast
+from typing import TYPE_CHECKING, Any, Final, cast
 
 import redis
 from redis.commands.core import Script
 
-from broker_config.connection import Rejected
 from workers.errors import ForkNotFound, InvalidApproval, RecordExistsError, RecordIntegrityError
 from workers.history.selection import ForkSeed
 from workers.keys import Keys
@@ -35,6 +34,9 @@ from workers.records.fork import (
 )
 from workers.records.journal import JournalEntry, journal_usage
 from workers.store import dead_letters
+
+if TYPE_CHECKING:  # a type only: the store keeps dead letters without loading kombu or Celery
+    from broker_config.connection import Rejected
 
 EVENTS_MAXLEN: Final = 10_000
 WAIT_TIMEOUT_MS: Final = 1000
