@@ -24,7 +24,6 @@ from broker_config.settings import Settings
 from workers.app import make_app
 from workers.client import ForkClient
 from workers.records.fork import Status
-from workers.store.forks import ForkStore
 
 ROOT = Path(__file__).resolve().parents[1]
 # the worker side: none of it may load in a process that only launches and follows forks
@@ -121,24 +120,23 @@ def test_a_client_builds_its_send_only_app_on_the_first_launch_and_a_real_worker
 
 
 @pytest.fixture(scope="module")
-def base_python(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """A fresh venv's python with only pyproject.toml's base dependencies installed (no extras)."""
+def base_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A fresh venv with forkq (editable, `--no-deps`) and only pyproject.toml's base dependencies: no extras."""
     venv = tmp_path_factory.mktemp("base-venv") / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
-    python = str(venv / "bin" / "python")
+    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet"]
     dependencies = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
-    subprocess.run(
-        [python, "-m", "pip", "install", "--quiet", *dependencies], check=True, timeout=300, capture_output=True
-    )
-    return python
+    subprocess.run([*pip, *dependencies], check=True, timeout=300, capture_output=True)
+    subprocess.run([*pip, "--no-deps", "-e", str(ROOT)], check=True, timeout=300, capture_output=True)
+    return venv / "bin"
 
 
-def run_base(python: str, *args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    """Run `python args...` in the fresh venv, forkq's source on its path (no extras installed)."""
+def run_base(bin_dir: Path, program: str, *args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """Run one of the fresh venv's programs (`forkq`, `celery`, `python`) outside the source tree."""
     return subprocess.run(
-        [python, *args],
-        cwd=ROOT,
-        env={**env, "PYTHONPATH": str(ROOT)},
+        [str(bin_dir / program), *args],
+        cwd=bin_dir,
+        env=env,
         capture_output=True,
         text=True,
         check=False,
@@ -148,41 +146,39 @@ def run_base(python: str, *args: str, env: dict[str, str]) -> subprocess.Complet
 
 @pytest.mark.slow
 def test_the_base_install_launches_and_follows_forks_and_each_extra_command_names_its_extra(
-    base_python: str, forkq_env: Settings, fork_store: ForkStore, redis_client: redis.Redis
+    base_venv: Path, forkq_env: Settings, redis_client: redis.Redis
 ) -> None:
     env = dict(os.environ)
-    missing = run_base(base_python, "-c", "import prometheus_client", env=env)
+    missing = run_base(base_venv, "python", "-c", "import prometheus_client", env=env)
     assert missing.returncode != 0  # the venv really lacks the worker extra
 
     # A launch and its status work with the base dependencies alone: the job is on the queue
     parent = str(ROOT / "workers" / "examples" / "parent.json")
-    launched = run_base(
-        base_python,
-        "-m",
-        "workers.cli",
-        "launch",
-        "--parent",
-        parent,
-        "--prompt",
-        "Go.",
-        "--subagent-type",
-        "fork",
-        env=env,
-    )
+    launch = ("launch", "--parent", parent, "--prompt", "Go.", "--subagent-type", "fork")
+    launched = run_base(base_venv, "forkq", *launch, env=env)
     assert launched.returncode == 0, launched.stderr
     fork_id = launched.stdout.strip()
-    status = run_base(base_python, "-m", "workers.cli", "status", fork_id, env=env)
+    status = run_base(base_venv, "forkq", "status", fork_id, env=env)
     assert (status.returncode, status.stdout.split()[:2]) == (0, [fork_id, "queued"])
     assert redis_client.llen(forkq_env.queue) == 1
 
     # Each command that needs an extra exits 2 naming it
     for command, extra in (("worker", "worker"), ("sweep", "worker"), ("demo", "demo")):
-        done = run_base(base_python, "-m", "workers.cli", command, env=env)
+        done = run_base(base_venv, "forkq", command, env=env)
         assert done.returncode == 2, (command, done.stderr)
         assert f'forkq {command}: forkq {command} needs the "{extra}" extra' in done.stderr
         assert f"pip install 'forkq[{extra}]'" in done.stderr
 
-    # Celery's own command line names it too, for the worker side
-    celery = run_base(base_python, "-m", "celery", "-A", "workers.app", "worker", env=env)
-    assert celery.returncode != 0
-    assert 'needs the "worker" extra' in celery.stderr and "pip install 'forkq[worker]'" in celery.stderr
+    # Celery's own command line names it too, for the worker's app (which Flower loads as well)
+    for command in ("worker", "flower"):
+        celery = run_base(base_venv, "celery", "-A", "workers.app", command, env=env)
+        assert celery.returncode != 0
+        assert 'needs the "worker" extra' in celery.stderr and "pip install 'forkq[worker]'" in celery.stderr
+
+    # With the worker extra installed, Flower's command names its own
+    pip = ("-m", "pip", "install", "--quiet", "-e", f"{ROOT}[worker]")
+    assert run_base(base_venv, "python", *pip, env=env).returncode == 0
+    flower = run_base(base_venv, "celery", "-A", "workers.app", "flower", env=env)
+    assert flower.returncode == 2
+    assert 'celery -A workers.app flower needs the "flower" extra' in flower.stderr
+    assert "pip install 'forkq[flower]'" in flower.stderr

@@ -38,6 +38,7 @@ LAYERS: dict[str, int] = {
     "workers.cli_args": 7,
     "workers.client": 8,
     "workers.app": 8,
+    "workers.celery_commands": 8,
     "workers.demo": 9,
     "workers.cli": 10,
     # the stable paths the fork-history contract names; for outside callers only
