@@ -230,10 +230,7 @@ class ForkClient:
 
     @property
     def app(self) -> Celery:
-        """The Celery app jobs are sent through: the one given, else a send-only app built on first use.
-
-        Built lazily, so a client that only follows forks (status, result, events) never loads Celery.
-        """
+        """The app jobs are sent through: the one given, else a send-only app built on first use (no Celery before)."""
         if self._app is None:
             from broker_config.sender import sender_app  # noqa: PLC0415  (Celery and kombu: only once a job is sent)
 
@@ -467,8 +464,7 @@ class ForkClient:
     def _enqueue_again(self, fork_id: str) -> None:
         """Send the job of a fork put back in the queue state (resumed, decided), then confirm it enqueued."""
         state = self.store.state(fork_id)
-        # confirmed: out of the running index, where a decided fork waits until now
-        enqueue_again(
+        enqueue_again(  # confirmed: out of the running index, where a decided fork waits until now
             self.app,
             fork_id,
             state.digest,
