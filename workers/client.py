@@ -218,6 +218,7 @@ class ForkClient:
         self.redis = redis_client or connect_redis(self.settings)
         self.store = ForkStore(self.redis, Keys(self.settings.namespace), ttl_s=self.settings.record_ttl_s)
         self._app = app
+        self._own_app = app is None  # a send-only app this client builds, and closes
         self._seeds = SeedBuilder()  # sibling forks of one snapshot share their selection and chunks
         # the last snapshot's declarations: (snapshot, JSON, the JSON read back, to see an edited list)
         self._tools_json: tuple[ParentSnapshot, str, Any] | None = None
@@ -238,8 +239,10 @@ class ForkClient:
         return self._app
 
     def close(self) -> None:
-        """Release the Redis connections."""
+        """Release the Redis connections (and the broker's, of a send-only app the client built)."""
         self.redis.close()
+        if self._own_app and self._app is not None:
+            self._app.close()
 
     def __enter__(self) -> ForkClient:
         return self
