@@ -182,3 +182,11 @@ def test_the_base_install_launches_and_follows_forks_and_each_extra_command_name
     assert flower.returncode == 2
     assert 'celery -A workers.app flower needs the "flower" extra' in flower.stderr
     assert "pip install 'forkq[flower]'" in flower.stderr
+
+
+def test_with_flower_installed_the_flower_entry_point_is_flowers_own_command() -> None:
+    from flower.command import flower as flowers_own
+
+    from workers.celery_commands import flower
+
+    assert flower is flowers_own  # whichever of the two entry points Celery loads last, Flower runs
