@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 $(BIN)/forkq: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet -e '.[all,dev]'
 	touch $@
 
 setup: $(BIN)/forkq

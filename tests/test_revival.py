@@ -44,9 +44,9 @@ from workers.providers import ModelRequest
 from workers.records.fork import ForkResult, Status
 from workers.records.journal import request_digest
 from workers.service.runner import RunForkJob, WorkerRuntime, run_fork_job
-from workers.service.tasks import enqueue_fork
 from workers.store.forks import ForkEvent, ForkStore
 from workers.store.lease import Claim, Leases, revival_grace_s
+from workers.store.queue import enqueue_fork
 from workers.store.redis_server import RedisServer
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]

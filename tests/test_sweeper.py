@@ -54,10 +54,17 @@ class Enqueued:
 def make_sweeper(
     client: redis.Redis, enqueue: Enqueued, *, max_attempts: int = 3, ttl_ms: int = 10_000, interval_s: float = 0.05
 ) -> Sweeper:
+    leases = Leases(client, KEYS, ttl_ms=ttl_ms, retention_s=3600)
+
+    def enqueue_again(fork_id: str, digest: str, attempt: int) -> None:
+        # as workers.store.queue.enqueue_again: the job sent (to the stand-in), then confirmed enqueued
+        enqueue(fork_id, digest, attempt)
+        leases.enqueued(fork_id)
+
     return Sweeper(
-        leases=Leases(client, KEYS, ttl_ms=ttl_ms, retention_s=3600),
+        leases=leases,
         store=ForkStore(client, KEYS, ttl_s=3600),
-        enqueue=enqueue,
+        enqueue=enqueue_again,
         max_attempts=max_attempts,
         interval_s=interval_s,
     )

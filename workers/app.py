@@ -7,26 +7,15 @@ import logging
 import sys
 import warnings
 from functools import cache
-from typing import Any, Final
+from typing import Any
 
 from celery import Celery, bootsteps
 from celery.exceptions import CPendingDeprecationWarning
-from kombu import serialization
 
-from broker_config.celery import (
-    JOB_BODY_MAX_BYTES,
-    JOB_CONTAINERS_MAX,
-    JOB_CONTENT_TYPE,
-    JOB_ELEMENTS_MAX,
-    JOB_MAP_ENTRIES_MAX,
-    JOB_STR_MAX_BYTES,
-    celery_config,
-)
-from broker_config.connection import DEAD_ITEMS_OPTION, ForkqAMQP, Rejected
+from broker_config.connection import Rejected
+from broker_config.sender import sender_app
 from broker_config.settings import Settings
-from workers.codec import MessageBounds, decode_message, encode_message
 from workers.errors import ConfigurationError
-from workers.keys import Keys
 from workers.providers.routing import provider_problems
 from workers.service.heartbeat import Heartbeat
 from workers.service.metrics import MetricsServer, serve_metrics
@@ -41,45 +30,9 @@ log = logging.getLogger("forkq.worker")
 CANCEL_ADVICE = r"\s*In Celery 5\.1 we introduced an optional breaking change"
 
 
-JOB_BOUNDS: Final = MessageBounds(
-    containers=JOB_CONTAINERS_MAX,
-    elements=JOB_ELEMENTS_MAX,
-    map_entries=JOB_MAP_ENTRIES_MAX,
-    bin_bytes=JOB_BODY_MAX_BYTES,
-    str_bytes=JOB_STR_MAX_BYTES,
-)
-
-
-def decode_job_body(data: bytes) -> Any:
-    """kombu's msgpack loader for forkq: a job body within JOB_BOUNDS, else kombu's DecodeError."""
-    return decode_message(data, JOB_BOUNDS, what="job body")
-
-
-def register_job_serializer() -> None:
-    """Make kombu's `msgpack` serializer forkq's bounded one, for the channel's checks and Celery's pool threads.
-
-    kombu's own loader builds whatever a body declares (a 12 MiB body of empty arrays grew a worker by
-    892 MiB, several such bodies at once in pool threads); the registry is per process, as kombu's is.
-    """
-    # the stubs declare str for every serializer; kombu hands `binary` ones bytes
-    serialization.register(
-        "msgpack",
-        encode_message,  # type: ignore[arg-type]
-        decode_job_body,  # type: ignore[arg-type]
-        content_type=JOB_CONTENT_TYPE,
-        content_encoding="binary",
-    )
-
-
 def make_app(settings: Settings) -> Celery:
     """A Celery app configured for forkq, with its tasks registered and its worker hooks connected."""
-    register_job_serializer()
-    # ForkqAMQP: connections whose Redis channels reuse one client (broker_config/connection.py)
-    app = Celery("forkq", set_as_current=False, amqp=ForkqAMQP)
-    app.conf.update(celery_config(settings))
-    # the channels keep refused queue items whole on the broker's Redis, under forkq's namespace
-    options = {**app.conf.broker_transport_options, DEAD_ITEMS_OPTION: Keys(settings.namespace).dead_items}
-    app.conf.broker_transport_options = options
+    app = sender_app(settings)  # the sender's serializer, transport and configuration, then the worker's parts
     runtime = WorkerRuntime(settings)
     runtime.requeue = lambda fid, digest, attempt: enqueue_again(app, runtime, fid, digest, attempt)
     app.forkq_runtime = runtime  # type: ignore[attr-defined]

@@ -33,9 +33,9 @@ from workers.errors import (
     InvalidHistory,
     InvalidParentSnapshot,
 )
+from workers.extras import require_extra
 from workers.history.snapshot import load_parent_snapshot, read_json_file
 from workers.limits import MAX_SCHEMA_FILE_BYTES
-from workers.service.heartbeat import heartbeat_problem
 from workers.store.health import check_redis
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_PARKED = 0, 1, 2, 3
@@ -48,7 +48,7 @@ def _settings() -> Settings:
 
 
 def _client() -> Any:
-    from workers.client import ForkClient  # imports Celery: only for commands that need it
+    from workers.client import ForkClient  # no Celery: a send-only app is built on the first launch
 
     return ForkClient(_settings())
 
@@ -257,6 +257,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def cmd_worker(args: argparse.Namespace) -> int:
     """Run a Celery worker for forkq's queue; refuses to start without a provider or on a Redis that may evict."""
+    require_extra("worker", "forkq worker")
     from workers.app import make_app
     from workers.providers.routing import provider_problems
 
@@ -312,6 +313,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     settings = _settings()
     health = check_redis(settings)
     if args.worker:  # the worker's liveness: its heartbeat file, rewritten by its event loop
+        from workers.service.heartbeat import heartbeat_problem  # the worker side: only for --worker
+
         stale = heartbeat_problem(settings.heartbeat_file, settings.heartbeat_s)
         health.problems += [stale] if stale else []
     if args.json:
@@ -337,6 +340,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 def cmd_sweep(args: argparse.Namespace) -> int:
     """Revive forks whose lease expired: one pass with --once, else every FORKQ_SWEEP_S until stopped."""
+    require_extra("worker", "forkq sweep")
     from workers.app import make_app, runtime_of, serve_runtime_metrics
     from workers.service.tasks import make_sweeper
 
@@ -376,6 +380,7 @@ def _print_pass(outcomes: Counter[str]) -> None:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """Run the newcomer's demo (see workers/demo.py)."""
+    require_extra("demo", "forkq demo")
     from workers.demo import run_demo
 
     code: int = run_demo(private_redis=args.private_redis)

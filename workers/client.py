@@ -8,14 +8,12 @@ import secrets
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
-from celery import Celery
 
 from broker_config.redis_client import redis_client as connect_redis
 from broker_config.settings import Settings
-from workers.app import make_app
 from workers.errors import (
     ForkNotEnded,
     ForkNotPaused,
@@ -24,26 +22,27 @@ from workers.errors import (
     InvalidAgentParams,
     InvalidApproval,
 )
-from workers.history.params import AgentParams, revalidate, validate_agent_params
+from workers.history.params import (
+    APPROVAL_POLICIES,
+    AgentParams,
+    ApprovalPolicy,
+    depth_error,
+    revalidate,
+    validate_agent_params,
+)
 from workers.history.snapshot import ParentSnapshot, parse_parent_snapshot
 from workers.history.structured import check_schema
 from workers.keys import FORK_ID_RE, Keys
 from workers.limits import MAX_LAUNCH_TURNS, MAX_LAUNCH_WALL_S, bad_text, nesting_problem, shown, text_problem, too_deep
-from workers.loop.policy import depth_error
-from workers.records.fork import (
-    APPROVAL_POLICIES,
-    ApprovalPolicy,
-    BootstrapRecord,
-    ForkOptions,
-    ForkResult,
-    ForkState,
-    Status,
-)
+from workers.records.fork import BootstrapRecord, ForkOptions, ForkResult, ForkState, Status
 from workers.records.notification import render_task_notification
 from workers.records.seeds import SeedBuilder, SeedChunks
-from workers.service.tasks import enqueue_fork, send_ended_event
 from workers.store.forks import ForkEvent, ForkStore
 from workers.store.lease import Leases
+from workers.store.queue import enqueue_again, enqueue_fork, send_ended_event
+
+if TYPE_CHECKING:  # a type only: the send-only app is built on the first launch (broker_config.sender)
+    from celery import Celery
 
 
 def check_nesting(agent: AgentParams, parent_depth: int, max_depth: int) -> None:
@@ -249,7 +248,8 @@ class ForkClient:
         self.settings = settings or Settings()
         self.redis = redis_client or connect_redis(self.settings)
         self.store = ForkStore(self.redis, Keys(self.settings.namespace), ttl_s=self.settings.record_ttl_s)
-        self.app = app or make_app(self.settings)
+        self._app = app
+        self._own_app = app is None  # a send-only app this client builds, and closes
         self._seeds = SeedBuilder()  # sibling forks of one snapshot share their selection and chunks
         # the last snapshot's declarations: (snapshot, JSON, the JSON read back, to see an edited list)
         self._tools_json: tuple[ParentSnapshot, str, Any] | None = None
@@ -260,9 +260,20 @@ class ForkClient:
             retention_s=self.settings.record_ttl_s,
         )
 
+    @property
+    def app(self) -> Celery:
+        """The app jobs are sent through: the one given, else a send-only app built on first use (no Celery before)."""
+        if self._app is None:
+            from broker_config.sender import sender_app  # noqa: PLC0415  (Celery and kombu: only once a job is sent)
+
+            self._app = sender_app(self.settings)
+        return self._app
+
     def close(self) -> None:
-        """Release the Redis connections."""
+        """Release the Redis connections (and the broker's, of a send-only app the client built)."""
         self.redis.close()
+        if self._own_app and self._app is not None:
+            self._app.close()
 
     def __enter__(self) -> ForkClient:
         return self
@@ -505,11 +516,15 @@ class ForkClient:
     def _enqueue_again(self, fork_id: str) -> None:
         """Send the job of a fork put back in the queue state (resumed, decided), then confirm it enqueued."""
         state = self.store.state(fork_id)
-        attempt = state.attempt + 1
-        enqueue_fork(
-            self.app, self.settings.queue, fork_id, state.digest, attempt=attempt, description=state.description
+        enqueue_again(  # confirmed: out of the running index, where a decided fork waits until now
+            self.app,
+            fork_id,
+            state.digest,
+            state.attempt + 1,
+            queue=self.settings.queue,
+            store=self.store,
+            leases=self._leases,
         )
-        self._leases.enqueued(fork_id)  # out of the running index, where a decided fork waits until now
 
     def notification(self, fork_id: str) -> str:
         """The `<task-notification>` the parent's model reads once the fork has ended.

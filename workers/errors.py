@@ -16,6 +16,7 @@ ForkqError                      base; never raised bare
 ├── LeaseLost                   this worker no longer holds the fork's lease (.fork_id)
 ├── InvalidApproval             approve/deny of a fork or call that is not awaiting a decision (.fork_id)
 ├── ConfigurationError          settings or the Redis server are unfit for forkq (.field)
+│   └── MissingExtra            a command needs an optional part of forkq that is not installed (.extra, .missing)
 ├── ToolError                   a tool call failed in a way the model should read (workers.tools.registry)
 └── ProviderError               a model provider call failed for good (.provider, .model, .status, .attempts)
 ```
@@ -135,6 +136,18 @@ class InvalidApproval(ForkqError):
 
 class ConfigurationError(ForkqError):
     """Settings or the Redis server are not fit for forkq; the message says what to change."""
+
+
+class MissingExtra(ConfigurationError):
+    """A command needs an optional part of forkq (a pip extra) that is not installed; the message names the extra."""
+
+    def __init__(self, what: str, extra: str, missing: list[str]) -> None:
+        super().__init__(
+            f"{what} needs the \"{extra}\" extra (not installed: {', '.join(missing)}): pip install 'forkq[{extra}]'",
+            field=extra,
+        )
+        self.extra = extra
+        self.missing = missing
 
 
 class ProviderError(ForkqError):

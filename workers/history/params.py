@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict
 
@@ -29,6 +29,19 @@ MSG_FORK_TOOLS_TEAMMATE: Final = 'Parameter "fork_tools" cannot be used when spa
 MSG_FORK_TOOLS_LIST: Final = (
     'Parameter "fork_tools" must be an array of non-empty tool names without surrounding whitespace.'
 )
+# a launch's approval policy for calls that need a person's decision: both the launcher and the loop read it
+ApprovalPolicy = Literal["deny", "park"]  # what a call that needs approval gets: a denial, or the fork parks
+APPROVAL_POLICIES: Final[tuple[ApprovalPolicy, ...]] = get_args(ApprovalPolicy)
+
+
+def depth_error(limit: int) -> str:
+    """The answer to an Agent call past the nesting limit (the loop's), and a launch's reason (the client's)."""
+    return (
+        f"Error: Nesting depth limit reached (max {limit}). Complete this task directly with your own tools "
+        "instead of spawning another sub-agent."
+    )
+
+
 MSG_FORK_TOOLS_STAR: Final = (
     'Parameter "fork_tools" does not accept "*"; omit it to allow every otherwise-executable inherited tool.'
 )

@@ -6,10 +6,6 @@ import json
 import re
 from typing import Any, Final
 
-from jsonschema import Draft202012Validator, SchemaError
-from jsonschema.exceptions import best_match
-from jsonschema.validators import validator_for
-
 from workers.errors import InvalidAgentParams
 
 _FENCED: Final = re.compile(r"\A\s*```(?:json)?\s*\n(.*?)\n\s*```\s*\Z", re.DOTALL)
@@ -21,6 +17,10 @@ def check_schema(schema: object) -> dict[str, Any]:
     Raises:
         InvalidAgentParams: not an object, or not a valid JSON schema (`.field` is `output_schema`).
     """
+    # jsonschema on first use: a parent that only follows forks (`forkq status`) never pays for it
+    from jsonschema import Draft202012Validator, SchemaError  # noqa: PLC0415
+    from jsonschema.validators import validator_for  # noqa: PLC0415
+
     if not isinstance(schema, dict):
         raise InvalidAgentParams(
             f"output_schema must be a JSON schema object, got {type(schema).__name__}", field="output_schema"
@@ -41,6 +41,10 @@ def check_answer(text: str, schema: dict[str, Any]) -> tuple[str | None, str | N
 
     The answer is the whole final text, or one fenced ```json block that is the whole text.
     """
+    from jsonschema import Draft202012Validator  # noqa: PLC0415
+    from jsonschema.exceptions import best_match  # noqa: PLC0415
+    from jsonschema.validators import validator_for  # noqa: PLC0415
+
     match = _FENCED.match(text)
     body = match.group(1) if match else text.strip()
     try:

@@ -20,9 +20,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
-from workers.history.params import tool_allowed
+from workers.history.params import ApprovalPolicy, depth_error, tool_allowed
 from workers.history.snapshot import ApprovalMode
-from workers.records.fork import ApprovalPolicy
 from workers.tools.registry import Tool
 
 PERMISSIVE_MODES: Final[tuple[ApprovalMode, ...]] = ("yolo", "auto-edit")
@@ -36,14 +35,6 @@ SUBAGENT_FORK_ERROR: Final = (
     'Error: Only a top-level session can fork (subagent_type "fork"). Complete this task directly with your '
     "own tools, or launch a regular subagent."
 )
-
-
-def depth_error(limit: int) -> str:
-    """The answer to an Agent call past the nesting limit."""
-    return (
-        f"Error: Nesting depth limit reached (max {limit}). Complete this task directly with your own tools "
-        "instead of spawning another sub-agent."
-    )
 
 
 def allowlist_error(name: str, allowlist: Sequence[str]) -> str:

@@ -8,13 +8,14 @@ import threading
 import zlib
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any, Final, Literal, get_args
+from typing import Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
 from workers import codec
 from workers.errors import RecordDecodeError, RecordIntegrityError
 from workers.history.messages import Content, dump_contents, load_contents
+from workers.history.params import ApprovalPolicy
 from workers.history.selection import ForkSeed
 from workers.history.snapshot import ApprovalMode
 from workers.records.parked import ParkedCall, decode_parked
@@ -42,10 +43,6 @@ class Status(enum.StrEnum):
     def terminal(self) -> bool:
         """True once nothing more will happen to the fork."""
         return self in (Status.SUCCEEDED, Status.FAILED, Status.CANCELLED)
-
-
-ApprovalPolicy = Literal["deny", "park"]  # what a call that needs approval gets: a denial, or the fork parks
-APPROVAL_POLICIES: Final[tuple[ApprovalPolicy, ...]] = get_args(ApprovalPolicy)
 
 
 class ForkOptions(BaseModel):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import weakref
 from collections.abc import Sequence
-from typing import Any, Final, Literal
+from typing import TYPE_CHECKING, Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict
 from pydantic_core import to_jsonable_python
@@ -22,8 +22,10 @@ from pydantic_core import to_jsonable_python
 from workers import codec
 from workers.errors import RecordDecodeError
 from workers.history.messages import Content
-from workers.providers import ModelRequest
 from workers.records.fork import Usage
+
+if TYPE_CHECKING:  # a type only: the records a launcher reads load no provider code
+    from workers.providers import ModelRequest
 
 
 class JournalEntry(BaseModel):

@@ -6,12 +6,16 @@ Only the final output reaches the parent, with status and usage; never the fork'
 from __future__ import annotations
 
 from typing import Final
-from xml.sax.saxutils import escape
 
 from workers.records.fork import ForkResult, Status
 
 NO_OUTPUT: Final = "(subagent produced no model-visible output)"
 _STATUS: Final = {Status.SUCCEEDED: "completed", Status.FAILED: "failed", Status.CANCELLED: "cancelled"}
+
+
+def escape(text: str) -> str:
+    """`&`, `<` and `>` as XML entities (what xml.sax.saxutils.escape does, without loading the XML package)."""
+    return text.replace("&", "&amp;").replace(">", "&gt;").replace("<", "&lt;")
 
 
 def render_task_notification(result: ForkResult, *, description: str) -> str:

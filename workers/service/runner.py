@@ -502,7 +502,6 @@ def _stopped(runtime: WorkerRuntime, job: RunForkJob, claim: Claim, reason: str)
     if reason == "shutdown":  # checkpointed by the journal: hand the fork to another worker now
         runtime.leases.release(claim, "worker shutdown")
         if runtime.requeue is not None:
-            runtime.requeue(job.fork_id, job.digest, claim.attempt + 1)
-            runtime.leases.enqueued(job.fork_id)
+            runtime.requeue(job.fork_id, job.digest, claim.attempt + 1)  # sends the job, then confirms it
         return Outcome.RELEASED
     return Outcome(reason)  # `cancelled` or `lease_lost`: the loop's other reasons to stop

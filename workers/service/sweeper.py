@@ -24,7 +24,8 @@ from workers.store.lease_scripts import worker_lost_error
 
 log = logging.getLogger("forkq.sweeper")
 
-Enqueue = Callable[[str, str, int], None]  # fork id, digest, attempt
+# fork id, digest, attempt: sends the job, then confirms it enqueued (`workers.store.queue.enqueue_again`)
+Enqueue = Callable[[str, str, int], None]
 
 
 def outage_gap_s(interval_s: float) -> float:
@@ -66,8 +67,7 @@ class Sweeper:
                 self.metrics.swept(outcome)
             if outcome in ("revive", "requeue"):
                 state = self.store.state(fork_id)
-                self.enqueue(fork_id, state.digest, state.attempt + 1)
-                self.leases.enqueued(fork_id)
+                self.enqueue(fork_id, state.digest, state.attempt + 1)  # sends the job, then confirms it
                 log.info("fork %s: lease expired, %s (attempt %d)", fork_id, outcome, state.attempt + 1)
             elif outcome == "failed":
                 log.warning("fork %s: failed: %s", fork_id, worker_lost_error(self.max_attempts))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 from typing import Any, Final
 
 from celery import Celery, Task
@@ -18,72 +17,19 @@ from workers.service.outcome import Outcome, RunOutcome
 from workers.service.progress import Progress
 from workers.service.runner import RunForkJob, WorkerRuntime, run_fork_job
 from workers.service.sweeper import Sweeper
+from workers.store import queue as job_queue
 from workers.store.forks import ForkEvent
 from workers.store.lease import Claim
+from workers.store.queue import send_ended_event
 
 log = logging.getLogger("forkq.worker")
 
 
-ARGSREPR_TEXT_MAX: Final = 80  # characters of a description or session id a job's argsrepr shows
-
-
-def job_argsrepr(
-    fork_id: str,
-    digest: str,
-    seed_chunks: list[bytes] | None,
-    *,
-    description: str | None = None,
-    parent_session: str | None = None,
-) -> str:
-    """What Flower shows for a job: the fork id, its description and parent session when the sender knows
-    them, the digest prefix and the seed size, never the bytes."""
-    if seed_chunks is None:
-        seed = "seed in Redis"
-    else:
-        seed = f"seed inline: {len(seed_chunks)} chunks, {sum(map(len, seed_chunks)):,} bytes"
-    named = "".join(
-        f"{label}={text[:ARGSREPR_TEXT_MAX]!r}, "
-        for label, text in (("description", description), ("parent", parent_session))
-        if text
-    )
-    return f"({fork_id!r}, {named}digest={digest[:12]}…, {seed})"
-
-
-def enqueue_fork(
-    app: Celery,
-    queue: str,
-    fork_id: str,
-    digest: str,
-    *,
-    attempt: int,
-    seed_chunks: list[bytes] | None = None,
-    record: bytes | None = None,
-    description: str | None = None,
-    parent_session: str | None = None,
-) -> None:
-    """Send a `run_fork` job (task id `<fork id>.<attempt>`, so Flower lists every run of a fork).
-
-    With `record` (the stored record bytes) the worker prepares the first model call before its claim,
-    which then also makes the checkpoint before that call (`workers.store.lease.Leases.claim`).
-    `description` and `parent_session` only name the job in Flower (`argsrepr`); the job is the same.
-    """
-    app.send_task(
-        RUN_FORK_TASK,
-        args=[fork_id, digest, seed_chunks] if record is None else [fork_id, digest, seed_chunks, record],
-        queue=queue,
-        task_id=f"{fork_id}.{attempt}",
-        argsrepr=job_argsrepr(fork_id, digest, seed_chunks, description=description, parent_session=parent_session),
-        kwargsrepr="{}",
-    )
-
-
 def enqueue_again(app: Celery, runtime: WorkerRuntime, fork_id: str, digest: str, attempt: int) -> None:
-    """`enqueue_fork` for a fork sent before (revived, released): its Flower row names its description too.
-
-    One HGETALL of the fork's state; the parent session is in its record only, so re-sent rows leave it out.
-    """
-    description = runtime.store.state(fork_id).description
-    enqueue_fork(app, runtime.settings.queue, fork_id, digest, attempt=attempt, description=description)
+    """`workers.store.queue.enqueue_again` on the runtime's store and leases: send the job, then confirm it."""
+    job_queue.enqueue_again(
+        app, fork_id, digest, attempt, queue=runtime.settings.queue, store=runtime.store, leases=runtime.leases
+    )
 
 
 def make_sweeper(app: Celery, runtime: WorkerRuntime) -> Sweeper:
@@ -275,22 +221,6 @@ def send_task_event(task: Task[Any, Any], dispatcher: Any, event: str, task_id: 
         return
     with task.app.events.default_dispatcher(hostname=task.request.hostname) as own:
         own.send(event, uuid=task_id, retry=False, **fields)
-
-
-def send_ended_event(app: Celery, event: str, task_id: str, *, sender: str, **fields: Any) -> None:
-    """A final task event for a run that no worker will end: sent by a sweeper or a client, not a worker.
-
-    A run whose fork failed `worker_lost` (its attempts used up) or was cancelled while parked gets no next
-    run to end it (`end_previous_run`). Flower lists `sender@<host>` as the worker of this one event.
-    Best-effort (`retry=False`): a broker hiccup loses one event, never a sweep or a cancel.
-    """
-    if not app.conf.worker_send_task_events:
-        return
-    try:
-        with app.events.default_dispatcher(hostname=f"{sender}@{socket.gethostname()}") as dispatcher:
-            dispatcher.send(event, uuid=task_id, retry=False, **fields)
-    except Exception as exc:
-        log.warning("task %s: %s not sent (%s: %s)", task_id, event, type(exc).__name__, exc)
 
 
 def progress_events(task: Task[Any, Any], dispatcher: Any = None) -> Progress | None:

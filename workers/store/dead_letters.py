@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import base64
 import json
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import redis
 
-from broker_config.connection import RAW_KEPT, Rejected
+from broker_config.celery import RAW_KEPT
 from workers.keys import Keys
+
+if TYPE_CHECKING:  # a type only: keeping a dead letter loads no kombu nor Celery
+    from broker_config.connection import Rejected
 
 DEAD_LETTERS_MAX: Final = 1000  # newest first; older ones are trimmed
 REASON_MAX: Final = 2000  # characters of a reason a dead letter keeps

@@ -14,12 +14,11 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Final, cast
+from typing import TYPE_CHECKING, Any, Final, cast
 
 import redis
 from redis.commands.core import Script
 
-from broker_config.connection import Rejected
 from workers.errors import ForkNotFound, InvalidApproval, RecordExistsError, RecordIntegrityError
 from workers.history.selection import ForkSeed
 from workers.keys import Keys
@@ -36,6 +35,9 @@ from workers.records.fork import (
 from workers.records.journal import JournalEntry, journal_usage
 from workers.store import dead_letters
 from workers.store.script_parts import NOW, lua_script
+
+if TYPE_CHECKING:  # a type only: the store keeps dead letters without loading kombu or Celery
+    from broker_config.connection import Rejected
 
 WAIT_TIMEOUT_MS: Final = 1000
 KNOWN_CHUNKS_MAX: Final = 4096  # chunk keys a client remembers writing, so that it does not send them again

@@ -1,0 +1,105 @@
+"""Sending fork jobs and final task events through a Celery app, by task name: the launcher's and the worker's one way.
+
+The app is a parameter (a send-only one in a parent, the worker's own in a worker), so nothing here
+loads Celery: `send_task` needs no registered task. `enqueue_again` is the one "send the job, then
+confirm it enqueued" step that every re-send goes through (a resume, a decision, a revival, a release).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from typing import TYPE_CHECKING, Any, Final
+
+from broker_config.celery import RUN_FORK_TASK
+from workers.store.forks import ForkStore
+from workers.store.lease import Leases
+
+if TYPE_CHECKING:  # a type only: the app is built by whoever sends
+    from celery import Celery
+
+log = logging.getLogger("forkq.queue")
+
+ARGSREPR_TEXT_MAX: Final = 80  # characters of a description or session id a job's argsrepr shows
+
+
+def job_argsrepr(
+    fork_id: str,
+    digest: str,
+    seed_chunks: list[bytes] | None,
+    *,
+    description: str | None = None,
+    parent_session: str | None = None,
+) -> str:
+    """What Flower shows for a job: the fork id, its description and parent session when the sender knows
+    them, the digest prefix and the seed size, never the bytes."""
+    if seed_chunks is None:
+        seed = "seed in Redis"
+    else:
+        seed = f"seed inline: {len(seed_chunks)} chunks, {sum(map(len, seed_chunks)):,} bytes"
+    named = "".join(
+        f"{label}={text[:ARGSREPR_TEXT_MAX]!r}, "
+        for label, text in (("description", description), ("parent", parent_session))
+        if text
+    )
+    return f"({fork_id!r}, {named}digest={digest[:12]}…, {seed})"
+
+
+def enqueue_fork(
+    app: Celery,
+    queue: str,
+    fork_id: str,
+    digest: str,
+    *,
+    attempt: int,
+    seed_chunks: list[bytes] | None = None,
+    record: bytes | None = None,
+    description: str | None = None,
+    parent_session: str | None = None,
+) -> None:
+    """Send a `run_fork` job (task id `<fork id>.<attempt>`, so Flower lists every run of a fork).
+
+    With `record` (the stored record bytes) the worker prepares the first model call before its claim,
+    which then also makes the checkpoint before that call (`workers.store.lease.Leases.claim`).
+    `description` and `parent_session` only name the job in Flower (`argsrepr`); the job is the same.
+    """
+    app.send_task(
+        RUN_FORK_TASK,
+        args=[fork_id, digest, seed_chunks] if record is None else [fork_id, digest, seed_chunks, record],
+        queue=queue,
+        task_id=f"{fork_id}.{attempt}",
+        argsrepr=job_argsrepr(fork_id, digest, seed_chunks, description=description, parent_session=parent_session),
+        kwargsrepr="{}",
+    )
+
+
+def enqueue_again(
+    app: Celery, fork_id: str, digest: str, attempt: int, *, queue: str, store: ForkStore, leases: Leases
+) -> None:
+    """Send the job of a fork put back in the queue state, then confirm it enqueued (it leaves the running index).
+
+    In this order: a fork confirmed before its job is in the broker could be left queued without one; a
+    job sent but not confirmed is sent again by a sweeper after its grace, and a duplicate job is a no-op.
+    Its Flower row names its description too (one HGETALL of the fork's state; the parent session is in
+    its record only, so re-sent rows leave it out). Confirming a fork that is not in the running index
+    (a first job, a handed-back delivery) changes nothing.
+    """
+    description = store.state(fork_id).description
+    enqueue_fork(app, queue, fork_id, digest, attempt=attempt, description=description)
+    leases.enqueued(fork_id)
+
+
+def send_ended_event(app: Celery, event: str, task_id: str, *, sender: str, **fields: Any) -> None:
+    """A final task event for a run that no worker will end: sent by a sweeper or a client, not a worker.
+
+    A run whose fork failed `worker_lost` (its attempts used up) or was cancelled while parked gets no next
+    run to end it (`end_previous_run`). Flower lists `sender@<host>` as the worker of this one event.
+    Best-effort (`retry=False`): a broker hiccup loses one event, never a sweep or a cancel.
+    """
+    if not app.conf.worker_send_task_events:
+        return
+    try:
+        with app.events.default_dispatcher(hostname=f"{sender}@{socket.gethostname()}") as dispatcher:
+            dispatcher.send(event, uuid=task_id, retry=False, **fields)
+    except Exception as exc:
+        log.warning("task %s: %s not sent (%s: %s)", task_id, event, type(exc).__name__, exc)
