@@ -18,9 +18,11 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+import pytest
 from test_journal import MemoryJournal
 
 from workers import codec
+from workers.errors import RecordDecodeError
 from workers.history.messages import Content
 from workers.history.selection import ForkSeed
 from workers.loop.child import ChildLoop, model_request
@@ -229,3 +231,32 @@ def test_a_run_revived_from_the_lost_workers_journal_writes_the_old_entries_byte
     assert loop.state is not None and [m.to_wire() for m in loop.state.messages] == MESSAGES
     assert (result.output, result.error) == (OUTPUT, None)
     assert result.usage.model_dump(exclude={"duration_ms"}) == USAGE
+
+
+# ── damaged journals ──────────────────────────────────────────────────────────────────────────
+
+
+def test_a_model_entry_while_calls_wait_for_their_results_is_a_damaged_journal() -> None:
+    _, seed, entries = inputs()
+    # the next step's model entry right after the garbled call's error: the write was never answered
+    damaged = [*entries[:3], entries[6].model_copy(update={"seq": 3})]
+
+    with pytest.raises(RecordDecodeError, match=r"fork f-golden: journal entry 3 \(model\).*calls 1 of step 0") as info:
+        replay(seed, damaged, fork_id=FORK_ID)
+    assert info.value.fork_id == FORK_ID
+
+
+def test_a_second_result_for_an_answered_call_is_a_damaged_journal() -> None:
+    _, seed, entries = inputs()
+    damaged = [*entries[:3], entries[2].model_copy(update={"seq": 3})]  # the garbled call's error, twice
+
+    with pytest.raises(RecordDecodeError, match=r"fork f-golden: journal entry 3 \(tool_result\).*call 0 .*second"):
+        replay(seed, damaged, fork_id=FORK_ID)
+
+
+def test_a_result_for_a_call_the_step_did_not_make_is_a_damaged_journal() -> None:
+    _, seed, entries = inputs()
+    damaged = [*entries[:3], entries[2].model_copy(update={"seq": 3, "call_index": 7})]
+
+    with pytest.raises(RecordDecodeError, match=r"fork f-golden: journal entry 3 \(tool_result\).*call 7"):
+        replay(seed, damaged, fork_id=FORK_ID)

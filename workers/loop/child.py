@@ -143,7 +143,7 @@ class ChildLoop:
         """
         started = self._began = time.monotonic()
         deadline = self._deadline = started + self.max_wall_s - self.running_s
-        state = self._state = replay(self.seed, self.entries)
+        state = self._state = replay(self.seed, self.entries, fork_id=self.record.fork_id)
         while True:
             if state.final is not None:
                 output, error = self._final(state)
