@@ -22,7 +22,7 @@ from workers import codec
 from workers.errors import ForkNotFound, ForkqError, LeaseLost, RecordDecodeError, RecordIntegrityError
 from workers.history.selection import ForkSeed
 from workers.keys import FORK_ID_RE, Keys
-from workers.loop.child import ChildLoop, Parked, Spawner, Stopped, first_model_call
+from workers.loop.child import STOP_REASONS, ChildLoop, Parked, Spawner, Stopped, StopReason, first_model_call
 from workers.providers import ModelProvider
 from workers.providers.routing import ProviderRouter
 from workers.records.fork import BootstrapRecord, ChunkCache, Declarations, ForkResult, Status
@@ -498,11 +498,28 @@ def _surface(runtime: WorkerRuntime, declared: list[dict[str, Any]]) -> list[str
     return sorted({str(d.get("name")) for d in declared if runtime.tools.get(d.get("name"))})
 
 
-def _stopped(runtime: WorkerRuntime, job: RunForkJob, claim: Claim, reason: str) -> Outcome:
+def _stopped(runtime: WorkerRuntime, job: RunForkJob, claim: Claim, reason: StopReason) -> Outcome:
     if reason == "shutdown":  # checkpointed by the journal: hand the fork to another worker now
         runtime.leases.release(claim, "worker shutdown")
         if runtime.requeue is not None:
             runtime.requeue(job.fork_id, job.digest, claim.attempt + 1)
             runtime.leases.enqueued(job.fork_id)
-        return Outcome.RELEASED
-    return Outcome(reason)  # `cancelled` or `lease_lost`: the loop's other reasons to stop
+    return stop_outcome(reason, fork_id=job.fork_id)
+
+
+def stop_outcome(reason: str, *, fork_id: str) -> Outcome:
+    """How a run that stopped for `reason` (a `StopReason`) ended.
+
+    A reason this worker does not know (a loop of another version), or `awaiting_approval` without
+    `Parked` (nothing was parked), leaves the fork as a lost lease does: its lease lapses and the
+    sweeper revives it from its journal.
+    """
+    match reason:
+        case "shutdown":
+            return Outcome.RELEASED
+        case "cancelled":
+            return Outcome.CANCELLED
+        case "lease_lost":
+            return Outcome.LEASE_LOST
+    log.error("fork %s: the loop stopped for %r, not one of %s; left to revival", fork_id, reason, STOP_REASONS)
+    return Outcome.LEASE_LOST
