@@ -24,10 +24,10 @@ from workers.loop.child import STOP_REASONS
 from workers.providers import ModelRequest, ModelResponse
 from workers.records.fork import Status
 from workers.records.journal import RequestDigests
+from workers.service.job import RunForkJob
 from workers.service.outcome import Outcome, RunOutcome
 from workers.service.runner import (
     MIN_REDIS_TIMEOUT_S,
-    RunForkJob,
     WorkerRuntime,
     redis_timeout_s,
     run_fork_job,
