@@ -55,7 +55,8 @@ from workers.providers import ModelRequest, ModelResponse
 from workers.records.fork import BootstrapRecord, Status
 from workers.records.journal import JournalEntry
 from workers.records.notification import NO_OUTPUT
-from workers.service.runner import RunForkJob, WorkerRuntime, run_fork_job
+from workers.service.job import RunForkJob
+from workers.service.runner import WorkerRuntime, run_fork_job
 from workers.service.spawn import SubagentSpawner, nested_record
 from workers.tools.builtins import builtin_tools
 

@@ -21,7 +21,7 @@ from live import stop_redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from workers.errors import LeaseLost
+from workers.errors import LeaseLost, RecordDecodeError
 from workers.keys import Keys
 from workers.records.fork import ForkResult, Status
 from workers.records.journal import JournalEntry
@@ -78,6 +78,23 @@ def result_of(fid: str, status: Status = Status.SUCCEEDED) -> ForkResult:
 
 
 # ── claim ─────────────────────────────────────────────────────────────────────────────────────
+
+
+def test_a_claim_reply_of_an_unknown_word_is_a_decode_error_naming_the_fork_the_word_and_the_expected_ones() -> None:
+    # Given the words a claim script answers, and one it never does
+    assert Refusal.from_reply("leased", fork_id="f-1") == Refusal(RefusalReason.LEASED)
+    assert Refusal.from_reply("paused", fork_id="f-1") == Refusal(RefusalReason.NOT_QUEUED, Status.PAUSED)
+
+    # Then the unknown one is refused as a record it cannot read, not a bare ValueError
+    with pytest.raises(
+        RecordDecodeError,
+        match=r"fork f-1: the claim answered 'evicted', expected one of missing, "
+        r"forged, leased, running, .*awaiting_approval",
+    ) as info:
+        Refusal.from_reply("evicted", fork_id="f-1")
+    assert info.value.fork_id == "f-1"
+    with pytest.raises(RecordDecodeError, match="'queued'"):  # a queued fork is claimed, or `leased`
+        Refusal.from_reply("queued", fork_id="f-1")
 
 
 def test_claim_sets_the_lease_and_increments_epoch_and_attempt(

@@ -38,7 +38,6 @@ def test_the_metrics_label_values_are_the_outcomes_words_and_stay_the_words_on_t
     )
     assert SKIP_REASONS == ("duplicate", "handed_back", "refused", "rejected")
     assert {*CLAIMED_RUN, *SKIPPED} == set(Outcome) and not set(CLAIMED_RUN) & set(SKIPPED)
-    assert all(o.claimed for o in CLAIMED_RUN) and not any(o.claimed for o in SKIPPED)
 
 
 @pytest.mark.parametrize("outcome", EVERY, ids=str)

@@ -43,7 +43,8 @@ from workers.loop.replay import replay
 from workers.providers import ModelRequest
 from workers.records.fork import ForkResult, Status
 from workers.records.journal import request_digest
-from workers.service.runner import RunForkJob, WorkerRuntime, run_fork_job
+from workers.service.job import RunForkJob
+from workers.service.runner import WorkerRuntime, run_fork_job
 from workers.store.forks import ForkEvent, ForkStore
 from workers.store.lease import Claim, Leases, revival_grace_s
 from workers.store.queue import enqueue_fork

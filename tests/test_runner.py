@@ -20,11 +20,19 @@ from broker_config.settings import Settings
 from workers.app import make_app
 from workers.client import ForkClient
 from workers.history.messages import Content, FunctionCall, Part
+from workers.loop.child import STOP_REASONS
 from workers.providers import ModelRequest, ModelResponse
 from workers.records.fork import Status
 from workers.records.journal import RequestDigests
+from workers.service.job import RunForkJob
 from workers.service.outcome import Outcome, RunOutcome
-from workers.service.runner import MIN_REDIS_TIMEOUT_S, RunForkJob, WorkerRuntime, redis_timeout_s, run_fork_job
+from workers.service.runner import (
+    MIN_REDIS_TIMEOUT_S,
+    WorkerRuntime,
+    redis_timeout_s,
+    run_fork_job,
+    stop_outcome,
+)
 from workers.service.spawn import POLL_MS
 from workers.store.forks import WAIT_TIMEOUT_MS
 from workers.store.lease import Leases
@@ -410,3 +418,22 @@ def test_the_workers_redis_timeouts_follow_the_heartbeat_and_stay_above_its_bloc
     connection = runtime.redis.connection_pool.connection_kwargs
     assert (connection["socket_timeout"], connection["socket_connect_timeout"]) == (3.0, 3.0)
     runtime.redis.close()
+
+
+def test_each_reason_to_stop_has_its_outcome_and_an_unknown_one_leaves_the_fork_to_revival(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # When the loop stops for each of its reasons, and for one this worker does not know
+    outcomes = {reason: stop_outcome(reason, fork_id="f-stop") for reason in STOP_REASONS}
+    unknown = stop_outcome("evicted", fork_id="f-stop")
+
+    # Then each has its own outcome; parking without `Parked` wrote nothing and, like the unknown one, ends
+    # the run as a lost lease (logged), not with a bare ValueError
+    assert outcomes == {
+        "cancelled": Outcome.CANCELLED,
+        "shutdown": Outcome.RELEASED,
+        "lease_lost": Outcome.LEASE_LOST,
+        "awaiting_approval": Outcome.LEASE_LOST,
+    }
+    assert unknown is Outcome.LEASE_LOST
+    assert "fork f-stop: the loop stopped for 'evicted'" in caplog.text

@@ -19,6 +19,7 @@ from workers.errors import ConfigurationError
 from workers.providers.routing import provider_problems
 from workers.service.heartbeat import Heartbeat
 from workers.service.metrics import MetricsServer, serve_metrics
+from workers.service.outcome import Outcome
 from workers.service.runner import WorkerRuntime
 from workers.service.tasks import enqueue_again, register_tasks
 from workers.store.health import check_redis
@@ -115,7 +116,7 @@ def dead_letter_item(runtime: WorkerRuntime, item: Rejected) -> None:
     """Keep a queue item the channel refused in forkq's dead letters, with its bytes and the reason."""
     reason = f"queue item refused before delivery, nothing ran: {item.reason}"
     runtime.store.dead_letter(item.task_id, reason, item=item)
-    runtime.metrics.skipped("rejected")
+    runtime.metrics.skipped(Outcome.REJECTED)
 
 
 def _serve_worker_metrics(runtime: WorkerRuntime, pool_cls: Any) -> MetricsServer | None:

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final, Protocol
+from typing import Any, Final, Literal, Protocol, get_args
 
 from workers.history.messages import Content, Part
 from workers.history.selection import ForkSeed
@@ -53,10 +53,15 @@ class ForkIO(Protocol):
         ...
 
 
+# why a loop stopped: cancelled by a person, its worker shuts down, its lease was lost, or it parked (`Parked`)
+StopReason = Literal["cancelled", "shutdown", "lease_lost", "awaiting_approval"]
+STOP_REASONS: Final[tuple[StopReason, ...]] = get_args(StopReason)
+
+
 class Stopped(Exception):
     """The loop stopped at a step boundary (cancel, shutdown, lost lease); `reason` says which."""
 
-    def __init__(self, reason: str) -> None:
+    def __init__(self, reason: StopReason) -> None:
         super().__init__(reason)
         self.reason = reason
 
@@ -143,7 +148,7 @@ class ChildLoop:
         """
         started = self._began = time.monotonic()
         deadline = self._deadline = started + self.max_wall_s - self.running_s
-        state = self._state = replay(self.seed, self.entries)
+        state = self._state = replay(self.seed, self.entries, fork_id=self.record.fork_id)
         while True:
             if state.final is not None:
                 output, error = self._final(state)

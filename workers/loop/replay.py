@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
+from workers.errors import RecordDecodeError
 from workers.history.messages import Content, FunctionCall, FunctionResponse, Part
 from workers.history.selection import ForkSeed
 from workers.records.journal import JournalEntry
@@ -79,11 +80,13 @@ class LoopState:
     decisions: dict[int, Decision] = field(default_factory=dict)  # approvals for the last model Content's calls
     feedbacks: int = 0  # final answers sent back for failing the output schema
     finish_reason: str = "stop"  # of the last model response (`stop` also for `tool_calls`)
+    fork_id: str | None = field(default=None, compare=False)  # names the fork in a damaged journal's error
 
     @classmethod
-    def start(cls, seed: ForkSeed) -> LoopState:
+    def start(cls, seed: ForkSeed, *, fork_id: str | None = None) -> LoopState:
         """The state before any entry: the seed's messages and the task prompt."""
-        return cls(messages=[*seed.initial_messages, Content(role="user", parts=[Part(text=seed.task_prompt)])])
+        messages = [*seed.initial_messages, Content(role="user", parts=[Part(text=seed.task_prompt)])]
+        return cls(messages=messages, fork_id=fork_id)
 
     def apply(self, entry: JournalEntry) -> None:
         """Move on by one journal entry (the entry after the last one applied)."""
@@ -106,7 +109,20 @@ class LoopState:
         """The user Content answering the last model Content's calls, in call order."""
         return Content(role="user", parts=[self.answers[i] for i, _ in self.calls])
 
+    def _damaged(self, entry: JournalEntry, problem: str) -> RecordDecodeError:
+        # a journal the loop could not have written: replaying on would build a history no run had
+        return RecordDecodeError(
+            f"fork {self.fork_id or '?'}: journal entry {entry.seq} ({entry.kind}) {problem}; the journal is "
+            "damaged: the fork cannot be revived from it (cancel it and launch it again)",
+            fork_id=self.fork_id,
+        )
+
     def _model(self, entry: JournalEntry) -> None:
+        if self.pending:
+            waiting = ", ".join(str(p.index) for p in self.pending)
+            raise self._damaged(
+                entry, f"is a model response while calls {waiting} of step {self.step - 1} have no result"
+            )
         content = Content.model_validate(entry.content)
         self.messages.append(content)
         self.step = entry.step + 1
@@ -130,7 +146,11 @@ class LoopState:
     def _tool_result(self, entry: JournalEntry) -> None:
         if entry.call_index is None or entry.response is None:
             return
-        call = dict(self.calls)[entry.call_index]
+        call = dict(self.calls).get(entry.call_index)
+        if call is None:
+            raise self._damaged(entry, f"answers call {entry.call_index}, which step {self.step - 1} did not make")
+        if entry.call_index in self.answers:
+            raise self._damaged(entry, f"answers call {entry.call_index} of step {self.step - 1} a second time")
         self.answers[entry.call_index] = response_part(call, entry.response)
         self.tool_uses += 1
         remaining = [p for p in self.pending if p.index != entry.call_index]
@@ -150,9 +170,14 @@ class LoopState:
             self.feedbacks += 1
 
 
-def replay(seed: ForkSeed, entries: Iterable[JournalEntry]) -> LoopState:
-    """Rebuild a fork's state from its seed and its journal entries (in order)."""
-    state = LoopState.start(seed)
+def replay(seed: ForkSeed, entries: Iterable[JournalEntry], *, fork_id: str | None = None) -> LoopState:
+    """Rebuild a fork's state from its seed and its journal entries (in order).
+
+    Raises:
+        RecordDecodeError: the entries are not a journal the loop writes (a model response while calls
+            wait for their results, a call answered twice or never made); `fork_id` names the fork.
+    """
+    state = LoopState.start(seed, fork_id=fork_id)
     for entry in entries:
         state.apply(entry)
     return state

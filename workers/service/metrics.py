@@ -16,7 +16,7 @@ import logging
 import threading
 from collections.abc import Container, Iterator
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, Literal
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -136,13 +136,13 @@ class Metrics:
         for direction in ("input", "output"):
             self.tokens.labels(direction=direction)
 
-    def run_ended(self, status: str) -> None:
+    def run_ended(self, status: Outcome | Literal["error"]) -> None:
         """Count one claimed run's end: an `Outcome` of `CLAIMED_RUN` or `error` (anything else counts as `other`)."""
         self.forks_finished.labels(status=status if status in RUN_STATUSES else "other").inc()
         if status == Outcome.LEASE_LOST:
             self.lease_losses.inc()
 
-    def skipped(self, reason: str) -> None:
+    def skipped(self, reason: Outcome) -> None:
         """Count a delivery that claimed nothing: an `Outcome` of `SKIPPED` (anything else counts as `refused`)."""
         self.deliveries_skipped.labels(reason=reason if reason in SKIP_REASONS else Outcome.REFUSED.value).inc()
 

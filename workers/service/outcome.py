@@ -30,11 +30,6 @@ class Outcome(enum.StrEnum):
     REFUSED = "refused"  # a forged or corrupted job, or a fork that does not exist: dead-lettered
     REJECTED = "rejected"  # a malformed job: dead-lettered
 
-    @property
-    def claimed(self) -> bool:
-        """True for the end of a claimed run; False for a delivery that claimed nothing."""
-        return self in CLAIMED_RUN
-
 
 # the ends of a claimed run (the `forkq_forks_finished` statuses), and the deliveries that claimed nothing
 # (the `forkq_deliveries_skipped` reasons), each in this order

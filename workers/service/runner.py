@@ -13,35 +13,29 @@ from functools import cached_property
 from typing import Any, Final
 
 import redis
-from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from broker_config.celery import INLINE_JOB_MAX_BYTES
 from broker_config.redis_client import redis_client
 from broker_config.settings import Settings
-from workers import codec
-from workers.errors import ForkNotFound, ForkqError, LeaseLost, RecordDecodeError, RecordIntegrityError
+from workers.errors import ForkNotFound, ForkqError, LeaseLost, RecordIntegrityError
 from workers.history.selection import ForkSeed
-from workers.keys import FORK_ID_RE, Keys
-from workers.loop.child import ChildLoop, Parked, Spawner, Stopped, first_model_call
+from workers.keys import Keys
+from workers.loop.child import STOP_REASONS, ChildLoop, Parked, Spawner, Stopped, StopReason
 from workers.providers import ModelProvider
 from workers.providers.routing import ProviderRouter
 from workers.records.fork import BootstrapRecord, ChunkCache, Declarations, ForkResult, Status
 from workers.records.journal import JournalEntry, RequestDigests
+from workers.service.job import FirstStep, RunForkJob, executable, first_step, load_inputs
 from workers.service.metrics import Metrics
 from workers.service.outcome import Outcome, RunOutcome
 from workers.service.progress import Progress, RunObserver
 from workers.service.spawn import SubagentSpawner
-from workers.store.claims import FirstWrite, RefusalReason
+from workers.store.claims import RefusalReason
 from workers.store.forks import ForkStore
 from workers.store.lease import Claim, LeaseKeeper, Leases, revival_grace_s, ride_out
 from workers.tools.builtins import load_tools
 from workers.tools.registry import ToolRegistry
 
 log = logging.getLogger("forkq.worker")
-
-# far above any inline seed a client sends (FORKQ_INLINE_SEED_MAX_BYTES is at most a few hundred KB
-# in practice); larger jobs are hostile or broken and are refused before anything runs
-MAX_INLINE_JOB_BYTES: Final = INLINE_JOB_MAX_BYTES  # the broker's checks size the envelope by it
 
 Requeue = Callable[[str, str, int], None]  # fork id, digest, attempt
 
@@ -61,36 +55,6 @@ def redis_timeout_s(settings: Settings) -> float:
     blocked renewal costs at most one beat.
     """
     return min(max(settings.heartbeat_s, MIN_REDIS_TIMEOUT_S), MAX_REDIS_TIMEOUT_S)
-
-
-class RunForkJob(BaseModel):
-    """The payload of a `run_fork` job, validated before anything runs."""
-
-    model_config = ConfigDict(strict=True, extra="forbid")
-
-    fork_id: str = Field(min_length=1, max_length=128)
-    digest: str = Field(pattern=r"^[0-9a-f]{64}$")
-    seed_chunks: list[bytes] | None = None  # inline: the context chunk, then the seed's chunks
-    record: bytes | None = Field(None, max_length=MAX_INLINE_JOB_BYTES)  # inline: the stored record bytes
-
-    @field_validator("fork_id")
-    @classmethod
-    def _an_id(cls, fork_id: str) -> str:
-        # the id names Redis keys: an id the key schema refuses is a malformed job, not a crash in the task
-        if not FORK_ID_RE.fullmatch(fork_id):
-            raise ValueError(
-                f"fork id {fork_id[:140]!r} is not a fork id: expected 1-128 letters, digits, '_', '.' or '-', "
-                "starting with a letter or digit (as `f-<hex>`, or `<id>.<step>.<index>` for nested subagents)"
-            )
-        return fork_id
-
-    @field_validator("seed_chunks")
-    @classmethod
-    def _bounded(cls, chunks: list[bytes] | None) -> list[bytes] | None:
-        size = sum(map(len, chunks or []))
-        if size > MAX_INLINE_JOB_BYTES:
-            raise ValueError(f"inline chunks of {size:,} bytes exceed {MAX_INLINE_JOB_BYTES:,}: an oversized job")
-        return chunks
 
 
 @dataclass
@@ -288,7 +252,9 @@ def run_fork_job(
         runtime.requeue(fid, job.digest, 0)
         runtime.metrics.skipped(Outcome.HANDED_BACK)
         return RunOutcome(Outcome.HANDED_BACK)
-    first = _first_step(runtime, job)
+    first = first_step(
+        job, store=runtime.store, declarations=runtime.declarations, digests=runtime.digests, tools=runtime.tools
+    )
     claim = runtime.leases.claim(fid, new_owner(), job.digest, first=first.write if first else None)
     if not isinstance(claim, Claim):
         if claim.reason is RefusalReason.FORGED:
@@ -320,35 +286,6 @@ def run_fork_job(
     finally:
         run.close()
         runtime.keeper.drop(claim)
-
-
-@dataclass(frozen=True, slots=True)
-class FirstStep:
-    """A first run's inputs, read from the job before the claim, and what its claim writes with them."""
-
-    record: BootstrapRecord
-    seed: ForkSeed
-    write: FirstWrite  # the record bytes, the surface entry, the first `model_call` event's data
-
-
-def _first_step(runtime: WorkerRuntime, job: RunForkJob) -> FirstStep | None:
-    """From a job that carries its record: record, seed, and what a first claim writes before the first
-    model call (the surface entry and the `model_call` event data); None without a usable record.
-
-    The record is used only if it hashes to the job digest, which the claim checks against the launch
-    digest before it writes anything; any problem leaves the work to the usual path after the claim.
-    """
-    if job.record is None or codec.digest(job.record) != job.digest:
-        return None
-    try:
-        record, seed = _load_inputs(runtime, job, job.record)
-        declared = runtime.declarations.of(record)
-        surface = JournalEntry(seq=0, step=0, kind="surface", tools=_surface(runtime, declared))
-        model_call = first_model_call(record, seed, runtime.digests, declared)
-        return FirstStep(record, seed, FirstWrite(job.record, surface, model_call))
-    except Exception as exc:  # nothing is claimed yet: the usual path reports it (as the fork's failure)
-        log.warning("fork %s: inputs not prepared before the claim (%s); reading them after it", job.fork_id, exc)
-        return None
 
 
 @dataclass
@@ -411,7 +348,7 @@ def _prepare(
         record, seed = first.record, first.seed
     else:  # reads ride out a Redis outage like the fenced writes, while the lease certainly holds
         record, seed = ride_out(
-            lambda: _load_inputs(runtime, job, claim.record),
+            lambda: load_inputs(runtime.store, job, claim.record),
             until=claim.clock.deadline,
             what="reading its inputs",
             fork_id=job.fork_id,
@@ -465,25 +402,12 @@ def _run_loop(runtime: WorkerRuntime, job: RunForkJob, claim: Claim, lost: threa
     return Outcome(result.status.value)
 
 
-def _load_inputs(runtime: WorkerRuntime, job: RunForkJob, data: bytes) -> tuple[BootstrapRecord, ForkSeed]:
-    """Record and seed from the job's inline chunks; if they do not match the record, from Redis.
-
-    A corrupted job must not fail an intact fork: the chunks in Redis are the source of truth.
-    """
-    if job.seed_chunks:
-        try:
-            return runtime.store.load_inputs(job.fork_id, data, job.digest, job.seed_chunks)
-        except (RecordIntegrityError, RecordDecodeError) as exc:
-            log.warning("fork %s: inline chunks refused (%s); reading them from Redis", job.fork_id, exc)
-    return runtime.store.load_inputs(job.fork_id, data, job.digest)
-
-
 def _check_tool_surface(
     runtime: WorkerRuntime, declared: list[dict[str, Any]], entries: list[JournalEntry], channel: FencedChannel
 ) -> list[str]:
     """Record the executable tool surface on the first run (with the first append); on a revival,
     the tools of the recorded surface this worker lacks."""
-    surface = _surface(runtime, declared)
+    surface = executable(runtime.tools, declared)
     recorded = next((e.tools for e in entries if e.kind == "surface"), None)
     if recorded is None:
         entry = JournalEntry(seq=len(entries), step=0, kind="surface", tools=surface)
@@ -493,15 +417,27 @@ def _check_tool_surface(
     return sorted(set(recorded) - set(surface))
 
 
-def _surface(runtime: WorkerRuntime, declared: list[dict[str, Any]]) -> list[str]:
-    """The declared tools this worker can execute."""
-    return sorted({str(d.get("name")) for d in declared if runtime.tools.get(d.get("name"))})
-
-
-def _stopped(runtime: WorkerRuntime, job: RunForkJob, claim: Claim, reason: str) -> Outcome:
+def _stopped(runtime: WorkerRuntime, job: RunForkJob, claim: Claim, reason: StopReason) -> Outcome:
     if reason == "shutdown":  # checkpointed by the journal: hand the fork to another worker now
         runtime.leases.release(claim, "worker shutdown")
         if runtime.requeue is not None:
             runtime.requeue(job.fork_id, job.digest, claim.attempt + 1)  # sends the job, then confirms it
-        return Outcome.RELEASED
-    return Outcome(reason)  # `cancelled` or `lease_lost`: the loop's other reasons to stop
+    return stop_outcome(reason, fork_id=job.fork_id)
+
+
+def stop_outcome(reason: str, *, fork_id: str) -> Outcome:
+    """How a run that stopped for `reason` (a `StopReason`) ended.
+
+    A reason this worker does not know (a loop of another version), or `awaiting_approval` without
+    `Parked` (nothing was parked), leaves the fork as a lost lease does: its lease lapses and the
+    sweeper revives it from its journal.
+    """
+    match reason:
+        case "shutdown":
+            return Outcome.RELEASED
+        case "cancelled":
+            return Outcome.CANCELLED
+        case "lease_lost":
+            return Outcome.LEASE_LOST
+    log.error("fork %s: the loop stopped for %r, not one of %s; left to revival", fork_id, reason, STOP_REASONS)
+    return Outcome.LEASE_LOST

@@ -13,9 +13,10 @@ from pydantic import ValidationError
 
 from broker_config.celery import RUN_FORK_TASK, SWEEP_TASK
 from workers.errors import ForkNotFound, RecordDecodeError, RecordIntegrityError
+from workers.service.job import RunForkJob
 from workers.service.outcome import Outcome, RunOutcome
 from workers.service.progress import Progress
-from workers.service.runner import RunForkJob, WorkerRuntime, run_fork_job
+from workers.service.runner import WorkerRuntime, run_fork_job
 from workers.service.sweeper import Sweeper
 from workers.store import queue as job_queue
 from workers.store.forks import ForkEvent

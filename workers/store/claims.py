@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
+from workers.errors import RecordDecodeError
 from workers.records.fork import Status
 from workers.records.journal import JournalEntry
 
@@ -20,6 +21,9 @@ class RefusalReason(enum.StrEnum):
     NOT_QUEUED = "not_queued"  # running, finished, cancelled or parked: `Refusal.status` says which
 
 
+NOT_QUEUED: Final = tuple(s.value for s in Status if s is not Status.QUEUED)  # what a refused claim may find
+
+
 @dataclass(frozen=True, slots=True)
 class Refusal:
     """A claim that took nothing: why, and for a fork that is not queued, its status."""
@@ -28,11 +32,22 @@ class Refusal:
     status: Status | None = None  # NOT_QUEUED only
 
     @classmethod
-    def from_reply(cls, word: str) -> Refusal:
-        """The refusal the claim script answered: `missing`, `forged`, `leased`, or the fork's status."""
+    def from_reply(cls, word: str, *, fork_id: str) -> Refusal:
+        """The refusal the claim script answered for `fork_id`: `missing`, `forged`, `leased`, or the fork's status.
+
+        Raises:
+            RecordDecodeError: the word is none of those (a claim script of another version, or a damaged state).
+        """
         if word in (RefusalReason.MISSING, RefusalReason.FORGED, RefusalReason.LEASED):
             return cls(RefusalReason(word))
-        return cls(RefusalReason.NOT_QUEUED, Status(word))
+        if word in NOT_QUEUED:
+            return cls(RefusalReason.NOT_QUEUED, Status(word))
+        expected = ", ".join([RefusalReason.MISSING, RefusalReason.FORGED, RefusalReason.LEASED, *NOT_QUEUED])
+        raise RecordDecodeError(
+            f"fork {fork_id}: the claim answered {word[:80]!r}, expected one of {expected}; the claim script "
+            "and this worker disagree (run workers and Redis scripts of one forkq version)",
+            fork_id=fork_id,
+        )
 
     @property
     def word(self) -> str:

@@ -217,7 +217,7 @@ class Leases:
             list[Any], ride_out(lambda: self._claim(keys=keys, args=args), until=forever, what="claim", fork_id=fork_id)
         )
         if reply[0] != b"claimed":
-            return Refusal.from_reply(cast(bytes, reply[0]).decode())
+            return Refusal.from_reply(cast(bytes, reply[0]).decode(), fork_id=fork_id)
         clock = LeaseClock(self.ttl_ms / 1000, grace_s=self.lapse_grace_ms / 1000)
         clock.renewed(time.monotonic())
         _, attempt, epoch, stored, journal, first_ms, now_ms, primed = reply
