@@ -9,7 +9,6 @@ decisions, fast and exact), is in tests/test_child.py.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import threading
 import time
@@ -20,8 +19,6 @@ from typing import Any
 
 import pytest
 from celery import Celery
-from celery.contrib.testing.worker import start_worker
-from celery.signals import task_postrun
 from conftest import TEST_NAMESPACE, WorkerProcess
 from live import wait_until
 from loop_support import (
@@ -45,7 +42,7 @@ from loop_support import (
 )
 
 from broker_config.settings import Settings
-from workers.app import make_app, runtime_of
+from workers.app import runtime_of
 from workers.cli import main
 from workers.client import ForkClient
 from workers.errors import ForkNotEnded, InvalidAgentParams, InvalidApproval
@@ -343,46 +340,6 @@ def test_cli_launch_records_the_approval_policy_schema_limits_and_allowlist(
 
 
 # ── live workers ──────────────────────────────────────────────────────────────────────────────
-
-
-@pytest.fixture
-def live(make_settings: Callable[..., Settings], tmp_path: Path) -> Iterator[Callable[..., ForkClient]]:
-    """Start one in-process worker on a script; returns a client of its app. Stopped after the test."""
-    with contextlib.ExitStack() as stack:
-
-        def start(steps: list[dict[str, Any]], concurrency: int = 4, **overrides: Any) -> ForkClient:
-            settings = make_settings(script=write_script(tmp_path, steps), **overrides)
-            app = make_app(settings)
-            stack.callback(app.close)
-            client = stack.enter_context(ForkClient(settings, app=app))
-            stack.enter_context(
-                start_worker(
-                    app,
-                    pool="threads",
-                    concurrency=concurrency,
-                    perform_ping_check=False,
-                    loglevel="WARNING",
-                    shutdown_timeout=30,
-                )
-            )
-            return client
-
-        yield start
-
-
-@pytest.fixture
-def finished() -> Iterator[dict[str, Any]]:
-    """Return values of the tasks in-process workers finish during the test, by task id."""
-    seen: dict[str, Any] = {}
-    lock = threading.Lock()
-
-    def record(task_id: str, retval: Any = None, **_: Any) -> None:
-        with lock:
-            seen[task_id] = retval
-
-    task_postrun.connect(record, weak=False)
-    yield seen
-    task_postrun.disconnect(record)
 
 
 def recording_provider(app: Celery, steps: list[dict[str, Any]]) -> Recording:

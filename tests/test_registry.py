@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from celery.signals import task_postrun
 from live import wait_until
 from loop_support import FORK, call, parent_for, step, tool_results, workdir
 from prometheus_client import CollectorRegistry
@@ -265,21 +264,6 @@ FIFO_READ = Tool(
     {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]},
     fifo_read,
 )
-
-
-@pytest.fixture
-def finished() -> Iterator[dict[str, Any]]:
-    """Return values of the deliveries in-process workers finish during the test, by task id."""
-    seen: dict[str, Any] = {}
-    lock = threading.Lock()
-
-    def record(task_id: str, retval: Any = None, **_: Any) -> None:
-        with lock:
-            seen[task_id] = retval
-
-    task_postrun.connect(record, weak=False)
-    yield seen
-    task_postrun.disconnect(record)
 
 
 def with_tools(parent: dict[str, Any], work: Path, *tools: Tool, mode: str = "yolo") -> dict[str, Any]:

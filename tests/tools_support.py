@@ -1,7 +1,7 @@
 """The fork's working directory, the tool registry and call helpers that the tool tests share.
 
-tests/conftest.py loads this module as a plugin, so its fixtures (`work`, `registry`, `fifo`, `live`) reach
-tests/test_registry.py, test_builtins.py, test_files.py, test_search.py, test_shell.py and test_beneath.py.
+tests/conftest.py loads this module as a plugin, so its fixtures (`work`, `registry`, `fifo`, `live`, `finished`)
+reach every test file: the tool tests and tests/test_capabilities.py start their in-process workers alike.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 from celery.contrib.testing.worker import start_worker
+from celery.signals import task_postrun
 from loop_support import write_script
 
 from broker_config.settings import Settings
@@ -135,3 +136,18 @@ def live(make_settings: Callable[..., Settings], tmp_path: Path) -> Iterator[Cal
 
 def journal_of(settings: Settings, fork_id: str) -> list[Any]:
     return WorkerRuntime(settings).leases.journal(fork_id)
+
+
+@pytest.fixture
+def finished() -> Iterator[dict[str, Any]]:
+    """Return values of the deliveries in-process workers finish during the test, by task id."""
+    seen: dict[str, Any] = {}
+    lock = threading.Lock()
+
+    def record(task_id: str, retval: Any = None, **_: Any) -> None:
+        with lock:
+            seen[task_id] = retval
+
+    task_postrun.connect(record, weak=False)
+    yield seen
+    task_postrun.disconnect(record)
