@@ -488,7 +488,10 @@ def test_flower_gives_a_lost_run_and_a_parked_run_a_final_state_once_their_fork_
     rid, pid = running.fork_id, parked.fork_id
     wait_until(lambda: parked.status().status is Status.AWAITING_APPROVAL, 30, "the second fork to park")
     wait_until(lambda: flower(f"/api/task/info/{rid}.1").get("state") == "PROGRESS", 30, "the first run's progress")
-    assert flower(f"/api/task/info/{pid}.1").get("state") == "AWAITING_APPROVAL"
+    # (Flower receives the parked run's final event after the fork's state is written: wait for it to arrive)
+    wait_until(
+        lambda: flower(f"/api/task/info/{pid}.1").get("state") == "AWAITING_APPROVAL", 30, "the parked run's row"
+    )
     # and the worker running the first fork is lost (SIGKILL), and a sweeper revives the fork
     first.process.kill()
     sweeper = make_sweeper(client.app, runtime_of(client.app))
