@@ -93,6 +93,16 @@ class Settings(BaseSettings):
         None, ge=1, le=65535, description="Port of the Prometheus `/metrics` of `forkq worker` and `forkq sweep`."
     )
     sweep_s: float = Field(2.0, gt=0, description="How often the sweeper looks for expired leases.")
+    presence_check_s: float = Field(
+        0.25,
+        ge=0,
+        description="How often the sweeper looks for workers whose Redis connection is gone (0: only expired leases).",
+    )
+    presence_grace_s: float = Field(
+        1.0,
+        gt=0,
+        description="How long a worker's connection must stay gone before its forks are revived without their leases.",
+    )
     max_attempts: int = Field(3, ge=1, description="Runs a fork gets before a lost worker fails it (worker_lost).")
     sentinel_master: str = Field(
         "mymaster", pattern=r"^[A-Za-z0-9_.-]+$", description="Master name that sentinel:// URLs ask Sentinel for."

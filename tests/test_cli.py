@@ -333,7 +333,13 @@ def test_sweep_json_prints_json_lines_while_it_runs_and_stops_with_0_on_sigterm(
     # Then every line it printed is a JSON object: the start, then the pass that revived the fork
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert code == 0
-    assert lines[0] == {"event": "started", "every_s": 0.2, "redis": forkq_env.redis_url, "queue": forkq_env.queue}
+    assert lines[0] == {
+        "event": "started",
+        "every_s": 0.2,
+        "connections_every_s": forkq_env.presence_check_s,
+        "redis": forkq_env.redis_url,
+        "queue": forkq_env.queue,
+    }
     assert lines[1:] == [{"event": "pass", "outcomes": {"revive": 1}}]
 
 

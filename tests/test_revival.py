@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
+import psutil
 import pytest
 import redis
 from celery.exceptions import Reject
@@ -618,6 +619,101 @@ def test_duplicate_and_replayed_job_messages_are_no_ops(cluster: Cluster) -> Non
     assert [d["attempt"] for d in cluster.started(fid)] == [1]
     cluster.assert_ended_once(fid)
     assert cluster.assert_effects_at_most_once(fid) == Counter({effect_key(fid, 0, "e1"): 1})
+
+
+def test_a_dead_workers_fork_is_revived_from_its_closed_connection_long_before_its_lease_expires(
+    make_cluster: Callable[..., Cluster], redis_url: str
+) -> None:
+    # Given a 60 s lease (so only the worker's closed connection can revive the fork within the test), two
+    # workers, a sweeper, and a fork whose second model call takes 5 s
+    cluster = make_cluster(redis_url, FORKQ_LEASE_TTL_S="60")
+    cluster.script(step(0.2, call("e1")), step(5.0, call("e2")), step(0.2, text("done")))
+    cluster.start("w1", "w2", sweepers=1)
+    fid = cluster.launch()
+    cluster.wait_for(lambda: cluster.has_event(fid, "model_call", step=2), 10, "the second model call", fid)
+
+    # When the worker running it is SIGKILLed during that model call
+    victim = cluster.proc_of(cluster.owner_pid(fid, attempt=1))
+    killed_at = time.monotonic()
+    victim.send(signal.SIGKILL)
+
+    # Then the other worker takes it over within a few seconds (the lease had 55 s or more left), the
+    # revival names the closed connection, and the fork succeeds with its first side effect done once
+    cluster.wait_for(lambda: len(cluster.started(fid)) == 2, 8, "the fork to start on the other worker", fid)
+    taken_over_s = time.monotonic() - killed_at
+    assert taken_over_s < 8
+    [revived] = cluster.of_type(fid, "revived")
+    assert revived.data["via"] == "connection"
+    assert cluster.owner_pid(fid, attempt=2) != victim.pid
+    cluster.result(fid, timeout=20)
+    cluster.assert_ended_once(fid)
+    assert cluster.assert_effects_at_most_once(fid) == Counter(
+        {effect_key(fid, 0, "e1"): 1, effect_key(fid, 1, "e2"): 1}
+    )
+    cluster.assert_requests_replayed_exactly(fid)
+
+
+def test_a_stopped_worker_keeps_its_connection_so_its_fork_waits_for_the_lease(
+    make_cluster: Callable[..., Cluster], redis_url: str
+) -> None:
+    # Given a 6 s lease renewed every second, and a fork whose model call takes 2 s
+    cluster = make_cluster(redis_url, FORKQ_LEASE_TTL_S="6")
+    cluster.script(step(2.0, call("e1")))
+    cluster.start("w1", "w2", sweepers=1)
+    fid = cluster.launch()
+    cluster.wait_for(lambda: cluster.has_event(fid, "model_call", step=1), 10, "the first model call", fid)
+
+    # When its worker is SIGSTOPped (alive, silent: its connections stay open)
+    stalled = cluster.proc_of(cluster.owner_pid(fid, attempt=1))
+    stopped_at = time.monotonic()
+    stalled.send(signal.SIGSTOP)
+    try:
+        # Then the fork is revived only once its lease has expired, and the revival says so
+        cluster.wait_for(lambda: cluster.of_type(fid, "revived") != [], 20, "the revival", fid)
+        assert time.monotonic() - stopped_at > 4.0
+        [revived] = cluster.of_type(fid, "revived")
+        assert revived.data["via"] == "lease"
+        cluster.result(fid, timeout=20)
+    finally:
+        stalled.send(signal.SIGCONT)
+    # and the resumed worker is fenced off: the fork ended once, its side effect done once
+    cluster.wait_for(lambda: stalled.task_returns(f"{fid}.1") != [], 10, "the resumed worker to end its run", fid)
+    assert stalled.task_returns(f"{fid}.1") == ["lease_lost"]
+    cluster.assert_ended_once(fid)
+    assert cluster.assert_effects_at_most_once(fid) == Counter({effect_key(fid, 0, "e1"): 1})
+
+
+def test_a_workers_connections_killed_for_a_second_revive_none_of_its_forks(
+    make_cluster: Callable[..., Cluster], redis_url: str
+) -> None:
+    # Given a 60 s lease, and two forks of a dozen short steps on one worker
+    cluster = make_cluster(redis_url, FORKQ_LEASE_TTL_S="60")
+    steps = 12
+    cluster.script(*long_fork_script(steps, 0.3))
+    [worker] = cluster.start("w1", sweepers=1)
+    forks = [cluster.launch() for _ in range(2)]
+    cluster.wait_for(lambda: all(cluster.has_event(f, "model_call", step=2) for f in forks), 20, "the forks to run")
+
+    # When every connection the worker has to Redis is killed again and again for a second (a network blip)
+    killer = redis.Redis.from_url(redis_url)
+    ports = {c.laddr.port for c in psutil.Process(worker.pid).net_connections(kind="tcp") if c.raddr}
+    killed = 0
+    deadline = time.monotonic() + 1.0
+    while time.monotonic() < deadline:
+        for entry in killer.client_list(_type="normal"):
+            if int(entry["addr"].rsplit(":", 1)[1]) in ports:
+                with contextlib.suppress(redis.ResponseError):  # gone meanwhile
+                    killed += killer.client_kill_filter(_id=entry["id"], skipme=True)
+        ports |= {c.laddr.port for c in psutil.Process(worker.pid).net_connections(kind="tcp") if c.raddr}
+        time.sleep(0.05)
+    killer.close()
+
+    # Then no fork was revived: each succeeds on its first attempt with every side effect once
+    assert killed > 0
+    for fid in forks:
+        cluster.result(fid, timeout=60)
+    for fid in forks:
+        assert_one_clean_attempt(cluster, fid, steps)
 
 
 # ── Redis faults ──────────────────────────────────────────────────────────────────────────────

@@ -72,6 +72,7 @@ class ForkqWorkerStep(bootsteps.StartStopStep):
             raise ConfigurationError("worker refuses to start: " + "; ".join(problems))
         self.metrics_server = _serve_worker_metrics(self.runtime, parent.pool_cls)
         self.heartbeat.start(parent.timer)
+        self.runtime.presence.start()  # from now on a sweeper notices at once when this process is gone
         hide_process_environment()
         # forks keep running through a broker connection loss on purpose (broker_config/celery.py); Celery
         # would advise otherwise in a warning at every reconnect
@@ -85,8 +86,12 @@ class ForkqWorkerStep(bootsteps.StartStopStep):
     shutdown = stop
 
     def terminate(self, parent: Any) -> None:
-        """Cold shutdown (and an in-process test worker's end): stop the heartbeat, free the metrics port."""
+        """Cold shutdown (and an in-process test worker's end): stop the heartbeat and the presence, free the
+        metrics port."""
         self.heartbeat.stop()
+        if "presence" in vars(self.runtime):  # started (a cached property of the runtime)
+            self.runtime.presence.stop()
+            del self.runtime.presence
         if self.metrics_server is not None:
             self.metrics_server.close()
             self.metrics_server = None

@@ -339,7 +339,8 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    """Revive forks whose lease expired: one pass with --once, else every FORKQ_SWEEP_S until stopped."""
+    """Revive forks whose worker is gone or whose lease expired: one lease pass with --once, else every FORKQ_SWEEP_S
+    (and a look at the workers' connections every FORKQ_PRESENCE_CHECK_S) until stopped."""
     require_extra("worker", "forkq sweep")
     from workers.app import make_app, runtime_of, serve_runtime_metrics
     from workers.service.tasks import make_sweeper
@@ -362,9 +363,11 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     where = redact_url(settings.redis_url)
     if args.json:  # JSON lines: the start, then each pass that found an expired lease
         started = {"event": "started", "every_s": settings.sweep_s, "redis": where, "queue": settings.queue}
+        started["connections_every_s"] = settings.presence_check_s
         print(json.dumps(started), flush=True)
     else:
-        print(f"forkq sweep: every {settings.sweep_s} s on {where}; Ctrl-C stops", flush=True)
+        looks = f", workers' connections every {settings.presence_check_s} s" if settings.presence_check_s else ""
+        print(f"forkq sweep: every {settings.sweep_s} s{looks} on {where}; Ctrl-C stops", flush=True)
     try:
         sweeper.run(stop, on_pass=_print_pass if args.json else None)
     finally:

@@ -30,6 +30,9 @@ Each key: type; content; TTL; writer → readers.
 - `{ns}:sweep`: hash; `last` (Redis ms of the latest sweeper pass) and `grace_until` (Redis ms until
   which a lapsed lease is left to its worker: set when no pass reached Redis for a while, an outage);
   a day, renewed by every pass; sweeper → sweeper.
+- `{ns}:procs`: hash; presence token of a live worker runtime (`host:pid:random`) → the `CLIENT ID`
+  of the connection it keeps open (`workers.store.presence`); none; worker (named at start and after
+  every reconnect, removed at shutdown) → sweeper (which removes a runtime whose connection is gone).
 - `{ns}:dead`: list; JSON `{task_id, reason}` of rejected job messages, newest first, capped at
   1,000; a queue item refused before delivery (not an envelope, compressed, not a forkq job; a
   control message; an `unacked` entry kombu cannot restore) also has `queue`, its first 64 KiB as
@@ -100,6 +103,11 @@ class Keys:
     def sweep(self) -> str:
         """The sweepers' clock: their latest pass, and the grace after an outage."""
         return f"{self.namespace}:sweep"
+
+    @property
+    def procs(self) -> str:
+        """Live worker runtimes: presence token → the id of the Redis connection each keeps open."""
+        return f"{self.namespace}:procs"
 
     @property
     def dead_letters(self) -> str:

@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import threading
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -32,6 +29,7 @@ from workers.service.spawn import SubagentSpawner
 from workers.store.claims import RefusalReason
 from workers.store.forks import ForkStore
 from workers.store.lease import Claim, LeaseKeeper, Leases, revival_grace_s, ride_out
+from workers.store.presence import Presence, owner_token, presence_token
 from workers.tools.builtins import load_tools
 from workers.tools.registry import ToolRegistry
 
@@ -44,6 +42,8 @@ POOL_HEADROOM: Final = 16  # Redis connections of a worker process beyond one pe
 # nested-subagent wait's XREAD BLOCK of spawn.POLL_MS, a launch's WAIT for replicas of store.WAIT_TIMEOUT_MS)
 MIN_REDIS_TIMEOUT_S: Final = 2.0
 MAX_REDIS_TIMEOUT_S: Final = 5.0
+# pings of the presence connection within the sweeper's grace: a dropped one is named again well inside it
+PRESENCE_PINGS_PER_GRACE: Final = 5
 
 
 def redis_timeout_s(settings: Settings) -> float:
@@ -65,6 +65,8 @@ class WorkerRuntime:
     requeue: Requeue | None = None  # set by make_app: enqueue a released fork again
     stopping: threading.Event = field(default_factory=threading.Event)  # set on worker shutdown
     slots: int | None = None  # fork slots of the worker (its step sets it); None: FORKQ_WORKER_CONCURRENCY
+    # named by every claim's owner token; made before a prefork pool forks, so its children share it
+    presence_token: str = field(default_factory=presence_token)
 
     @cached_property
     def redis(self) -> redis.Redis:
@@ -120,6 +122,13 @@ class WorkerRuntime:
     def keeper(self) -> LeaseKeeper:
         """The process's heartbeat."""
         return LeaseKeeper(self.leases, interval_s=self.settings.heartbeat_s)
+
+    @cached_property
+    def presence(self) -> Presence:
+        """The connection this runtime keeps open and names, so a sweeper sees at once when the process is gone."""
+        own = redis.Redis(connection_pool=self.redis.connection_pool, single_connection_client=True)
+        interval = self.settings.presence_grace_s / PRESENCE_PINGS_PER_GRACE
+        return Presence(own, Keys(self.settings.namespace), self.presence_token, interval_s=interval)
 
     @cached_property
     def metrics(self) -> Metrics:
@@ -226,11 +235,6 @@ def _is_final_answer(entry: JournalEntry) -> bool:
     return not any(isinstance(p, dict) and "functionCall" in p for p in parts)
 
 
-def new_owner() -> str:
-    """A unique owner token for one claim: host, pid, thread and a random part."""
-    return f"{socket.gethostname()}:{os.getpid()}:{threading.get_ident()}:{uuid.uuid4().hex[:12]}"
-
-
 def run_fork_job(
     runtime: WorkerRuntime,
     job: RunForkJob,
@@ -255,7 +259,9 @@ def run_fork_job(
     first = first_step(
         job, store=runtime.store, declarations=runtime.declarations, digests=runtime.digests, tools=runtime.tools
     )
-    claim = runtime.leases.claim(fid, new_owner(), job.digest, first=first.write if first else None)
+    claim = runtime.leases.claim(
+        fid, owner_token(runtime.presence_token), job.digest, first=first.write if first else None
+    )
     if not isinstance(claim, Claim):
         if claim.reason is RefusalReason.FORGED:
             raise RecordIntegrityError(

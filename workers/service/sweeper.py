@@ -1,4 +1,10 @@
-"""The sweeper: finds forks whose lease expired and revives them (or fails them after max attempts).
+"""The sweeper: finds forks whose worker is gone or whose lease expired, and revives them (or fails them
+after max attempts).
+
+A worker process that dies closes its Redis connections at once: the sweeper looks at the workers'
+connections every `presence_s` (`workers.store.presence`) and revives a dead worker's forks within
+about a second, without waiting for their leases. A worker that is alive but silent keeps its
+connection; its forks are revived when their leases expire, as below.
 
 Any number of sweepers may run: the revive transition is one Lua script per fork, so each expired
 lease is revived once. A fork whose worker merely stalls for less than its lease is never touched,
@@ -13,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,6 +28,7 @@ from workers.service.metrics import Metrics
 from workers.store.forks import ForkStore
 from workers.store.lease import Leases
 from workers.store.lease_scripts import worker_lost_error
+from workers.store.presence import PresenceWatch
 
 log = logging.getLogger("forkq.sweeper")
 
@@ -46,6 +54,8 @@ class Sweeper:
     interval_s: float
     metrics: Metrics | None = None  # counts revivals (`forkq_revivals_total`)
     failed: Callable[[str, int], None] | None = None  # a fork failed worker_lost: (fork id, its last attempt)
+    presence: PresenceWatch | None = None  # the workers' connections (`sweep_dead`); None: leases only
+    presence_s: float = 0.0  # how often `run` looks at them
 
     def sweep_once(self) -> Counter[str]:
         """One pass over expired leases; counts outcomes (`revive`, `requeue`, `failed`, `alive`, ...).
@@ -54,35 +64,72 @@ class Sweeper:
             the broker's error when an enqueue fails (the fork stays in the index for a later pass).
         """
         outcomes: Counter[str] = Counter()
-        # another sweeper re-enqueues a revived fork only if this one failed to within the grace
-        grace_ms = int(max(1.0, 5 * self.interval_s) * 1000)
         outage = self.leases.in_outage_grace(gap_ms=int(outage_gap_s(self.interval_s) * 1000))
         lapse_grace_ms = self.leases.lapse_grace_ms if outage else 0
         for fork_id in self.leases.expired():
             outcome = self.leases.revive(
-                fork_id, max_attempts=self.max_attempts, grace_ms=grace_ms, lapse_grace_ms=lapse_grace_ms
+                fork_id,
+                max_attempts=self.max_attempts,
+                grace_ms=self._requeue_grace_ms(),
+                lapse_grace_ms=lapse_grace_ms,
             )
-            outcomes[outcome] += 1
-            if self.metrics is not None:
-                self.metrics.swept(outcome)
-            if outcome in ("revive", "requeue"):
-                state = self.store.state(fork_id)
-                self.enqueue(fork_id, state.digest, state.attempt + 1)  # sends the job, then confirms it
-                log.info("fork %s: lease expired, %s (attempt %d)", fork_id, outcome, state.attempt + 1)
-            elif outcome == "failed":
-                log.warning("fork %s: failed: %s", fork_id, worker_lost_error(self.max_attempts))
-                if self.failed is not None:  # its last run's row gets a final state (Flower): no run follows
-                    self.failed(fork_id, self.store.state(fork_id).attempt)
+            self._settle(fork_id, outcome, outcomes, "lease expired")
         return outcomes
 
+    def sweep_dead(self) -> Counter[str]:
+        """One look at the workers' connections: revives the forks of every worker whose connection is gone.
+
+        Raises:
+            Redis's error (every observation is then forgotten), or the broker's when an enqueue fails.
+        """
+        outcomes: Counter[str] = Counter()
+        if self.presence is None:
+            return outcomes
+        for token, cid in self.presence.dead():
+            forks = self.leases.owned_by(token)
+            log.warning("worker %s: its Redis connection is gone; reviving its %d forks", token, len(forks))
+            for fork_id, owner in forks:
+                outcome = self.leases.revive(
+                    fork_id, max_attempts=self.max_attempts, grace_ms=self._requeue_grace_ms(), dead_owner=owner
+                )
+                self._settle(fork_id, outcome, outcomes, "worker connection gone")
+            self.presence.forget(token, cid)
+        return outcomes
+
+    def _requeue_grace_ms(self) -> int:
+        # another sweeper re-enqueues a revived fork only if this one failed to within the grace
+        return int(max(1.0, 5 * self.interval_s) * 1000)
+
+    def _settle(self, fork_id: str, outcome: str, outcomes: Counter[str], why: str) -> None:
+        """Count a revive check's outcome, and enqueue or report what it revived or failed."""
+        outcomes[outcome] += 1
+        if self.metrics is not None:
+            self.metrics.swept(outcome)
+        if outcome in ("revive", "requeue"):
+            state = self.store.state(fork_id)
+            self.enqueue(fork_id, state.digest, state.attempt + 1)  # sends the job, then confirms it
+            log.info("fork %s: %s, %s (attempt %d)", fork_id, why, outcome, state.attempt + 1)
+        elif outcome == "failed":
+            log.warning("fork %s: failed: %s", fork_id, worker_lost_error(self.max_attempts))
+            if self.failed is not None:  # its last run's row gets a final state (Flower): no run follows
+                self.failed(fork_id, self.store.state(fork_id).attempt)
+
     def run(self, stop: threading.Event, on_pass: Callable[[Counter[str]], None] | None = None) -> None:
-        """Sweep every `interval_s` until `stop` is set (each pass's outcomes to `on_pass`); Redis or broker
-        errors are logged and retried."""
+        """Look at the workers' connections every `presence_s` and sweep expired leases every `interval_s`, until
+        `stop` is set (each pass's outcomes to `on_pass`); Redis or broker errors are logged and retried."""
+        tick = min(self.interval_s, self.presence_s) if self.presence is not None and self.presence_s > 0 else None
+        next_sweep = 0.0
         while not stop.is_set():
             try:
-                outcomes = self.sweep_once()
-                if on_pass is not None:
+                outcomes = self.sweep_dead()
+                if time.monotonic() >= next_sweep:
+                    next_sweep = time.monotonic() + self.interval_s
+                    outcomes += self.sweep_once()
+                    if on_pass is not None:
+                        on_pass(outcomes)
+                elif outcomes and on_pass is not None:
                     on_pass(outcomes)
             except Exception as exc:  # Redis or broker down: the next pass retries, the sweeper lives on
                 log.warning("sweep failed, retrying in %.1f s: %s", self.interval_s, exc)
-            stop.wait(self.interval_s)
+                next_sweep = 0.0
+            stop.wait(tick if tick is not None else self.interval_s)

@@ -13,6 +13,7 @@ from pydantic import ValidationError
 
 from broker_config.celery import RUN_FORK_TASK, SWEEP_TASK
 from workers.errors import ForkNotFound, RecordDecodeError, RecordIntegrityError
+from workers.keys import Keys
 from workers.service.job import RunForkJob
 from workers.service.outcome import Outcome, RunOutcome
 from workers.service.progress import Progress
@@ -21,6 +22,7 @@ from workers.service.sweeper import Sweeper
 from workers.store import queue as job_queue
 from workers.store.forks import ForkEvent
 from workers.store.lease import Claim
+from workers.store.presence import PresenceWatch
 from workers.store.queue import send_ended_event
 
 log = logging.getLogger("forkq.worker")
@@ -43,6 +45,8 @@ def make_sweeper(app: Celery, runtime: WorkerRuntime) -> Sweeper:
         interval_s=settings.sweep_s,
         metrics=runtime.metrics,
         enqueue=lambda fid, digest, attempt: enqueue_again(app, runtime, fid, digest, attempt),
+        presence=PresenceWatch(runtime.redis, Keys(settings.namespace), grace_s=settings.presence_grace_s),
+        presence_s=settings.presence_check_s,
         failed=lambda fid, attempt: send_ended_event(
             app,
             "task-lost",

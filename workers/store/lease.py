@@ -40,6 +40,7 @@ from workers.records.journal import JournalEntry
 from workers.records.parked import ParkedCall, encode_parked
 from workers.store import lease_scripts as lua
 from workers.store.claims import FirstWrite, Refusal
+from workers.store.presence import owns
 
 log = logging.getLogger("forkq.lease")
 
@@ -365,21 +366,54 @@ class Leases:
         ids = cast(list[bytes], self.client.zrangebyscore(self.keys.running, "-inf", now_ms, start=0, num=limit))
         return [i.decode() for i in ids]
 
-    def revive(self, fork_id: str, *, max_attempts: int, grace_ms: int = 30_000, lapse_grace_ms: int = 0) -> str:
+    def revive(
+        self,
+        fork_id: str,
+        *,
+        max_attempts: int,
+        grace_ms: int = 30_000,
+        lapse_grace_ms: int = 0,
+        dead_owner: str = "",
+    ) -> str:
         """Sweeper's check of one fork.
 
         `revive` (now queued: enqueue it), `requeue` (revived earlier, its job may be missing:
         enqueue it), `failed` (worker lost `max_attempts` times), `alive`, `grace` (the lease lapsed
         less than `lapse_grace_ms` ago: left to its worker to take back), or the fork's status.
+        With `dead_owner` (the owner token of a worker whose connection is gone), a lease that owner
+        still holds counts as expired.
         """
         k = self.keys
         reason = lua.worker_lost_error(max_attempts)
         failed = ForkResult(fork_id=fork_id, status=Status.FAILED, error=reason)
         outcome = self._revive(
             keys=[k.state(fork_id), k.lease(fork_id), k.events(fork_id), k.running, k.result(fork_id)],
-            args=[fork_id, max_attempts, failed.encode(), self.retention_s, grace_ms, lapse_grace_ms, reason],
+            args=[
+                fork_id,
+                max_attempts,
+                failed.encode(),
+                self.retention_s,
+                grace_ms,
+                lapse_grace_ms,
+                reason,
+                dead_owner,
+            ],
         )
         return cast(bytes, outcome).decode()
+
+    def owned_by(self, presence: str) -> list[tuple[str, str]]:
+        """(fork id, owner token) of every running fork whose owner names the presence token `presence`.
+
+        Two round trips over the running index: only called for a worker found dead, which is rare.
+        """
+        ids = [i.decode() for i in cast(list[bytes], self.client.zrange(self.keys.running, 0, -1))]
+        if not ids:
+            return []
+        pipe = self.client.pipeline(transaction=False)
+        for fork_id in ids:
+            pipe.hget(self.keys.state(fork_id), "owner")
+        owners = [(o or b"").decode() for o in cast(list[bytes | None], pipe.execute())]
+        return [(fid, owner) for fid, owner in zip(ids, owners, strict=True) if owns(presence, owner)]
 
     def in_outage_grace(self, *, gap_ms: int) -> bool:
         """Record a sweeper pass; True while lapsed leases are left to their workers (`lapse_grace_ms`).

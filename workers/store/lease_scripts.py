@@ -270,7 +270,9 @@ return 0
 # event carry the same text). A revived fork stays in the running index, `grace_ms` ahead, until its job is
 # enqueued (`ENQUEUED`): if the sweeper dies or the broker is down in between, a later sweep enqueues it.
 # A lease that lapsed less than `lapse_grace_ms` ago (its index score is its end) is left to its worker
-# (`grace`): after a Redis outage the worker takes it back at its first renewal.
+# (`grace`): after a Redis outage the worker takes it back at its first renewal. ARGV[8], when given, is
+# the owner token of a worker whose connection is gone (`workers.store.presence`): a lease it still holds
+# is ended at once, without waiting for its TTL.
 REVIVE: Final = lua_script(
     NOW,
     """
@@ -284,9 +286,13 @@ if status == 'queued' then
 end
 if status ~= 'running' then redis.call('ZREM', KEYS[4], ARGV[1]); return status or 'missing' end
 local left = redis.call('PTTL', KEYS[2])
-if left > 0 then redis.call('ZADD', KEYS[4], now + left, ARGV[1]); return 'alive' end
+local dead = ARGV[8] ~= nil and ARGV[8] ~= '' and redis.call('GET', KEYS[2]) == ARGV[8]
+if dead then
+  redis.call('DEL', KEYS[2])  -- its worker's connection is gone: the lease holder is dead
+elseif left > 0 then redis.call('ZADD', KEYS[4], now + left, ARGV[1]); return 'alive' end
 local grace = tonumber(ARGV[6] or '0')
-if grace > 0 and tonumber(redis.call('ZSCORE', KEYS[4], ARGV[1]) or '0') + grace > now then return 'grace' end
+local ended = tonumber(redis.call('ZSCORE', KEYS[4], ARGV[1]) or '0')
+if not dead and grace > 0 and ended + grace > now then return 'grace' end
 local lost = redis.call('HINCRBY', KEYS[1], 'lost', 1)
 if lost >= tonumber(ARGV[2]) then
   redis.call('ZREM', KEYS[4], ARGV[1])
@@ -302,7 +308,7 @@ redis.call('HSET', KEYS[1], 'status', 'queued', 'owner', '')
 redis.call('ZADD', KEYS[4], now + tonumber(ARGV[5]), ARGV[1])
 local attempt = tonumber(redis.call('HGET', KEYS[1], 'attempt') or '0')
 redis.call('XADD', KEYS[3], 'MAXLEN', '~', @MAXLEN@, '*', 'type', 'revived', 'data',
-           cjson.encode({attempt = attempt, lost = lost}))
+           cjson.encode({attempt = attempt, lost = lost, via = dead and 'connection' or 'lease'}))
 return 'revive'
 """,
 )
