@@ -30,6 +30,7 @@ from workers.store import lease_scripts as lua
 from workers.store.claims import FirstWrite, Refusal, RefusalReason
 from workers.store.forks import ForkStore
 from workers.store.lease import LAPSE_MARGIN_S, Claim, LeaseKeeper, Leases
+from workers.store.presence import owner_token, presence_token
 from workers.store.redis_server import RedisServer
 
 KEYS = Keys(TEST_NAMESPACE)
@@ -472,6 +473,47 @@ def test_revive_on_a_live_lease_returns_alive_and_leaves_the_fork_running(
     leases.append(claim, model_entry(0))  # the live worker keeps writing
 
 
+def test_a_live_lease_of_a_dead_owner_is_ended_and_the_fork_revived_but_only_that_owners(
+    redis_client: redis.Redis, fork_store: ForkStore, make_queued_fork: Callable[..., tuple[str, str]]
+) -> None:
+    # Given a fork running under a lease with most of its TTL left
+    fid, _ = make_queued_fork()
+    leases = make_leases(redis_client, ttl_ms=60_000)
+    claim = claimed(leases, fid)
+    assert redis_client.pttl(KEYS.lease(fid)) > 50_000
+
+    # When a sweeper names another owner as dead, nothing happens
+    assert leases.revive(fid, max_attempts=3, dead_owner="host:1:2:someone.else") == "alive"
+    assert redis_client.get(KEYS.lease(fid)) == claim.owner.encode()
+
+    # Then naming the lease's own owner ends the lease and revives the fork at once, via its connection
+    assert leases.revive(fid, max_attempts=3, dead_owner=claim.owner) == "revive"
+    assert redis_client.exists(KEYS.lease(fid)) == 0
+    assert state_field(redis_client, fid, "status") == "queued"
+    revived = [e.data for e in fork_store.events(fid) if e.type == "revived"]
+    assert revived == [{"attempt": 1, "lost": 1, "via": "connection"}]
+    # and the dead owner's writes are refused
+    with pytest.raises(LeaseLost):
+        leases.append(claim, model_entry(0))
+
+
+def test_the_forks_a_presence_owns_are_found_among_the_running(
+    redis_client: redis.Redis, make_queued_fork: Callable[..., tuple[str, str]]
+) -> None:
+    # Given three running forks, two claimed under one presence token, one under another
+    leases = make_leases(redis_client, ttl_ms=60_000)
+    mine, theirs = presence_token(), presence_token()
+    forks = [make_queued_fork()[0] for _ in range(3)]
+    owners = [owner_token(mine), owner_token(mine), owner_token(theirs)]
+    for fid, owner in zip(forks, owners, strict=True):
+        assert isinstance(leases.claim(fid, owner), Claim)
+
+    # Then each presence owns exactly its own
+    assert sorted(leases.owned_by(mine)) == sorted(zip(forks[:2], owners[:2], strict=True))
+    assert leases.owned_by(theirs) == [(forks[2], owners[2])]
+    assert leases.owned_by(presence_token()) == []
+
+
 def test_revive_after_expiry_requeues_the_fork_once(
     redis_client: redis.Redis, fork_store: ForkStore, make_queued_fork: Callable[..., tuple[str, str]]
 ) -> None:
@@ -486,7 +528,7 @@ def test_revive_after_expiry_requeues_the_fork_once(
 
     assert (state_field(redis_client, fid, "status"), state_field(redis_client, fid, "owner")) == ("queued", "")
     revived = [e for e in fork_store.events(fid) if e.type == "revived"]
-    assert [e.data for e in revived] == [{"attempt": 1, "lost": 1}]
+    assert [e.data for e in revived] == [{"attempt": 1, "lost": 1, "via": "lease"}]
     # it stays in the running index, out of the sweepers' way, until its job is confirmed enqueued
     assert fid not in leases.expired()
     leases.enqueued(fid)

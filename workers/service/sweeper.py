@@ -118,7 +118,7 @@ class Sweeper:
         """Look at the workers' connections every `presence_s` and sweep expired leases every `interval_s`, until
         `stop` is set (each pass's outcomes to `on_pass`); Redis or broker errors are logged and retried."""
         tick = min(self.interval_s, self.presence_s) if self.presence is not None and self.presence_s > 0 else None
-        next_sweep = 0.0
+        next_sweep, failing = 0.0, False
         while not stop.is_set():
             try:
                 outcomes = self.sweep_dead()
@@ -129,7 +129,11 @@ class Sweeper:
                         on_pass(outcomes)
                 elif outcomes and on_pass is not None:
                     on_pass(outcomes)
+                if failing:
+                    log.warning("sweeping again: Redis and the broker answer")
+                failing = False
             except Exception as exc:  # Redis or broker down: the next pass retries, the sweeper lives on
-                log.warning("sweep failed, retrying in %.1f s: %s", self.interval_s, exc)
-                next_sweep = 0.0
+                # once per outage at warning level: the looks at the workers' connections retry 4 times a second
+                log.log(logging.INFO if failing else logging.WARNING, "sweep failed, retrying: %s", exc)
+                next_sweep, failing = 0.0, True
             stop.wait(tick if tick is not None else self.interval_s)
