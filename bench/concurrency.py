@@ -68,6 +68,8 @@ TARGET_EFFICIENCY = 0.9
 TARGET_RSS_BYTES = 1 << 30
 OWN_COMMANDS = ("cmdstat_exists", "cmdstat_info")  # the benchmark's own polls during the run
 LEASE_LOST_LOG = "lease lost or fork no longer running"
+# worker log lines worth counting: why leases were lost (a late heartbeat, Redis timeouts) and errors
+LOG_SIGNS = (LEASE_LOST_LOG, "lease heartbeat failed", "lapsed while Redis was unreachable", "Timeout", "Traceback")
 
 
 @dataclass(frozen=True)
@@ -161,9 +163,9 @@ class Sampler:
             cpu = process_cpu_ns(self.proc.pid)
         except (FileNotFoundError, ProcessLookupError):
             return
+        at = time.time() * 1000  # at the CPU reading: a slow INFO below must not shift it
         self.info_calls += 1
         clients = int(self.r.info("clients")["connected_clients"])
-        at = time.time() * 1000
         self.samples.append(Sample(at, cpu, status["VmRSS"], status["VmHWM"], status["Threads"], clients))
 
     def _run(self) -> None:
@@ -263,6 +265,7 @@ class Row:
     slow: list[tuple[float, str]] = field(default_factory=list)
     errors: Counter[str] = field(default_factory=Counter)
     note: str = ""
+    log_signs: Counter[str] = field(default_factory=Counter)
     first_started_ms: int | None = None
     last_finished_ms: int | None = None
 
@@ -462,7 +465,9 @@ def run_one(plan: Plan, pool: str, c: int, parent: ParentSnapshot, tmp: Path) ->
             row.cpu_s = (sampler.cpu_at(row.last_finished_ms) - sampler.cpu_at(row.first_started_ms)) / 1e9
             row.peak_cores = sampler.peak_cores(row.first_started_ms, row.last_finished_ms)
         lost = metric(metrics, "forkq_lease_losses_total")
-        log_lost = worker.log.read_text(errors="replace").count(LEASE_LOST_LOG)
+        log = worker.log.read_text(errors="replace")
+        row.log_signs = +Counter({sign: log.count(sign) for sign in LOG_SIGNS})
+        log_lost = row.log_signs[LEASE_LOST_LOG]
         row.lease_losses, row.lease_source = (int(lost), "metric") if lost is not None else (log_lost, "log")
         if row.note:
             print(f"  {row.note}; worker log ends:\n{worker.tail(1500)}", flush=True)
@@ -536,7 +541,8 @@ def print_details(rows: Sequence[Row]) -> None:
         )
         top = ", ".join(f"{name} {n / x.model_steps:.1f}" for name, n in x.redis_calls.most_common(8))
         print(f"  Redis: {x.redis_cmds:,} commands, {x.redis_cpu_s:.1f} s CPU; per step: {top}")
-        print(f"  lease losses from the worker's {x.lease_source or '(none read)'}")
+        signs = ", ".join(f"{n} × {sign!r}" for sign, n in x.log_signs.most_common()) or "none of " + repr(LOG_SIGNS)
+        print(f"  lease losses from the worker's {x.lease_source or '(none read)'}; worker log: {signs}")
         if x.slow:
             names = Counter(name for _, name in x.slow)
             print(
