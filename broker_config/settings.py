@@ -94,12 +94,12 @@ class Settings(BaseSettings):
     )
     sweep_s: float = Field(2.0, gt=0, description="How often the sweeper looks for expired leases.")
     presence_check_s: float = Field(
-        0.25,
+        0.1,
         ge=0,
         description="How often the sweeper looks for workers whose Redis connection is gone (0: only expired leases).",
     )
     presence_grace_s: float = Field(
-        1.0,
+        0.75,
         gt=0,
         description="How long a worker's connection must stay gone before its forks are revived without their leases.",
     )
