@@ -29,7 +29,7 @@ from workers.records.parked import ParkedCall
 from workers.store import lease_scripts as lua
 from workers.store.claims import FirstWrite, Refusal, RefusalReason
 from workers.store.forks import ForkStore
-from workers.store.lease import LAPSE_MARGIN_S, Claim, LeaseKeeper, Leases
+from workers.store.lease import LAPSE_MARGIN_S, RENEW_BATCH, Claim, LeaseKeeper, Leases
 from workers.store.presence import owner_token, presence_token
 from workers.store.redis_server import RedisServer
 
@@ -603,6 +603,28 @@ def test_expired_lists_only_forks_past_their_deadline_oldest_first(
 
 
 # ── the heartbeat ─────────────────────────────────────────────────────────────────────────────
+
+
+def test_one_heartbeat_renews_thousands_of_leases_in_order_across_script_calls(
+    redis_client: redis.Redis, make_queued_fork: Callable[..., tuple[str, str]]
+) -> None:
+    # Given more claims than one renewal script call takes, every 97th of them taken over by another worker
+    leases = make_leases(redis_client, ttl_ms=60_000)
+    count = 2 * RENEW_BATCH + 37
+    claims = [claimed(leases, make_queued_fork()[0]) for _ in range(count)]
+    lost = set(range(0, count, 97)) | {RENEW_BATCH - 1, RENEW_BATCH}  # either side of a call's edge too
+    for i in lost:
+        redis_client.set(KEYS.lease(claims[i].fork_id), b"another-worker", px=60_000)
+    for claim in claims:
+        redis_client.pexpire(KEYS.lease(claim.fork_id), 1_000)
+
+    # When one heartbeat renews them all
+    renewed = leases.renew(claims)
+
+    # Then each answer is its own claim's, in order: renewed, or refused where another worker holds the lease
+    assert renewed == [0 if i in lost else 1 for i in range(count)]
+    assert all(redis_client.pttl(KEYS.lease(claims[i].fork_id)) > 50_000 for i in range(count) if i not in lost)
+    assert all(redis_client.get(KEYS.lease(claims[i].fork_id)) == b"another-worker" for i in lost)
 
 
 def test_the_lease_keeper_renews_held_leases_and_flags_lost_ones(

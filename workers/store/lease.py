@@ -55,6 +55,8 @@ RETRY_CAP_S: Final = 1.0  # longest delay: a restarted Redis is noticed within a
 LAPSE_MARGIN_S: Final = 1.0
 # beyond a heartbeat interval and RETRY_CAP_S, in the sweeper's grace: the renewal's own round trip
 GRACE_MARGIN_S: Final = 0.5
+# leases one renewal script call renews: Redis runs a call of this many in about a millisecond
+RENEW_BATCH: Final = 500
 
 
 def revival_grace_s(heartbeat_s: float) -> float:
@@ -351,13 +353,14 @@ class Leases:
         if not claims:
             return []
         pipe = self.client.pipeline(transaction=False)
-        for claim in claims:
-            self._renew(
-                keys=[self.keys.lease(claim.fork_id), self.keys.running, self.keys.state(claim.fork_id)],
-                args=[claim.owner, self.ttl_ms, claim.fork_id, claim.epoch],
-                client=pipe,
-            )
-        return [int(v) for v in pipe.execute()]
+        for start in range(0, len(claims), RENEW_BATCH):
+            keys: list[str] = [self.keys.running]
+            args: list[Any] = [self.ttl_ms]
+            for claim in claims[start : start + RENEW_BATCH]:
+                keys += [self.keys.lease(claim.fork_id), self.keys.state(claim.fork_id)]
+                args += [claim.owner, claim.fork_id, claim.epoch]
+            self._renew(keys=keys, args=args, client=pipe)
+        return [int(v) for batch in pipe.execute() for v in batch]
 
     def expired(self, limit: int = 1000) -> list[str]:
         """Fork ids whose lease deadline (Redis time) has passed, oldest first."""

@@ -224,23 +224,35 @@ return 'released'
 """,
 )
 
-# KEYS: lease, running, state. ARGV: owner, ttl_ms, fork_id, epoch. 1: renewed; 2: the lease had lapsed
-# and is taken back (the fork still runs under this claim: nobody revived it); 0: not ours any more. A
-# fork that stopped running (cancelled) is not renewed: its worker learns at the next beat and stops
-# its tool (cooperative cancellation).
+# KEYS: running, then each fork's lease and state. ARGV: ttl_ms, then each fork's owner, fork_id, epoch.
+# Per fork, 1: renewed; 2: the lease had lapsed and is taken back (the fork still runs under this claim:
+# nobody revived it); 0: not ours any more. A fork that stopped running (cancelled) is not renewed: its
+# worker learns at the next beat and stops its tool (cooperative cancellation). One call renews many forks
+# (the heartbeat sends `RENEW_BATCH` of them per call, all calls in one round trip), so a beat's cost in
+# the worker is a few commands whatever the number of forks.
 RENEW: Final = lua_script(
     NOW,
     """
-local lease = redis.call('GET', KEYS[1])
-if lease ~= ARGV[1] then
-  if lease or redis.call('HGET', KEYS[3], 'owner') ~= ARGV[1] then return 0 end
-  if redis.call('HGET', KEYS[3], 'epoch') ~= ARGV[4] then return 0 end
+local ttl = tonumber(ARGV[1])
+local out = {}
+for i = 1, (#KEYS - 1) / 2 do
+  local lease_key, state_key = KEYS[2 * i], KEYS[2 * i + 1]
+  local owner, fork_id, epoch = ARGV[3 * i - 1], ARGV[3 * i], ARGV[3 * i + 1]
+  local lease = redis.call('GET', lease_key)
+  local renewed = 1
+  if lease ~= owner then
+    if lease or redis.call('HGET', state_key, 'owner') ~= owner then renewed = 0
+    elseif redis.call('HGET', state_key, 'epoch') ~= epoch then renewed = 0 end
+  end
+  if renewed == 1 and redis.call('HGET', state_key, 'status') ~= 'running' then renewed = 0 end
+  if renewed == 1 then
+    redis.call('SET', lease_key, owner, 'PX', ttl)
+    redis.call('ZADD', KEYS[1], now + ttl, fork_id)
+    if not lease then redis.call('HINCRBY', state_key, 'retaken', 1); renewed = 2 end
+  end
+  out[i] = renewed
 end
-if redis.call('HGET', KEYS[3], 'status') ~= 'running' then return 0 end
-redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-redis.call('ZADD', KEYS[2], now + tonumber(ARGV[2]), ARGV[3])
-if not lease then redis.call('HINCRBY', KEYS[3], 'retaken', 1); return 2 end
-return 1
+return out
 """,
 )
 
