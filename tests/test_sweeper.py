@@ -24,6 +24,7 @@ from workers.service.sweeper import Sweeper, outage_gap_s
 from workers.store.claims import Refusal, RefusalReason
 from workers.store.forks import ForkStore
 from workers.store.lease import Claim, Leases
+from workers.store.presence import Presence, PresenceWatch, owner_token, presence_token
 from workers.store.redis_server import RedisServer
 
 KEYS = Keys(TEST_NAMESPACE)
@@ -446,3 +447,99 @@ def test_a_sweeper_that_finds_no_earlier_pass_revives_at_once(
     # Then it revives the fork at once
     assert outcomes == Counter({"revive": 1})
     assert enqueued.jobs == [(fid, digest, 2)]
+
+
+# ── the looks at the workers' connections ─────────────────────────────────────────────────────
+
+
+def looking_sweeper(client: redis.Redis, enqueued: Enqueued, grace_s: float = 0.3) -> Sweeper:
+    sweeper = make_sweeper(client, enqueued)
+    sweeper.presence = PresenceWatch(client, KEYS, grace_s=grace_s)
+    sweeper.presence_s = 0.02
+    return sweeper
+
+
+def test_the_sweep_loop_revives_a_dead_runtimes_fork_long_before_its_lease_ends(
+    redis_url: str, redis_client: redis.Redis, fork_store: ForkStore, make_queued_fork: Callable[..., tuple[str, str]]
+) -> None:
+    # Given a runtime's presence and a fork it claimed under a 60 s lease, and a sweep loop that looks
+    fid, digest = make_queued_fork()
+    presence = Presence(redis.Redis.from_url(redis_url, single_connection_client=True), KEYS, presence_token(), 0.05)
+    presence.start()
+    leases = Leases(redis_client, KEYS, ttl_ms=60_000, retention_s=3600)
+    assert isinstance(leases.claim(fid, owner_token(presence.token)), Claim)
+    enqueued = Enqueued()
+    stop = threading.Event()
+    thread = threading.Thread(target=looking_sweeper(redis_client, enqueued).run, args=(stop,))
+    thread.start()
+    try:
+        time.sleep(0.5)
+        assert enqueued.jobs == []  # alive: nothing to do
+
+        # When the runtime dies: no more pings, and Redis closes its connection
+        presence._stop.set()
+        redis_client.client_kill_filter(_id=int(redis_client.hget(KEYS.procs, presence.token) or 0))
+
+        # Then the loop revives the fork within a few graces, its lease ended, and forgets the runtime
+        wait_until(lambda: enqueued.jobs == [(fid, digest, 2)], timeout=5, what="the dead runtime's fork revived")
+        assert redis_client.exists(KEYS.lease(fid)) == 0
+        assert [e.data["via"] for e in fork_store.events(fid) if e.type == "revived"] == ["connection"]
+        wait_until(lambda: redis_client.hget(KEYS.procs, presence.token) is None, what="the entry forgotten")
+    finally:
+        stop.set()
+        thread.join(10)
+        presence.client.close()
+
+
+def test_a_redis_user_without_client_list_gets_an_error_naming_the_fix_and_leases_are_still_swept(
+    redis_url: str,
+    redis_client: redis.Redis,
+    make_queued_fork: Callable[..., tuple[str, str]],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Given a Redis user that may do everything but CLIENT (a managed Redis often refuses it), and an expired fork
+    redis_client.acl_setuser("nolist", enabled=True, passwords=["+pw"], keys=["*"], channels=["*"], commands=["+@all"])
+    redis_client.execute_command("ACL", "SETUSER", "nolist", "-client")
+    limited = redis.Redis.from_url(redis_url.replace("redis://", "redis://nolist:pw@"))
+    fid, digest = make_queued_fork()
+    claim_and_abandon(redis_client, [fid])
+    redis_client.hset(KEYS.procs, presence_token(), 424242)  # a worker to look at
+    enqueued = Enqueued()
+    stop = threading.Event()
+    sweeper = looking_sweeper(limited, enqueued)
+    thread = threading.Thread(target=sweeper.run, args=(stop,))
+    try:
+        with caplog.at_level("ERROR", logger="forkq.sweeper"):
+            thread.start()
+            # Then the lease sweep still revives the fork, the looks are off, with one error naming the fix
+            wait_until(lambda: enqueued.jobs == [(fid, digest, 2)], timeout=5, what="the expired fork revived")
+            wait_until(lambda: sweeper.presence is None, what="the looks to be turned off")
+    finally:
+        stop.set()
+        thread.join(10)
+        limited.close()
+        redis_client.acl_deluser("nolist")
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and "+client|list" in errors[0] and "FORKQ_PRESENCE_CHECK_S=0" in errors[0], errors
+
+
+def test_a_worker_refused_client_id_stops_its_presence_with_a_warning_naming_the_fix(
+    redis_url: str, redis_client: redis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    redis_client.acl_setuser("noid", enabled=True, passwords=["+pw"], keys=["*"], channels=["*"], commands=["+@all"])
+    redis_client.execute_command("ACL", "SETUSER", "noid", "-client")
+    own = redis.Redis.from_url(redis_url.replace("redis://", "redis://noid:pw@"), single_connection_client=True)
+    presence = Presence(own, KEYS, presence_token(), interval_s=0.02)
+    try:
+        with caplog.at_level("WARNING", logger="forkq.presence"):
+            presence.start()
+            assert presence._thread is not None
+            presence._thread.join(timeout=2)
+        # the pinger ended (no retry loop against a refusal), nothing is named, and the warning says what to allow
+        assert not presence._thread.is_alive()
+        assert redis_client.hget(KEYS.procs, presence.token) is None
+        warnings = [r.getMessage() for r in caplog.records]
+        assert len(warnings) == 1 and "+client|id" in warnings[0], warnings
+    finally:
+        presence.stop()
+        redis_client.acl_deluser("noid")

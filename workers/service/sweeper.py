@@ -24,11 +24,13 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import redis
+
 from workers.service.metrics import Metrics
 from workers.store.forks import ForkStore
 from workers.store.lease import Leases
 from workers.store.lease_scripts import worker_lost_error
-from workers.store.presence import PresenceWatch
+from workers.store.presence import PresenceWatch, refused
 
 log = logging.getLogger("forkq.sweeper")
 
@@ -85,7 +87,20 @@ class Sweeper:
         outcomes: Counter[str] = Counter()
         if self.presence is None:
             return outcomes
-        for token, cid in self.presence.dead():
+        try:
+            dead = self.presence.dead()
+        except redis.ResponseError as exc:
+            if not refused(exc):
+                raise
+            log.error(
+                "looks at the workers' connections are off: Redis refused %s; a dead worker's forks wait for their "
+                "leases to expire. Allow CLIENT LIST for forkq's Redis user (ACL +client|list), or set "
+                "FORKQ_PRESENCE_CHECK_S=0 to silence this",
+                exc,
+            )
+            self.presence = None
+            return outcomes
+        for token, cid in dead:
             forks = self.leases.owned_by(token)
             log.warning("worker %s: its Redis connection is gone; reviving its %d forks", token, len(forks))
             for fork_id, owner in forks:

@@ -48,6 +48,12 @@ return 0
 """
 
 
+def refused(exc: redis.ResponseError) -> bool:
+    """Whether Redis refuses a command for good: an ACL without it, or a command renamed or disabled (managed
+    Redis services often disable CLIENT). A READONLY reply during a failover is not."""
+    return isinstance(exc, redis.exceptions.NoPermissionError) or "unknown command" in str(exc).lower()
+
+
 def presence_token() -> str:
     """A worker runtime's presence token: host, pid and a random part (unique even when a pid is reused)."""
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
@@ -106,16 +112,29 @@ class Presence:
             if cid != self._named or self._pings % RENAME_EVERY == 0:
                 self.client.hset(self.keys.procs, self.token, cid)
                 self._named = cid
-        except redis.RedisError as exc:
-            if not self._failing:
-                log.warning("worker presence: Redis unreachable (%s); reconnecting every %.2f s", exc, self.interval_s)
-            self._failing = True
-            self._named = None
+        except redis.ResponseError as exc:
+            if not refused(exc):  # READONLY during a failover, a script error: retried like a dropped connection
+                return self._failed(exc)
+            log.warning(
+                "worker presence off: Redis refused %s; a sweeper revives this worker's forks only when their leases "
+                "expire. Allow CLIENT ID and HSET for forkq's Redis user (ACL +client|id +hset)",
+                exc,
+            )
+            self._stop.set()
             return False
+        except redis.RedisError as exc:
+            return self._failed(exc)
         if self._failing:
             log.warning("worker presence: connection %d named again", cid)
         self._failing = False
         return True
+
+    def _failed(self, exc: redis.RedisError) -> bool:
+        if not self._failing:
+            log.warning("worker presence: Redis unreachable (%s); reconnecting every %.2f s", exc, self.interval_s)
+        self._failing = True
+        self._named = None
+        return False
 
     def _run(self) -> None:
         # a fixed interval, no backoff: after a drop the worker must name its new connection before the grace ends
