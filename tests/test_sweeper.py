@@ -543,3 +543,50 @@ def test_a_worker_refused_client_id_stops_its_presence_with_a_warning_naming_the
     finally:
         presence.stop()
         redis_client.acl_deluser("noid")
+
+
+def test_garbage_in_the_workers_hash_neither_stops_the_looks_nor_the_lease_sweeps(
+    redis_client: redis.Redis, make_queued_fork: Callable[..., tuple[str, str]]
+) -> None:
+    # Given entries no worker writes (a value that is no connection id, a huge number) and an expired fork
+    redis_client.hset(KEYS.procs, mapping={"host:1:aaaa": "not-an-id", "host:2:bbbb": "9" * 40, "\xff": "-3"})
+    fid, digest = make_queued_fork()
+    claim_and_abandon(redis_client, [fid])
+    enqueued = Enqueued()
+    stop = threading.Event()
+    sweeper = looking_sweeper(redis_client, enqueued)
+    thread = threading.Thread(target=sweeper.run, args=(stop,))
+    thread.start()
+    try:
+        # Then the loop still revives the fork, and the looks go on over the entries it can read
+        wait_until(lambda: enqueued.jobs == [(fid, digest, 2)], timeout=5, what="the expired fork revived")
+        assert sweeper.presence is not None
+        assert sweeper.presence.dead() == []
+    finally:
+        stop.set()
+        thread.join(10)
+
+
+def test_a_look_that_fails_never_keeps_expired_leases_from_being_swept(
+    redis_client: redis.Redis, make_queued_fork: Callable[..., tuple[str, str]]
+) -> None:
+    # Given a sweeper whose every look at the workers' connections fails, and an expired fork
+    fid, digest = make_queued_fork()
+    claim_and_abandon(redis_client, [fid])
+    enqueued = Enqueued()
+    sweeper = looking_sweeper(redis_client, enqueued)
+
+    class Broken(PresenceWatch):
+        def dead(self) -> list[tuple[str, int]]:
+            raise redis.ConnectionError("the look's connection dropped")
+
+    sweeper.presence = Broken(redis_client, KEYS, grace_s=0.3)
+    stop = threading.Event()
+    thread = threading.Thread(target=sweeper.run, args=(stop,))
+    thread.start()
+    try:
+        # Then the lease sweep revives the fork all the same
+        wait_until(lambda: enqueued.jobs == [(fid, digest, 2)], timeout=5, what="the expired fork revived")
+    finally:
+        stop.set()
+        thread.join(10)

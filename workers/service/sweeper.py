@@ -131,24 +131,37 @@ class Sweeper:
 
     def run(self, stop: threading.Event, on_pass: Callable[[Counter[str]], None] | None = None) -> None:
         """Look at the workers' connections every `presence_s` and sweep expired leases every `interval_s`, until
-        `stop` is set (each pass's outcomes to `on_pass`); Redis or broker errors are logged and retried."""
+        `stop` is set (each pass's outcomes to `on_pass`); Redis or broker errors are logged and retried.
+
+        The two are tried apart: a look that fails (whatever the cause) never keeps expired leases from
+        being swept.
+        """
         tick = min(self.interval_s, self.presence_s) if self.presence is not None and self.presence_s > 0 else None
         next_sweep, failing = 0.0, False
         while not stop.is_set():
-            try:
-                outcomes = self.sweep_dead()
-                if time.monotonic() >= next_sweep:
-                    next_sweep = time.monotonic() + self.interval_s
-                    outcomes += self.sweep_once()
-                    if on_pass is not None:
-                        on_pass(outcomes)
-                elif outcomes and on_pass is not None:
-                    on_pass(outcomes)
-                if failing:
-                    log.warning("sweeping again: Redis and the broker answer")
-                failing = False
-            except Exception as exc:  # Redis or broker down: the next pass retries, the sweeper lives on
-                # once per outage at warning level: the looks at the workers' connections retry 4 times a second
-                log.log(logging.INFO if failing else logging.WARNING, "sweep failed, retrying: %s", exc)
-                next_sweep, failing = 0.0, True
+            outcomes: Counter[str] = Counter()
+            errors = self._try(self.sweep_dead, outcomes)
+            swept = time.monotonic() >= next_sweep
+            if swept:
+                next_sweep = time.monotonic() + self.interval_s
+                lease_errors = self._try(self.sweep_once, outcomes)
+                if lease_errors:
+                    next_sweep = 0.0  # retried at the next tick
+                errors += lease_errors
+            if on_pass is not None and ((swept and not errors) or outcomes):
+                on_pass(outcomes)
+            if errors:
+                # once per outage at warning level: the looks at the workers' connections retry 10 times a second
+                log.log(logging.INFO if failing else logging.WARNING, "sweep failed, retrying: %s", errors[0])
+            elif failing:
+                log.warning("sweeping again: Redis and the broker answer")
+            failing = bool(errors)
             stop.wait(tick if tick is not None else self.interval_s)
+
+    @staticmethod
+    def _try(part: Callable[[], Counter[str]], outcomes: Counter[str]) -> list[Exception]:
+        try:
+            outcomes += part()
+        except Exception as exc:  # Redis or broker down: the next pass retries, the sweeper lives on
+            return [exc]
+        return []

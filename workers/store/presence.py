@@ -182,7 +182,7 @@ class PresenceWatch:
 
     def _look(self) -> list[tuple[str, int]]:
         named_raw = cast(dict[bytes, bytes], self.client.hgetall(self.keys.procs))
-        named = {k.decode(): int(v) for k, v in named_raw.items()}
+        named = {k.decode(errors="replace"): int(v) for k, v in named_raw.items() if v.isdigit() and len(v) < 20}
         if not named:
             self._missing.clear()
             return []
