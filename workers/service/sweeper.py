@@ -68,12 +68,10 @@ class Sweeper:
         outcomes: Counter[str] = Counter()
         outage = self.leases.in_outage_grace(gap_ms=int(outage_gap_s(self.interval_s) * 1000))
         lapse_grace_ms = self.leases.lapse_grace_ms if outage else 0
+        grace_ms = self._requeue_grace_ms()
         for fork_id in self.leases.expired():
             outcome = self.leases.revive(
-                fork_id,
-                max_attempts=self.max_attempts,
-                grace_ms=self._requeue_grace_ms(),
-                lapse_grace_ms=lapse_grace_ms,
+                fork_id, max_attempts=self.max_attempts, grace_ms=grace_ms, lapse_grace_ms=lapse_grace_ms
             )
             self._settle(fork_id, outcome, outcomes, "lease expired")
         return outcomes
@@ -100,12 +98,13 @@ class Sweeper:
             )
             self.presence = None
             return outcomes
+        grace_ms = self._requeue_grace_ms()
         for token, cid in dead:
             forks = self.leases.owned_by(token)
             log.warning("worker %s: its Redis connection is gone; reviving its %d forks", token, len(forks))
             for fork_id, owner in forks:
                 outcome = self.leases.revive(
-                    fork_id, max_attempts=self.max_attempts, grace_ms=self._requeue_grace_ms(), dead_owner=owner
+                    fork_id, max_attempts=self.max_attempts, grace_ms=grace_ms, dead_owner=owner
                 )
                 self._settle(fork_id, outcome, outcomes, "worker connection gone")
             self.presence.forget(token, cid)
