@@ -9,8 +9,9 @@ token's random mark (`owner_token`).
 
 A sweeper (`PresenceWatch`) asks Redis which of the named connections exist (`HGETALL` of the names,
 then `CLIENT LIST ID`: two round trips, whatever the number of workers). A runtime whose named
-connection has been gone for `grace_s`, without the runtime naming a new one, is dead: its forks are revived without waiting for their leases
-(`workers.store.lease.Leases.revive` with the dead owner). The grace covers a connection dropped
+connection has been gone for `grace_s`, without the runtime naming a new one, is dead: its forks
+are revived without waiting for their leases (`workers.store.lease.Leases.revive` with the dead
+owner). The grace covers a connection dropped
 while the worker lives (a `CLIENT KILL`, a proxy reset, a Redis restart): such a worker reconnects
 and names its new connection within a ping or two. Any error of the sweeper's own Redis calls starts
 every observation afresh.
