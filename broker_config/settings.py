@@ -72,6 +72,10 @@ class Settings(BaseSettings):
     max_subagent_depth: int = Field(
         3, ge=1, description="Deepest nesting of regular subagents (a top-level session's subagent is depth 1)."
     )
+    # launchers and workers read the same folder: a nested subagent's type resolves as a top-level one does
+    agents_dir: Path | None = Field(
+        None, description="Folder of subagent definitions (*.md with front matter); they override the built-ins."
+    )
     tool_timeout_s: float = Field(
         300.0,
         gt=0,

@@ -463,6 +463,69 @@ def test_a_regular_subagent_runs_a_nested_subagent_whose_output_answers_its_agen
     )
 
 
+def test_a_launch_max_depth_lowers_the_nesting_limit_for_the_whole_tree(
+    live: Callable[..., ForkClient], parent: dict[str, Any], tmp_path: Path
+) -> None:
+    # Given workers allowing three levels, and a script whose first step calls the Agent tool for Explore
+    nested_args = {"description": "look", "prompt": "Find the limiter.", "subagent_type": "Explore"}
+    steps = [step(call("a1", "Agent", **nested_args)), step("found it")]
+    client = live(steps, max_subagent_depth=3)
+
+    # When a regular subagent is launched with max_depth 2, and another with max_depth 1
+    two = client.launch(parent_for(parent, workdir(tmp_path)), REGULAR, max_depth=2)
+    one = client.launch(parent_for(parent, workdir(tmp_path)), REGULAR, max_depth=1)
+    assert two.wait(timeout=30).status is Status.SUCCEEDED
+    assert one.wait(timeout=30).status is Status.SUCCEEDED
+
+    # Then the first ran a nested Explore subagent (its persona and read-only tools, the limit carried over)
+    nested = client.inspect(f"{two.fork_id}.0.0")
+    assert (nested["agent"], nested["max_depth"], nested["depth"]) == ("Explore", 2, 2)
+    assert [t["name"] for t in nested["tools"]] == ["read_file", "list_directory", "glob", "grep_search"]
+    # which, at the lowered limit, was refused its own Agent call
+    assert tool_results(journal(client.settings, f"{two.fork_id}.0.0"))["a1"]["error"].startswith(
+        "Error: Nesting depth limit reached (max 2)"
+    )
+    # and the second's Agent call was refused at once: depth 2 is past its max_depth 1
+    assert tool_results(journal(client.settings, one.fork_id))["a1"]["error"].startswith(
+        "Error: Nesting depth limit reached (max 1)"
+    )
+
+
+def test_a_nested_agent_call_naming_an_unknown_type_is_answered_with_the_known_types(
+    client: ForkClient, parent: dict[str, Any]
+) -> None:
+    spawner, record = nested_wait_setup(client, parent)
+    outcome = spawner.spawn(
+        record,
+        {"description": "d", "prompt": "p", "subagent_type": "reviewer"},
+        f"{record.fork_id}.0.0",
+        cancelled=lambda: False,
+        deadline=time.monotonic() + 5,
+    )
+    assert outcome["error"].startswith("Error: Unknown subagent_type 'reviewer': the known types are")
+    assert '"Explore", "general-purpose"' in outcome["error"]
+
+
+def test_a_nested_subagent_gets_its_definition_within_its_callers_tools(
+    client: ForkClient, parent: dict[str, Any]
+) -> None:
+    # Given a caller launched with only read_file and glob
+    caller = client.launch(
+        {**parent, "history": []}, {"description": "c", "prompt": "Delegate."}, tool_filter=["read_file", "glob"]
+    )
+    record = client.store.get_record(caller.fork_id, caller.digest)
+
+    # When it asks for Explore (four read-only tools) and for general-purpose (everything)
+    explore = nested_record(record, {**REGULAR, "subagent_type": "Explore"}, f"{caller.fork_id}.0.0")
+    general = nested_record(record, REGULAR, f"{caller.fork_id}.0.1")
+
+    # Then neither gets a tool its caller lacks
+    assert [t["name"] for t in explore.tools] == ["read_file", "glob"]
+    assert explore.system_instruction != record.system_instruction and explore.options.agent == "Explore"
+    assert [t["name"] for t in general.tools] == ["read_file", "glob"]
+    assert general.system_instruction == record.system_instruction
+
+
 def test_structured_output_retries_through_a_live_worker_and_fails_when_exhausted(
     live: Callable[..., ForkClient], parent: dict[str, Any], tmp_path: Path
 ) -> None:

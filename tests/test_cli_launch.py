@@ -179,3 +179,93 @@ def test_a_tool_schema_at_the_nesting_limit_is_accepted(forkq: Run, tmp_path: Pa
 
     assert code == 0, err
     assert out.startswith("f-")
+
+
+# ── subagents: definitions, seed modes, persona, tool filter, max_depth, providers ─────────────
+
+
+def test_agents_lists_the_built_ins_and_the_folders_definitions_in_text_and_json(
+    forkq: Run, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "tester.md").write_text(
+        "---\nname: tester\ndescription: Writes tests.\ntools: read_file, write_file\n---\nYou write tests.\n"
+    )
+    monkeypatch.setenv("FORKQ_AGENTS_DIR", str(tmp_path))
+
+    code, out, err = forkq("agents", "--json")
+    assert (code, err) == (0, "")
+    listed = {a["name"]: a for a in json.loads(out)}
+    assert list(listed) == ["Explore", "general-purpose", "tester"]
+    assert listed["tester"]["tools"] == ["read_file", "write_file"] and listed["tester"]["source"] == "tester.md"
+    assert listed["general-purpose"]["system_prompt"] is None
+
+    code, out, _ = forkq("agents")
+    assert code == 0
+    assert "tester (tester.md): Writes tests." in out and "tools: read_file, write_file" in out
+
+
+def test_agents_exits_2_naming_a_malformed_file(forkq: Run, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "bad.md").write_text("---\nname: bad\n---\nbody\n")
+    monkeypatch.setenv("FORKQ_AGENTS_DIR", str(tmp_path))
+    code, out, err = forkq("agents", "--json")
+    assert (code, out) == (2, "")
+    assert err.startswith("forkq agents: subagent definition bad.md: `description` is required")
+
+
+def test_providers_lists_spawn_and_fork_with_each_seed_modes_capabilities(forkq: Run) -> None:
+    code, out, _ = forkq("providers", "--json")
+    assert code == 0
+    providers = {p["name"]: p for p in json.loads(out)}
+    assert set(providers) == {"spawn", "fork"}
+    assert providers["fork"]["seedModes"]["fork_turns"]["persona"] is False
+    code, out, _ = forkq("providers")
+    assert "seed_mode completed_turns: outputSchema=yes, depthLimit=yes, toolFilter=yes, persona=yes" in out
+
+
+def test_launch_takes_seed_mode_persona_tool_filter_and_max_depth(forkq: Run, tmp_path: Path) -> None:
+    persona = tmp_path / "persona.md"
+    persona.write_text("You write the PR description.\n", encoding="utf-8")
+    fork_id = launch(
+        forkq,
+        "--seed-mode",
+        "completed-turns",
+        "--persona",
+        str(persona),
+        "--tool-filter",
+        "read_file,glob",
+        "--max-depth",
+        "1",
+    )
+
+    code, out, _ = forkq("inspect", fork_id, "--json")
+    assert code == 0
+    record = json.loads(out)
+    assert record["seed_mode"] == "completed_turns" and record["persona"] is True
+    assert record["system_instruction"] == "You write the PR description.\n"
+    assert [t["name"] for t in record["tools"]] == ["read_file", "glob"]
+    assert record["tool_filter"] == ["read_file", "glob"] and record["max_depth"] == 1
+    assert record["approval_mode"] == "default"
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (("--persona", "PERSONA"), 'persona is not available for forks with seed_mode "fork_turns"'),
+        (("--tool-filter", "read_file"), 'tool_filter is not available for forks with seed_mode "fork_turns"'),
+        (
+            ("--seed-mode", "completed-turns", "--fork-turns", "2"),
+            'Parameter "fork_turns" cannot be used with seed_mode',
+        ),
+        (("--persona", "MISSING"), "cannot read it"),
+    ],
+)
+def test_launch_refuses_what_the_fork_mode_lacks_with_exit_2_and_writes_nothing(
+    forkq: Run, tmp_path: Path, redis_client: redis.Redis, extra: tuple[str, ...], message: str
+) -> None:
+    persona = tmp_path / "persona.md"
+    persona.write_text("You are someone else.", encoding="utf-8")
+    argv = [str(persona) if a == "PERSONA" else str(tmp_path / "missing") if a == "MISSING" else a for a in extra]
+    code, out, err = forkq("launch", "--parent", PARENT, "--prompt", PROMPT, "--subagent-type", "fork", *argv)
+    assert (code, out) == (2, "")
+    assert message in err
+    assert redis_client.dbsize() == 0

@@ -1,4 +1,4 @@
-"""`forkq demo` end to end: a private Redis or the one of FORKQ_REDIS_URL, two worker processes, four forks."""
+"""`forkq demo` end to end: a private Redis or the one of FORKQ_REDIS_URL, two worker processes, six forks."""
 
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def _started_pids(output: str) -> list[int]:
 
 
 @pytest.mark.slow
-def test_demo_runs_four_forks_on_a_private_redis_and_leaves_nothing_running(redis_executable: str) -> None:
+def test_demo_runs_six_forks_and_subagents_on_a_private_redis_and_leaves_nothing_running(redis_executable: str) -> None:
     # Given: no FORKQ_* configuration, so the demo must start its own redis-server and workers
     env = _env_without_forkq()
     env["PATH"] = f"{Path(redis_executable).parent}{os.pathsep}{env.get('PATH', '')}"
@@ -69,7 +69,11 @@ def test_demo_runs_four_forks_on_a_private_redis_and_leaves_nothing_running(redi
     output = proc.stdout
     assert proc.returncode == 0, f"stdout:\n{output}\nstderr:\n{proc.stderr}"
     assert _statuses(output) == dict.fromkeys(LABELS, "succeeded"), output
-    assert "result: all four forks succeeded" in output
+    assert "result: all 6 forks succeeded" in output
+    # And: the completed-turn fork and the defined subagent were launched as such
+    assert re.search(r"^completed  \(f-[0-9a-f]+, completed turns\)$", output, re.M), output
+    assert re.search(r"^reviewer  \(f-[0-9a-f]+, subagent reviewer, reviewer\.md\)$", output, re.M), output
+    assert "persona   You are a careful code reviewer." in output
     # And: the redis-server and both workers it started are gone, with their socket and temp dirs
     pids = _started_pids(output)
     assert len(pids) == 3, output

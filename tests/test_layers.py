@@ -31,6 +31,7 @@ LAYERS: dict[str, int] = {
     "workers.providers": 2,
     "workers.records": 3,
     "workers.tools": 3,
+    "workers.subagents": 4,
     "broker_config.redis_client": 4,
     "broker_config.celery": 4,
     "broker_config.connection": 4,
@@ -43,6 +44,7 @@ LAYERS: dict[str, int] = {
     "workers.app": 8,
     "workers.celery_commands": 8,
     "workers.demo": 9,
+    "workers.demo_report": 9,
     "workers.cli": 10,
     # the stable paths the fork-history contract names; for outside callers only
     "workers.messages": 11,
@@ -50,6 +52,8 @@ LAYERS: dict[str, int] = {
 }
 # the base modules form one group: they may import each other
 GROUPS = {
+    "workers.demo": "demo",
+    "workers.demo_report": "demo",
     "workers.errors": "base",
     "workers.codec": "base",
     "workers.keys": "base",
@@ -69,6 +73,7 @@ BANNED: dict[str, tuple[str, ...]] = {
     "workers.tools": RUNTIMES + MODEL_SDKS,
     "workers.loop": RUNTIMES + MODEL_SDKS,
     "workers.providers": RUNTIMES,
+    "workers.subagents": RUNTIMES + MODEL_SDKS,
     "workers.store": ("celery", "prometheus_client", "flower", *MODEL_SDKS),
     # the launcher: no worker side at all
     "workers.client": ("prometheus_client", "flower", *MODEL_SDKS),

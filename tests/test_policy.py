@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from test_structured import SCHEMA
 
-from workers.client import check_nesting, launch_options
+from workers.subagents.launch import check_nesting, launch_options
 from workers.errors import InvalidAgentParams
 from workers.history.params import (
     MSG_FORK_TOOLS_LIST,

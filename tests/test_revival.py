@@ -207,6 +207,7 @@ class Cluster:
             queue=TEST_QUEUE,
             lease_ttl_s=float(self.env_overrides.get("FORKQ_LEASE_TTL_S", LEASE_TTL_S)),
             heartbeat_s=HEARTBEAT_S,
+            agents_dir=self.env_overrides.get("FORKQ_AGENTS_DIR"),
         )
         self.app = make_app(self.settings)
         self.client = ForkClient(self.settings, app=self.app)
@@ -277,8 +278,8 @@ class Cluster:
 
     # ── forks ─────────────────────────────────────────────────────────────────────────────────
 
-    def launch(self) -> str:
-        return self.client.launch(self.parent, FORK).fork_id
+    def launch(self, params: dict[str, Any] = FORK, **options: Any) -> str:
+        return self.client.launch(self.parent, params, **options).fork_id
 
     def events(self, fid: str) -> list[ForkEvent]:
         return self.store.events(fid, count=100_000)
@@ -428,6 +429,41 @@ def test_a_fork_finishes_on_another_worker_after_sigkill_during_a_model_call(clu
     # the interrupted model call was made again with the identical request; the first one was not re-made
     cluster.assert_requests_replayed_exactly(fid)
     assert [e.data["step"] for e in cluster.of_type(fid, "model_call")] == [1, 2, 2, 3]
+
+
+def test_a_completed_turn_fork_and_a_defined_subagent_are_revived_with_the_scope_they_were_launched_with(
+    make_cluster: Callable[..., Cluster], redis_url: str, tmp_path: Path
+) -> None:
+    # Given a definition file, and two workers and a sweeper that read it, and a script whose second call is slow
+    agents = tmp_path / "agents"
+    agents.mkdir()
+    definition = agents / "counter.md"
+    definition.write_text("---\nname: counter\ndescription: counts\n---\nYou count things.\n", encoding="utf-8")
+    cluster = make_cluster(redis_url, FORKQ_AGENTS_DIR=str(agents))
+    cluster.script(step(0.2, call("e1")), step(2.5, call("e2")))
+    cluster.start("w1", "w2", "w3", sweepers=1)
+    spawned = cluster.launch({"description": "count", "prompt": "Count.", "subagent_type": "counter"})
+    completed = cluster.launch(
+        {"description": "fork", "prompt": "Go on.", "subagent_type": "fork"},
+        seed_mode="completed_turns",
+        persona="You are the completed-turn fork.",
+    )
+
+    # When the definition changes, and every worker running one of them is SIGKILLed during the slow call
+    definition.write_text("---\nname: counter\ndescription: counts\n---\nChanged.\n", encoding="utf-8")
+    for fid in (spawned, completed):
+        cluster.wait_for(lambda f=fid: cluster.has_event(f, "model_call", step=2), 10, "the second model call", fid)
+    for pid in {cluster.owner_pid(spawned, attempt=1), cluster.owner_pid(completed, attempt=1)}:
+        cluster.proc_of(pid).send(signal.SIGKILL)
+
+    # Then both finish elsewhere with the requests they would have made: the recorded persona, not the new file
+    for fid, persona in ((spawned, "You count things."), (completed, "You are the completed-turn fork.")):
+        cluster.result(fid, timeout=REVIVAL_S + 8)
+        cluster.assert_ended_once(fid)
+        assert len(cluster.of_type(fid, "revived")) == 1
+        rebuilt = cluster.assert_requests_replayed_exactly(fid)
+        assert {request.system_instruction for request in rebuilt.values()} == {persona}
+        cluster.assert_effects_at_most_once(fid)
 
 
 @pytest.mark.parametrize("tool", ["count_effect", "count_idempotent"])

@@ -1,5 +1,5 @@
-"""The `forkq` command: launch, status, result, events, cancel, resume, approve, deny, inspect, worker,
-check, sweep, demo.
+"""The `forkq` command: launch, status, result, events, cancel, resume, approve, deny, inspect, agents,
+providers, worker, check, sweep, demo.
 
 Exit codes: 0 done, 1 failed (or no result yet), 2 bad input or settings (nothing was written), 3 the fork
 is parked (`awaiting_approval` or `paused`: a person must act before it can end). Every command that prints
@@ -41,6 +41,7 @@ from workers.store.health import check_redis
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_PARKED = 0, 1, 2, 3
 PARKED: tuple[str, ...] = ("awaiting_approval", "paused")
 DEFAULT_DESCRIPTION_CHARS = 80  # the prompt's first words, when no --description is given
+MAX_PERSONA_FILE_BYTES = 256 * 1024  # `--persona FILE`
 
 
 def _settings() -> Settings:
@@ -73,6 +74,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
         params["fork_tools"] = _tool_list(args.fork_tools)
     parent = load_parent_snapshot(Path(args.parent))
     schema = _json_file(args.output_schema, "--output-schema") if args.output_schema else None
+    persona = _persona_file(args.persona) if args.persona is not None else None
+    tool_filter = _tool_list(args.tool_filter, "tool_filter") if args.tool_filter is not None else None
     with _client() as client:
         handle = client.launch(
             parent,
@@ -81,6 +84,10 @@ def cmd_launch(args: argparse.Namespace) -> int:
             output_schema=schema,
             max_wall_s=args.max_wall_s,
             max_turns=args.max_turns,
+            seed_mode=args.seed_mode,
+            persona=persona,
+            tool_filter=tool_filter,
+            max_depth=args.max_depth,
         )
         status = client.status(handle.fork_id).status.value
     if args.json:
@@ -90,18 +97,71 @@ def cmd_launch(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _tool_list(text: str) -> Any:
-    """`--fork-tools`: a JSON array, or names separated by commas (`""` is the empty list)."""
+def _tool_list(text: str, field: str = "fork_tools") -> Any:
+    """`--fork-tools`, `--tool-filter`: a JSON array, or names separated by commas (`""` is the empty list)."""
     if text.lstrip().startswith("["):
         try:
             return json.loads(text)
         except (json.JSONDecodeError, RecursionError) as exc:
             raise InvalidAgentParams(
-                f"--fork-tools is not a JSON array of tool names: {exc}; send a flat list such as "
+                f"--{field.replace('_', '-')} is not a JSON array of tool names: {exc}; send a flat list such as "
                 '\'["read_file", "grep_search"]\' or read_file,grep_search',
-                field="fork_tools",
+                field=field,
             ) from exc
     return [name for name in text.split(",")] if text else []
+
+
+def _persona_file(path: str) -> str:
+    """`--persona FILE`: the file's UTF-8 text (bounded)."""
+    try:
+        with Path(path).open("rb") as handle:
+            data = handle.read(MAX_PERSONA_FILE_BYTES + 1)
+    except OSError as exc:
+        raise InvalidAgentParams(f"--persona {path!r}: cannot read it ({exc.strerror})", field="persona") from exc
+    if len(data) > MAX_PERSONA_FILE_BYTES:
+        raise InvalidAgentParams(
+            f"--persona {path!r}: larger than {MAX_PERSONA_FILE_BYTES // 1024} KiB; shorten it", field="persona"
+        )
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidAgentParams(f"--persona {path!r}: not UTF-8 text; save it as UTF-8", field="persona") from exc
+
+
+def cmd_agents(args: argparse.Namespace) -> int:
+    """List the subagent definitions."""
+    from workers.subagents.definitions import load_catalog
+
+    listing = load_catalog(_settings().agents_dir).listing()
+    if args.json:
+        _print_json(listing)
+        return EXIT_OK
+    for agent in listing:
+        tools = "every tool of the parent but the Agent tool" if agent["tools"] is None else ", ".join(agent["tools"])
+        print(f"{agent['name']} ({agent['source']}): {agent['description']}")
+        model = agent["model"] or "the parent's"
+        print(f"    tools: {tools}; model: {model}" + _turns(agent["max_turns"]))
+    return EXIT_OK
+
+
+def _turns(max_turns: int | None) -> str:
+    return "" if max_turns is None else f"; max_turns: {max_turns}"
+
+
+def cmd_providers(args: argparse.Namespace) -> int:
+    """List the subagent providers and their capabilities."""
+    from workers.subagents.capabilities import providers
+
+    listing = providers()
+    if args.json:
+        _print_json(listing)
+        return EXIT_OK
+    for provider in listing:
+        caps = ", ".join(f"{k}={'yes' if v else 'no'}" for k, v in provider["capabilities"].items())
+        print(f"{provider['name']}: {caps}")
+        for mode, mode_caps in provider.get("seedModes", {}).items():
+            print(f"    seed_mode {mode}: " + ", ".join(f"{k}={'yes' if v else 'no'}" for k, v in mode_caps.items()))
+    return EXIT_OK
 
 
 def _json_file(path: str, option: str) -> Any:
@@ -400,6 +460,8 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "deny": cmd_approve,
     "events": cmd_events,
     "inspect": cmd_inspect,
+    "agents": cmd_agents,
+    "providers": cmd_providers,
     "worker": cmd_worker,
     "check": cmd_check,
     "sweep": cmd_sweep,

@@ -112,6 +112,12 @@ def build_parser() -> Parser:
     events = by_id("events", "Print a fork's progress events (--json: one JSON object per line).")
     events.add_argument("--follow", action="store_true", help="keep printing until the fork ends")
     by_id("inspect", "Print a fork's bootstrap record and launch options.")
+    add("agents", "List the subagent definitions (built-ins and FORKQ_AGENTS_DIR).").add_argument(
+        "--json", action="store_true", help="print JSON"
+    )
+    add("providers", "List the subagent providers (spawn, fork) and their capabilities.").add_argument(
+        "--json", action="store_true", help="print JSON"
+    )
     _process_commands(add)
     return parser
 
@@ -138,6 +144,17 @@ def _launch_arguments(launch: Parser) -> None:
     # checked with the launch (exit 2, one line naming the field), like ForkClient.launch's own arguments
     launch.add_argument("--max-wall-s", dest="max_wall_s", type=float, help="wall-clock limit in seconds")
     launch.add_argument("--max-turns", dest="max_turns", type=int, help="model calls at most")
+    launch.add_argument(
+        "--seed-mode",
+        dest="seed_mode",
+        choices=["fork-turns", "completed-turns", "fork_turns", "completed_turns"],
+        help="a fork's seed: fork-turns (default: --fork-turns of it) or completed-turns (the completed turns only)",
+    )
+    launch.add_argument("--persona", help="file whose text replaces the child's system prompt (not fork_turns forks)")
+    launch.add_argument(
+        "--tool-filter", dest="tool_filter", help="comma list of the tools the child keeps (not fork_turns forks)"
+    )
+    launch.add_argument("--max-depth", dest="max_depth", type=int, help="deepest nesting below this launch")
     launch.add_argument("--json", action="store_true", help="print JSON")
 
 

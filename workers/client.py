@@ -19,134 +19,30 @@ from workers.errors import (
     ForkNotPaused,
     ForkParked,
     ForkTimeout,
-    InvalidAgentParams,
     InvalidApproval,
 )
-from workers.history.params import (
-    APPROVAL_POLICIES,
-    AgentParams,
-    ApprovalPolicy,
-    depth_error,
-    revalidate,
-    validate_agent_params,
-)
+from workers.history.params import AgentParams, ApprovalPolicy, SeedMode, revalidate, validate_agent_params
 from workers.history.snapshot import ParentSnapshot, parse_parent_snapshot
-from workers.history.structured import check_schema
-from workers.keys import FORK_ID_RE, Keys
-from workers.limits import MAX_LAUNCH_TURNS, MAX_LAUNCH_WALL_S, bad_text, nesting_problem, shown, text_problem, too_deep
-from workers.records.fork import BootstrapRecord, ForkOptions, ForkResult, ForkState, Status
+from workers.keys import Keys
+from workers.limits import shown, text_problem
+from workers.records.fork import BootstrapRecord, ForkResult, ForkState, Status
 from workers.records.notification import render_task_notification
 from workers.records.seeds import SeedBuilder, SeedChunks
 from workers.store.forks import ForkEvent, ForkStore
 from workers.store.lease import Leases
 from workers.store.queue import enqueue_again, enqueue_fork, send_ended_event
+from workers.subagents.capabilities import providers
+from workers.subagents.definitions import CatalogCache
+from workers.subagents.launch import (
+    LaunchAsks,
+    LaunchPlan,
+    check_fork_id,
+    launch_settings,
+    plan_launch,
+)
 
 if TYPE_CHECKING:  # a type only: the send-only app is built on the first launch (broker_config.sender)
     from celery import Celery
-
-
-def check_nesting(agent: AgentParams, parent_depth: int, max_depth: int) -> None:
-    """Only a top-level session (depth 0) may fork; regular subagents nest up to `max_depth`.
-
-    Raises:
-        InvalidAgentParams: the launch breaks a nesting rule.
-    """
-    if agent.is_fork and parent_depth > 0:
-        raise InvalidAgentParams(
-            f"Cannot spawn sub-agents from within a fork: only a top-level session (depth 0) may fork, and this "
-            f"parent is at depth {parent_depth}. Execute the task directly, or launch a regular subagent.",
-            field="subagent_type",
-        )
-    if not agent.is_fork and parent_depth + 1 > max_depth:
-        raise InvalidAgentParams(depth_error(max_depth), field="subagent_type")
-
-
-def check_fork_id(fork_id: object) -> None:
-    """A fork id a caller chose must fit the key pattern (it is part of every key); None means a fresh one.
-
-    Raises:
-        InvalidAgentParams: it does not (`.field` is `fork_id`).
-    """
-    if fork_id is not None and not (isinstance(fork_id, str) and FORK_ID_RE.fullmatch(fork_id)):
-        raise InvalidAgentParams(
-            f"fork_id {shown(fork_id)} is not valid: use 1-128 letters, digits, '_', '.', '-' "
-            "starting with a letter or digit, or leave it out for a fresh one",
-            field="fork_id",
-        )
-
-
-def launch_options(
-    agent: AgentParams,
-    *,
-    approval_policy: str = "deny",
-    output_schema: dict[str, Any] | None = None,
-    max_wall_s: float | None = None,
-    max_turns: int | None = None,
-) -> ForkOptions:
-    """The fork-only and launch options a bootstrap record keeps (only those that differ from the defaults).
-
-    Raises:
-        InvalidAgentParams: an option is invalid (`.field` names it).
-    """
-    options: dict[str, Any] = {}
-    if agent.fork_tools is not None:
-        options["fork_tools"] = list(agent.fork_tools)
-    if approval_policy not in APPROVAL_POLICIES:
-        raise InvalidAgentParams(
-            f"approval_policy must be one of {', '.join(APPROVAL_POLICIES)}, got {shown(approval_policy)}",
-            field="approval_policy",
-        )
-    if approval_policy != "deny":
-        options["approval_policy"] = approval_policy
-    if output_schema is not None:
-        if too_deep(output_schema):  # jsonschema recurses, canonical msgpack stops at 255 levels
-            raise InvalidAgentParams(nesting_problem("output_schema"), field="output_schema")
-        problem = bad_text("output_schema", output_schema)  # canonical msgpack stores UTF-8 only
-        if problem is not None:
-            raise InvalidAgentParams(problem, field="output_schema")
-        options["output_schema"] = check_schema(output_schema)
-    return ForkOptions.model_validate({**options, **_limits(max_wall_s, max_turns)})
-
-
-def _limits(max_wall_s: float | None, max_turns: int | None) -> dict[str, Any]:
-    """A launch's own limits, checked: each positive, finite, at most its bound (workers.limits)."""
-    options: dict[str, Any] = {}
-    if max_wall_s is not None:
-        # `not 0 < x <= max` also refuses NaN and infinity, which compare false or past the bound
-        if (
-            isinstance(max_wall_s, bool)
-            or not isinstance(max_wall_s, int | float)
-            or not 0 < max_wall_s <= MAX_LAUNCH_WALL_S
-        ):
-            raise InvalidAgentParams(
-                f"max_wall_s must be a positive number of seconds (finite, at most {MAX_LAUNCH_WALL_S:,.0f}); "
-                f"got {shown(max_wall_s)}",
-                field="max_wall_s",
-            )
-        options["max_wall_s"] = max_wall_s
-    if max_turns is not None:
-        if isinstance(max_turns, bool) or not isinstance(max_turns, int) or not 0 < max_turns <= MAX_LAUNCH_TURNS:
-            raise InvalidAgentParams(
-                f"max_turns must be a positive number of model calls (a whole number, at most {MAX_LAUNCH_TURNS:,}); "
-                f"got {shown(max_turns)}",
-                field="max_turns",
-            )
-        options["max_turns"] = max_turns
-    return options
-
-
-def launch_settings(record: BootstrapRecord) -> dict[str, Any]:
-    """The launch's own settings a record keeps, every one named (defaults filled in): what `inspect` shows."""
-    options = record.options
-    return {
-        "subagent_type": record.subagent_type,
-        "name": record.name,
-        "approval_policy": options.approval_policy or "deny",
-        "output_schema": options.output_schema,
-        "max_wall_s": options.max_wall_s,
-        "max_turns": options.max_turns,
-        "fork_tools": options.fork_tools,
-    }
 
 
 def parked_error(state: ForkState) -> ForkParked:
@@ -250,6 +146,7 @@ class ForkClient:
         self.store = ForkStore(self.redis, Keys(self.settings.namespace), ttl_s=self.settings.record_ttl_s)
         self._app = app
         self._own_app = app is None  # a send-only app this client builds, and closes
+        self._catalog = CatalogCache(self.settings.agents_dir)  # read again when a definition file changes
         self._seeds = SeedBuilder()  # sibling forks of one snapshot share their selection and chunks
         # the last snapshot's declarations: (snapshot, JSON, the JSON read back, to see an edited list)
         self._tools_json: tuple[ParentSnapshot, str, Any] | None = None
@@ -291,12 +188,17 @@ class ForkClient:
         output_schema: dict[str, Any] | None = None,
         max_wall_s: float | None = None,
         max_turns: int | None = None,
+        seed_mode: SeedMode | str | None = None,
+        persona: str | None = None,
+        tool_filter: list[str] | tuple[str, ...] | None = None,
+        max_depth: int | None = None,
     ) -> ForkHandle:
         """Validate, build the seed, write the bootstrap record, then enqueue the fork.
 
-        Nothing reaches Redis or the broker when the parameters or the snapshot are invalid. Sibling
-        launches from one `ParentSnapshot` object share its history selection (`workers.records.seeds`); add
-        messages to a snapshot's history list as you like, but never change a Content in place.
+        Nothing reaches Redis or the broker when the parameters, the options or the snapshot are invalid.
+        Sibling launches from one `ParentSnapshot` object share its history selection
+        (`workers.records.seeds`); add messages to a snapshot's history list as you like, but never change
+        a Content in place.
 
         Args:
             approval_policy: what a call that needs approval does: `deny` answers it with a denial
@@ -304,37 +206,60 @@ class ForkClient:
             output_schema: a JSON schema the final answer must match (sent back to the model
                 with the error a bounded number of times).
             max_wall_s, max_turns: limits below the workers' own.
+            seed_mode: a fork's seed: `fork_turns` (the default: `fork_turns` of the Agent call) or
+                `completed_turns` (the parent's completed turns, in a fresh scope).
+            persona: a system prompt replacing the child's (regular subagents, completed-turn forks).
+            tool_filter: the tools the child keeps (regular subagents, completed-turn forks).
+            max_depth: the deepest nesting below this launch, at most FORKQ_MAX_SUBAGENT_DEPTH.
 
         Raises:
             InvalidAgentParams: the Agent call's parameters break the contract, or the launch
-                options are invalid (`.field` names which).
+                options are invalid or ask for what the provider lacks (`.field` names which).
             InvalidParentSnapshot: the parent snapshot is malformed.
+            InvalidAgentDefinition: a file of FORKQ_AGENTS_DIR is malformed.
         """
         # a pre-built AgentParams is checked like an Agent call: building one directly skips the rules
         agent = revalidate(params) if isinstance(params, AgentParams) else validate_agent_params(params)
         check_fork_id(fork_id)
         snapshot = parent if isinstance(parent, ParentSnapshot) else parse_parent_snapshot(dict(parent))
         reused = snapshot is parent  # one parsed here from a dict cannot be passed again: keep nothing of it
-        check_nesting(agent, snapshot.depth, self.settings.max_subagent_depth)
-        options = launch_options(
+        asks = LaunchAsks(
+            approval_policy, output_schema, max_wall_s, max_turns, seed_mode, persona, tool_filter, max_depth
+        )
+        plan = plan_launch(
             agent,
-            approval_policy=approval_policy,
-            output_schema=output_schema,
-            max_wall_s=max_wall_s,
-            max_turns=max_turns,
+            snapshot,
+            asks,
+            tools_json=self._declarations_json(snapshot, keep=reused),
+            catalog=self._catalog.get,
+            depth_limit=self.settings.max_subagent_depth,
         )
         fid = fork_id or new_fork_id()
-        if agent.is_fork:
-            seed = self._seeds.build(snapshot, fork_turns=agent.fork_turns, directive=agent.prompt, keep=reused)
-        else:  # regular subagents and named teammates inherit no history
+        if not agent.is_fork:  # regular subagents and named teammates inherit no history
             seed = SeedChunks(chunks=[], digests=[], count=0, task_prompt=agent.prompt)
-        record = self._record(
-            fid, snapshot, agent, seed, tools_json=self._declarations_json(snapshot, keep=reused), options=options
-        )
+        else:
+            fork_turns = agent.fork_turns if plan.seed_mode == "fork_turns" else None
+            seed = self._seeds.build(
+                snapshot, fork_turns=fork_turns, directive=agent.prompt, keep=reused, seed_mode=plan.seed_mode
+            )
+        record = self._record(fid, snapshot, agent, seed, plan)
         record_bytes, digest = record.encode()
         self.store.put_launch(record, record_bytes, digest, seed.chunks)
         self._enqueue_first(record, record_bytes, digest, seed.chunks)
         return ForkHandle(fork_id=fid, digest=digest, kind=record.kind, client=self)
+
+    def agents(self) -> list[dict[str, Any]]:
+        """The subagent definitions a launch can name: the built-ins and FORKQ_AGENTS_DIR's files, sorted.
+
+        Raises:
+            InvalidAgentDefinition: a file of FORKQ_AGENTS_DIR is malformed.
+        """
+        return self._catalog.get().listing()
+
+    @staticmethod
+    def providers() -> list[dict[str, Any]]:
+        """The subagent providers (`spawn`, `fork`) with the capabilities each advertises."""
+        return providers()
 
     def _enqueue_first(self, record: BootstrapRecord, record_bytes: bytes, digest: str, chunks: list[bytes]) -> None:
         """Send a launched fork's first job: a small one carries its chunks and record, a large one neither."""
@@ -367,18 +292,12 @@ class ForkClient:
 
     @staticmethod
     def _record(
-        fid: str,
-        parent: ParentSnapshot,
-        agent: AgentParams,
-        seed: SeedChunks,
-        *,
-        tools_json: str,
-        options: ForkOptions,
+        fid: str, parent: ParentSnapshot, agent: AgentParams, seed: SeedChunks, plan: LaunchPlan
     ) -> BootstrapRecord:
         return BootstrapRecord(
             fork_id=fid,
             parent_session=parent.session_id,
-            kind="fork" if agent.is_fork else "spawn",
+            kind="fork" if plan.kind == "fork" else "spawn",
             seed_chunks=seed.digests,
             message_count=seed.count,
             task_prompt=seed.task_prompt,
@@ -386,14 +305,14 @@ class ForkClient:
             description=agent.description,
             subagent_type=agent.subagent_type,
             name=agent.name,
-            system_instruction=parent.system_instruction,
-            tools_json=tools_json,
-            model=parent.model if agent.is_fork else (agent.model or parent.model),
-            approval_mode=parent.approval_mode,
+            system_instruction=plan.scope.system_instruction,
+            tools_json=plan.scope.tools_json,
+            model=plan.scope.model,
+            approval_mode=plan.approval_mode,
             cwd=parent.cwd,
             depth=parent.depth + 1,
             fork_turns=agent.fork_turns,
-            options=options,
+            options=plan.options,
         )
 
     # ── following a fork ──────────────────────────────────────────────────────────────────────

@@ -1,4 +1,4 @@
-"""`forkq demo`: four forks of an example parent conversation on two private workers, shown live.
+"""`forkq demo`: six forks and subagents of an example parent conversation on two private workers, shown live.
 
 Redis: `FORKQ_REDIS_URL` when set; else a server answering on 127.0.0.1:6379 (unless
 `private_redis`); else a private `redis-server` on a unix socket. On a Redis the demo does not own
@@ -15,12 +15,11 @@ import signal
 import subprocess
 import sys
 import tempfile
-import textwrap
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -32,6 +31,7 @@ from redis.retry import Retry
 
 from broker_config.settings import Settings, load_settings, redact_url
 from workers.client import ForkClient, ForkHandle
+from workers.demo_report import clip, report, say
 from workers.errors import ConfigurationError
 from workers.history.messages import Content
 from workers.history.selection import is_real_user_turn
@@ -42,6 +42,8 @@ from workers.store.redis_server import RedisServer
 EXAMPLE_PARENT = Path(__file__).parent / "examples" / "parent.json"
 # FORKQ_SCRIPT of the demo's workers: every fork's k-th model call gets step k (look, read, answer)
 DEMO_SCRIPT = Path(__file__).parent / "examples" / "demo-script.json"
+# FORKQ_AGENTS_DIR of the demo: one subagent definition (a read-only reviewer)
+DEMO_AGENTS = Path(__file__).parent / "examples" / "agents"
 SHARED_REDIS_URL = "redis://127.0.0.1:6379/0"
 WORKER_NAMES = ("demo1", "demo2")
 WORKER_CONCURRENCY = 4
@@ -54,7 +56,7 @@ EXIT_INTERRUPTED = 130
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 # the settings the demo chooses; its workers get these and defaults for everything else
 DEMO_FIELDS = frozenset(("redis_url", "broker_url", "namespace", "queue", "provider", "script", "record_ttl_s"))
-DEMO_FIELDS |= {"worker_pool", "worker_concurrency"}
+DEMO_FIELDS |= {"worker_pool", "worker_concurrency", "agents_dir"}
 
 WORKSPACE_FILES: dict[str, str] = {
     "README.md": "# shorty\n\nA small URL shortener (FastAPI + SQLite). Copy made by `forkq demo`.\n",
@@ -66,27 +68,47 @@ WORKSPACE_FILES: dict[str, str] = {
 
 @dataclass(frozen=True)
 class DemoFork:
-    """One Agent call of the demo: a label, `fork_turns` (None: a regular subagent), description, prompt."""
+    """One Agent call of the demo: a label, its parameters, and the launch's own options."""
 
     label: str
-    fork_turns: str | None
-    description: str
-    prompt: str
+    kind: str  # how the tour names it
+    params: dict[str, str]
+    options: dict[str, Any] = field(default_factory=dict)
 
-    @property
-    def params(self) -> dict[str, str]:
-        """The Agent tool call's parameters."""
-        params = {"description": self.description, "prompt": self.prompt, "subagent_type": "general-purpose"}
-        if self.fork_turns is not None:
-            params.update(subagent_type="fork", fork_turns=self.fork_turns)
-        return params
+
+def _fork(label: str, turns: str, description: str, prompt: str) -> DemoFork:
+    params = {"description": description, "prompt": prompt, "subagent_type": "fork", "fork_turns": turns}
+    return DemoFork(label, f"fork_turns {turns!r}", params)
 
 
 DEMO_FORKS = (
-    DemoFork("fork all", "all", "Changelog of the session", "Write the PR changelog of this session; edit no file."),
-    DemoFork("fork 1", "1", "Write missing expiry tests", "Write the expiry tests we just listed (test_expiry.py)."),
-    DemoFork("fork 3", "3", "Audit rate limiter races", "Audit app/ratelimit.py for races; change no file."),
-    DemoFork("general", None, "Describe the project layout", "List the working directory and describe the project."),
+    _fork("fork all", "all", "Changelog of the session", "Write the PR changelog of this session; edit no file."),
+    _fork("fork 1", "1", "Write missing expiry tests", "Write the expiry tests we just listed (test_expiry.py)."),
+    _fork("fork 3", "3", "Audit rate limiter races", "Audit app/ratelimit.py for races; change no file."),
+    DemoFork(
+        "completed",
+        "completed turns",
+        {
+            "description": "PR description",
+            "prompt": "Draft the PR description of the finished work.",
+            "subagent_type": "fork",
+        },
+        {"seed_mode": "completed_turns"},
+    ),
+    DemoFork(
+        "general",
+        "general-purpose",
+        {
+            "description": "Describe the layout",
+            "prompt": "List the working directory and describe the project.",
+            "subagent_type": "general-purpose",
+        },
+    ),
+    DemoFork(
+        "reviewer",
+        f"defined in {DEMO_AGENTS.name}/reviewer.md",
+        {"description": "Review app/links.py", "prompt": "Review app/links.py for bugs.", "subagent_type": "reviewer"},
+    ),
 )
 
 
@@ -101,7 +123,7 @@ class DemoWorker:
 
 
 def run_demo(*, private_redis: bool = False) -> int:
-    """Run the demo; 0 when all four forks succeeded, 1 otherwise, 130 on Ctrl-C."""
+    """Run the demo; 0 when every fork succeeded, 1 otherwise, 130 on Ctrl-C."""
     started = time.monotonic()
     code = EXIT_INTERRUPTED
     with _stop_signals(), ExitStack() as stack:
@@ -111,8 +133,8 @@ def run_demo(*, private_redis: bool = False) -> int:
             print("\nforkq demo: interrupted", file=sys.stderr, flush=True)
         finally:
             _ignore_stop_signals()
-            _say("stopping the workers and everything else the demo started ...")
-    _say(f"done in {time.monotonic() - started:.1f} s")
+            say("stopping the workers and everything else the demo started ...")
+    say(f"done in {time.monotonic() - started:.1f} s")
     return code
 
 
@@ -127,21 +149,19 @@ def _run(stack: ExitStack, *, private_redis: bool) -> int:
     _wait_until_ready(client.app, workers)
     parent = _load_parent(_workspace(tmp))
     _describe_parent(parent)
-    handles = {fork.label: client.launch(parent, fork.params) for fork in DEMO_FORKS}
-    _say("")
-    _say("live progress (times from the first launch, as recorded by Redis):")
+    handles = {fork.label: client.launch(parent, fork.params, **fork.options) for fork in DEMO_FORKS}
+    say("")
+    say("live progress (times from the first launch, as recorded by Redis):")
     results = _follow(client, handles, workers)
-    _report(client, handles, results)
+    report(client, handles, results)
     ok = len(results) == len(handles) and all(r.status is Status.SUCCEEDED for r in results.values())
     if not ok:
-        _say(_log_tails(workers))
-    _say("")
-    _say("result: all four forks succeeded" if ok else "result: not every fork succeeded (see above)")
+        say(_log_tails(workers))
+    say("")
+    say(f"result: all {len(handles)} forks succeeded" if ok else "result: not every fork succeeded (see above)")
     return 0 if ok else 1
 
 
-def _say(line: str) -> None:
-    print(line, flush=True)
 
 
 # ── Redis ─────────────────────────────────────────────────────────────────────────────────────
@@ -159,10 +179,10 @@ def _demo_settings(stack: ExitStack, *, private_redis: bool) -> Settings:
         redis_url, where = SHARED_REDIS_URL, f"{SHARED_REDIS_URL} (already running)"
     else:
         server = stack.enter_context(RedisServer(unix_socket=True))
-        _say(f"redis      private redis-server pid {server.pid}, socket {server.socket_path}")
+        say(f"redis      private redis-server pid {server.pid}, socket {server.socket_path}")
         redis_url, broker_url, where = server.url, server.broker_url, ""
     if where:
-        _say(f"redis      {where}, namespace and queue {name!r} (deleted at the end)")
+        say(f"redis      {where}, namespace and queue {name!r} (deleted at the end)")
         # every key the demo creates there carries `name`: delete them once the workers have stopped
         stack.callback(_delete_keys, redis_url, name)
     return Settings(
@@ -172,6 +192,7 @@ def _demo_settings(stack: ExitStack, *, private_redis: bool) -> Settings:
         queue=name,
         provider="scripted",
         script=DEMO_SCRIPT,
+        agents_dir=DEMO_AGENTS,
         worker_pool="threads",
         worker_concurrency=WORKER_CONCURRENCY,
         record_ttl_s=3600,  # if the demo itself is killed, its records still go away
@@ -206,9 +227,9 @@ def _worker_env(settings: Settings) -> dict[str, str]:
     # nothing else passes: FORKQ_PROVIDER_ROUTES, say, would send the demo's forks to a real model
     # (and passing provider_routes={} to Settings would not help: pydantic-settings merges dicts with the env)
     env = {k: v for k, v in os.environ.items() if not k.startswith("FORKQ_")}
-    for field, value in settings.model_dump(mode="json", include=set(DEMO_FIELDS)).items():
+    for name, value in settings.model_dump(mode="json", include=set(DEMO_FIELDS)).items():
         if value is not None:  # pydantic-settings reads complex values as JSON
-            env[f"FORKQ_{field.upper()}"] = value if isinstance(value, str) else json.dumps(value)
+            env[f"FORKQ_{name.upper()}"] = value if isinstance(value, str) else json.dumps(value)
     env["FORKQ_BROKER_URL"] = settings.effective_broker_url
     return env
 
@@ -227,7 +248,7 @@ def _start_workers(stack: ExitStack, settings: Settings, tmp: Path) -> list[Demo
             process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
         workers.append(DemoWorker(name, nodename, process, log_path))
     pids = ", ".join(f"{w.name} pid {w.process.pid}" for w in workers)
-    _say(f"workers    {pids} (threads pool, concurrency {WORKER_CONCURRENCY} each)")
+    say(f"workers    {pids} (threads pool, concurrency {WORKER_CONCURRENCY} each)")
     return workers
 
 
@@ -248,7 +269,7 @@ def _wait_until_ready(app: Celery, workers: list[DemoWorker]) -> None:
         for reply in app.control.ping(timeout=0.5) or []:
             for node in reply:
                 waiting.pop(node.split("@", 1)[0], None)
-    _say(f"ready      both workers answered a ping after {time.monotonic() - started:.1f} s")
+    say(f"ready      both workers answered a ping after {time.monotonic() - started:.1f} s")
 
 
 def _worker_error(workers: list[DemoWorker], what: str) -> ConfigurationError:
@@ -333,11 +354,10 @@ def _load_parent(cwd: Path) -> dict[str, Any]:
 def _describe_parent(parent: Mapping[str, Any]) -> None:
     history = [Content.model_validate(m) for m in parent["history"]]
     real = sum(is_real_user_turn(c) for c in history)
-    _say("")
-    _say(f"parent     {EXAMPLE_PARENT.name}: session {parent['session_id'][:8]}…, model {parent['model']}")
-    _say(f"           {len(history)} messages, {real} real user turns, cwd {parent['cwd']}")
-    kinds = (f"fork_turns {f.fork_turns!r}" if f.fork_turns else "general-purpose" for f in DEMO_FORKS)
-    _say("launching  " + ", ".join(f"{f.label} ({kind})" for f, kind in zip(DEMO_FORKS, kinds, strict=True)))
+    say("")
+    say(f"parent     {EXAMPLE_PARENT.name}: session {parent['session_id'][:8]}…, model {parent['model']}")
+    say(f"           {len(history)} messages, {real} real user turns, cwd {parent['cwd']}")
+    say("launching  " + ", ".join(f"{f.label} ({f.kind})" for f in DEMO_FORKS))
 
 
 # ── live progress ─────────────────────────────────────────────────────────────────────────────
@@ -352,7 +372,7 @@ def _follow(client: ForkClient, handles: Mapping[str, ForkHandle], workers: list
     deadline = time.monotonic() + RUN_TIMEOUT_S
     while len(results) < len(handles) and time.monotonic() < deadline:
         if all(w.process.poll() is not None for w in workers):
-            _say("  every worker has exited; see the end of their logs below")
+            say("  every worker has exited; see the end of their logs below")
             break
         batch = [
             (label, event)
@@ -364,14 +384,14 @@ def _follow(client: ForkClient, handles: Mapping[str, ForkHandle], workers: list
         for label, event in batch:
             after[label] = event.id
             origin = origin or [event.at_ms]
-            _say(f"  +{(event.at_ms - origin[0]) / 1000:5.2f}s  {label:<9} {event.type:<10} {_detail(event, names)}")
+            say(f"  +{(event.at_ms - origin[0]) / 1000:5.2f}s  {label:<9} {event.type:<10} {_detail(event, names)}")
             if event.terminal:
                 results[label] = client.wait(handles[label].fork_id, timeout=5)
         if not batch:
             time.sleep(POLL_S)
     for label in [label for label in handles if label not in results]:
         status = client.status(handles[label].fork_id).status.value
-        _say(f"  {label}: still {status} after {RUN_TIMEOUT_S:.0f} s, giving up on it")
+        say(f"  {label}: still {status} after {RUN_TIMEOUT_S:.0f} s, giving up on it")
     return results
 
 
@@ -402,7 +422,7 @@ def _detail(event: ForkEvent, worker_names: Mapping[str, str]) -> str:
     }
     if event.type in describe:
         return describe[event.type]()
-    return _clip(", ".join(f"{key} {value}" for key, value in data.items()), 90)
+    return clip(", ".join(f"{key} {value}" for key, value in data.items()), 90)
 
 
 def _calls(tool_calls: object) -> str:
@@ -419,82 +439,3 @@ def _worker_of(owner: str, worker_names: Mapping[str, str]) -> str:
 
 
 # ── report ────────────────────────────────────────────────────────────────────────────────────
-
-
-def _report(client: ForkClient, handles: Mapping[str, ForkHandle], results: Mapping[str, ForkResult]) -> None:
-    """For each fork: what it inherited (its bootstrap record) and what it returned (its result)."""
-    _say("")
-    _say("what each fork inherited (its bootstrap record) and returned (its result):")
-    for label, handle in handles.items():
-        record = client.inspect(handle.fork_id)
-        turns = f"fork_turns {record['fork_turns']!r}" if record["kind"] == "fork" else "regular subagent"
-        _say("")
-        _say(f"{label}  ({handle.fork_id}, {turns})")
-        for line in _inherited(record):
-            _say(line)
-        for line in _returned(results.get(label)):
-            _say(line)
-
-
-def _inherited(record: Mapping[str, Any]) -> list[str]:
-    """Lines on the fork's seed: sizes, first and last message, directive, task prompt."""
-    messages = [Content.model_validate(m) for m in record["initial_messages"]]
-    real = sum(is_real_user_turn(c) for c in messages)
-    head = f"{len(messages)} messages, {real} real user turns"
-    directive = str(record["directive"])
-    if not messages:
-        head += " (a regular subagent starts fresh)"
-    elif any(directive in (p.text or "") for c in messages if is_real_user_turn(c) for p in c.parts):
-        head += ", the last one hands over the directive"
-    lines = [_field("inherited", head, indent=2)]
-    if messages:
-        lines.append(_field("first", f"{messages[0].role:<5} {_preview(messages[0])}"))
-        lines.append(_field("last", f"{messages[-1].role:<5} {_preview(messages[-1])}"))
-    if record["kind"] == "fork":
-        lines.append(_field("directive", _clip(directive)))
-    first_line = next((line for line in str(record["task_prompt"]).splitlines() if line.strip()), "")
-    lines.append(_field("task", _clip(first_line)))
-    return lines
-
-
-def _returned(result: ForkResult | None) -> list[str]:
-    """Lines on the fork's result: status, usage, output."""
-    if result is None:
-        return [_field("returned", "nothing (the fork did not end in time)", indent=2)]
-    usage = result.usage
-    head = (
-        f"{result.status.value}: {usage.model_calls} model calls, {usage.tool_uses} tool uses, "
-        f"{usage.total_tokens:,} tokens ({usage.input_tokens:,} in, {usage.output_tokens:,} out), "
-        f"{usage.duration_ms / 1000:.2f} s"
-    )
-    text = result.output if result.output is not None else f"error: {result.error}"
-    wrapped = textwrap.wrap(" ".join(text.split()), width=86) or [""]
-    return [
-        _field("returned", head, indent=2),
-        *(_field("output" if i == 0 else "", chunk) for i, chunk in enumerate(wrapped)),
-    ]
-
-
-def _field(label: str, text: str, *, indent: int = 4) -> str:
-    """One report line; labels at two indents, values in one column."""
-    return " " * indent + f"{label:<{13 - indent}} {text}"
-
-
-def _preview(content: Content) -> str:
-    """The message's first part in at most 60 characters: its text, or the call or response it holds."""
-    if not content.parts:
-        return "(no parts)"
-    part = content.parts[0]
-    if part.function_call is not None:
-        text = f"[call {part.function_call.name}]"
-    elif part.function_response is not None:
-        text = f"[response of {part.function_response.name}]"
-    else:
-        text = part.text or "[media]"
-    more = f" (+{len(content.parts) - 1} more)" if len(content.parts) > 1 else ""
-    return _clip(text) + more
-
-
-def _clip(text: str, width: int = 60) -> str:
-    flat = " ".join(text.split())
-    return flat if len(flat) <= width else flat[: width - 1] + "…"

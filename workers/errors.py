@@ -16,7 +16,8 @@ ForkqError                      base; never raised bare
 ├── LeaseLost                   this worker no longer holds the fork's lease (.fork_id)
 ├── InvalidApproval             approve/deny of a fork or call that is not awaiting a decision (.fork_id)
 ├── ConfigurationError          settings or the Redis server are unfit for forkq (.field)
-│   └── MissingExtra            a command needs an optional part of forkq that is not installed (.extra, .missing)
+│   ├── MissingExtra            a command needs an optional part of forkq that is not installed (.extra, .missing)
+│   └── InvalidAgentDefinition  a subagent definition file is malformed (.path, .field)
 ├── ToolError                   a tool call failed in a way the model should read (workers.tools.registry)
 └── ProviderError               a model provider call failed for good (.provider, .model, .status, .attempts)
 ```
@@ -148,6 +149,17 @@ class MissingExtra(ConfigurationError):
         )
         self.extra = extra
         self.missing = missing
+
+
+class InvalidAgentDefinition(ConfigurationError):
+    """A subagent definition (a Markdown file with front matter in FORKQ_AGENTS_DIR) is malformed.
+
+    `path` names the file and `field` the front-matter field (or `body`, `front matter`).
+    """
+
+    def __init__(self, message: str, *, path: str, field: str | None) -> None:
+        super().__init__(message, field=field)
+        self.path = path
 
 
 class ProviderError(ForkqError):

@@ -125,12 +125,13 @@ class ChildLoop:
         self.declarations = record.tools if self.tool_declarations is None else self.tool_declarations
         self._by_name = {str(d.get("name")): d for d in self.declarations}
         options = record.options
-        allowlist = options.fork_tools
+        # fork_tools (a fork_turns fork) or the launch's tool_filter (declarations already narrowed to it)
+        allowlist = options.fork_tools if options.fork_tools is not None else options.tool_filter
         self.gate = Gate(
             kind=record.kind,
             teammate=record.name is not None,
             depth=record.depth,
-            max_depth=self.max_depth,
+            max_depth=min(self.max_depth, options.max_depth or self.max_depth),  # a launch lowers it, never raises
             mode=effective_mode(record.approval_mode),
             policy=options.approval_policy or "deny",
             allowlist=None if allowlist is None else tuple(allowlist),

@@ -20,12 +20,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
-from workers.history.params import ApprovalPolicy, depth_error, tool_allowed
+from workers.history.params import ApprovalPolicy, depth_error, is_agent_tool, tool_allowed
 from workers.history.snapshot import ApprovalMode
 from workers.tools.registry import Tool
 
 PERMISSIVE_MODES: Final[tuple[ApprovalMode, ...]] = ("yolo", "auto-edit")
-AGENT_TOOL_NAMES: Final = ("agent",)  # besides any declared tool taking `prompt` and `subagent_type`
 
 FORK_NESTING_ERROR: Final = "Error: Cannot spawn sub-agents from within a fork. Please execute tasks directly."
 TEAMMATE_NESTING_ERROR: Final = (
@@ -90,13 +89,7 @@ def needs_approval(tool: Tool, mode: ApprovalMode) -> bool:
 def is_agent_call(name: str | None, declarations: Mapping[str, Mapping[str, Any]]) -> bool:
     """An Agent tool call: the Agent tool's name (`agent`, any case), or a declared tool taking `prompt` and
     `subagent_type` (`Task` and the like are recognized by their parameters, not their name)."""
-    if not name:
-        return False
-    if name.lower() in AGENT_TOOL_NAMES:
-        return True
-    params = declarations.get(name, {}).get("parameters") or declarations.get(name, {}).get("parametersJsonSchema")
-    props = params.get("properties", {}) if isinstance(params, Mapping) else {}
-    return isinstance(props, Mapping) and "prompt" in props and "subagent_type" in props
+    return is_agent_tool(name, declarations.get(name or ""))
 
 
 @dataclass(frozen=True)

@@ -60,6 +60,12 @@ class ForkOptions(BaseModel):
     output_schema: dict[str, Any] | None = None  # the final answer's JSON schema, checked at launch
     max_wall_s: int | float | None = None  # the launch's own limits, below the worker's
     max_turns: int | None = None
+    seed_mode: Literal["completed_turns"] | None = None  # None: the fork_turns fork
+    agent: str | None = None  # the definition a regular subagent (or a completed-turn fork) was resolved from
+    agent_source: str | None = None  # where that definition was read: "built-in" or its file's name
+    persona: bool | None = None  # True: the launch's persona replaced the system prompt
+    tool_filter: list[str] | None = None  # the launch's filter: declarations narrowed, and refused at execution
+    max_depth: int | None = None  # the deepest nesting below this launch; inherited by nested subagents
 
     @model_serializer(mode="wrap")
     def _set_only(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from workers.store.claims import RefusalReason
 from workers.store.forks import ForkStore
 from workers.store.lease import Claim, LeaseKeeper, Leases, revival_grace_s, ride_out
 from workers.store.presence import Presence, owner_token, presence_token
+from workers.subagents.definitions import CatalogCache
 from workers.tools.builtins import load_tools
 from workers.tools.registry import ToolRegistry
 
@@ -145,7 +146,8 @@ class WorkerRuntime:
         """Launches nested subagents (None without a broker to enqueue them on); a run binds it to its claim."""
         if self.requeue is None:
             return None
-        return SubagentSpawner(self.store, self.requeue, self.stopping)
+        definitions = CatalogCache(self.settings.agents_dir)
+        return SubagentSpawner(self.store, self.requeue, self.stopping, catalog=definitions.get)
 
     @cached_property
     def tools(self) -> ToolRegistry:

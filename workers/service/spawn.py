@@ -21,13 +21,15 @@ from typing import Any, Final, TypeVar
 
 from kombu.exceptions import OperationalError
 
-from workers.errors import ForkqError, InvalidAgentParams
+from workers.errors import ForkqError, InvalidAgentParams, RecordExistsError
 from workers.history.params import validate_agent_params
 from workers.loop.child import Stopped
 from workers.loop.policy import effective_mode
 from workers.records.fork import BootstrapRecord, ForkOptions, ForkResult, Status
 from workers.store.forks import ForkStore
 from workers.store.lease import TRANSIENT, ride_out
+from workers.subagents.definitions import Catalog, built_in_catalog
+from workers.subagents.scope import ParentContext, resolve_scope
 
 T = TypeVar("T")
 
@@ -38,18 +40,32 @@ PUBLISH_TRANSIENT: Final = (*TRANSIENT, OperationalError)
 Enqueue = Callable[[str, str, int], None]  # fork id, digest, attempt
 
 
-def nested_record(parent: BootstrapRecord, args: Mapping[str, Any], child_id: str) -> BootstrapRecord:
+def nested_record(
+    parent: BootstrapRecord, args: Mapping[str, Any], child_id: str, catalog: Catalog | None = None
+) -> BootstrapRecord:
     """The bootstrap record of the regular subagent an Agent call of `parent` asks for (no history).
 
+    Its definition (`subagent_type`, from `catalog`) is resolved against the caller's own declarations,
+    so a nested subagent never gets a tool its caller lacks; the caller's `max_depth` carries over.
+
     Raises:
-        InvalidAgentParams: the call's parameters break the Agent tool's contract.
+        InvalidAgentParams: the call's parameters break the Agent tool's contract, or name an unknown type.
     """
     agent = validate_agent_params(args)
     if agent.is_fork:  # the gate refuses this before; kept here so no caller can nest a fork
         raise InvalidAgentParams('a subagent cannot fork (subagent_type "fork")', field="subagent_type")
+    catalog = catalog or built_in_catalog()
+    definition = catalog.find(agent.subagent_type)
+    if definition is None:
+        known = ", ".join(f'"{name}"' for name in catalog.names())
+        raise InvalidAgentParams(
+            f"Unknown subagent_type {agent.subagent_type!r}: the known types are {known}.", field="subagent_type"
+        )
+    context = ParentContext(parent.system_instruction, parent.tools, parent.tools_json, parent.model)
+    scope = resolve_scope(definition, context, model=agent.model)
     return BootstrapRecord(
         fork_id=child_id,
-        parent_session=parent.parent_session,  # the same context chunk: stored once for the whole tree
+        parent_session=parent.parent_session,  # the same context chunk when the scope is the caller's
         kind="spawn",
         seed_chunks=[],
         message_count=0,
@@ -58,15 +74,21 @@ def nested_record(parent: BootstrapRecord, args: Mapping[str, Any], child_id: st
         description=agent.description,
         subagent_type=agent.subagent_type,
         name=agent.name,
-        system_instruction=parent.system_instruction,
-        tools_json=parent.tools_json,
-        model=agent.model or parent.model,
+        system_instruction=scope.system_instruction,
+        tools_json=scope.tools_json,
+        model=scope.model,
         generation=parent.generation,
         approval_mode=effective_mode(parent.approval_mode),
         cwd=parent.cwd,
         depth=parent.depth + 1,
         # no approval_policy: a nested subagent never parks, since its caller holds a worker slot waiting for it
-        options=ForkOptions(max_wall_s=parent.options.max_wall_s),
+        options=ForkOptions(
+            max_wall_s=parent.options.max_wall_s,
+            max_turns=definition.max_turns,
+            max_depth=parent.options.max_depth,  # never raised by a nested child
+            agent=definition.name,
+            agent_source=definition.source,
+        ),
     )
 
 
@@ -79,6 +101,7 @@ class SubagentSpawner:
     stopping: threading.Event
     # the caller's claim's `LeaseClock.deadline`: Redis and broker calls are retried until then
     until: Callable[[], float] = lambda: float("-inf")  # unbound (see `under`): a failed call raises LeaseLost
+    catalog: Callable[[], Catalog] = built_in_catalog  # the worker's definitions (FORKQ_AGENTS_DIR)
 
     def under(self, until: Callable[[], float]) -> SubagentSpawner:
         """This spawner for one claim: its calls ride out an outage until `until()` (monotonic)."""
@@ -106,13 +129,15 @@ class SubagentSpawner:
             LeaseLost: (`unreachable`) Redis or the broker did not answer until the caller's lease lapsed.
         """
         try:
-            child = nested_record(record, args, child_id)
-        except InvalidAgentParams as exc:
+            child = nested_record(record, args, child_id, self.catalog())
+        except ForkqError as exc:  # an invalid call, or a malformed definitions folder
             return {"error": f"Error: {exc}"}
         data, digest = child.encode()
         caller = record.fork_id
         try:
             self._ride(lambda: self.store.put_launch(child, data, digest), "launching its subagent", caller)
+        except RecordExistsError:
+            pass  # launched by an earlier run of this caller (a definition edited since): wait for that one
         except ForkqError as exc:
             return {"error": f"Error: the subagent could not be launched: {exc}"}
         # not yet run; a duplicate job would be a no-op anyway

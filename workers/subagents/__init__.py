@@ -1,0 +1,1 @@
+"""Subagent providers: definitions (`definitions`), a child's scope (`scope`), capabilities, and launch plans."""
