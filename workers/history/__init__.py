@@ -5,7 +5,14 @@ are importable from here (`build_fork_seed`, `select_fork_history`, `curate_hist
 """
 
 from workers.history.messages import Content, parse_history
-from workers.history.params import AgentParams, validate_agent_params
+from workers.history.params import (
+    SEED_MODES,
+    AgentParams,
+    SeedMode,
+    check_seed_mode,
+    normalize_seed_mode,
+    validate_agent_params,
+)
 from workers.history.selection import (
     ForkSeed,
     build_fork_seed,
@@ -17,13 +24,17 @@ from workers.history.selection import (
 )
 
 __all__ = [
+    "SEED_MODES",
     "AgentParams",
     "Content",
     "ForkSeed",
+    "SeedMode",
     "build_fork_seed",
     "build_fork_seed_wire",
+    "check_seed_mode",
     "curate_history",
     "is_real_user_turn",
+    "normalize_seed_mode",
     "parse_history",
     "select_fork_history",
     "startup_context_length",

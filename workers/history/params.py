@@ -259,6 +259,67 @@ def revalidate(agent: AgentParams) -> AgentParams:
     return validate_agent_params(raw)
 
 
+# ── seed modes ────────────────────────────────────────────────────────────────────────────────
+
+# how a fork's seed is chosen: `fork_turns` (the Agent parameter decides: all, or the last N turns, with the
+# launching call replayed) or `completed_turns` (every completed turn, nothing of the in-flight one)
+SeedMode = Literal["fork_turns", "completed_turns"]
+SEED_MODES: Final[tuple[SeedMode, ...]] = get_args(SeedMode)
+_SEED_MODE_SPELLINGS: Final[dict[str, SeedMode]] = {
+    **{mode: mode for mode in SEED_MODES},
+    **{mode.replace("_", "-"): mode for mode in SEED_MODES},  # the CLI's spelling
+}
+MSG_SEED_MODE_NOT_FORK: Final = 'seed_mode "completed_turns" applies only to subagent_type "fork".'
+MSG_SEED_MODE_TEAMMATE: Final = 'seed_mode "completed_turns" cannot be used when spawning a named teammate.'
+MSG_SEED_MODE_FORK_TURNS: Final = (
+    'Parameter "fork_turns" cannot be used with seed_mode "completed_turns"; the completed-turn fork always '
+    "inherits the parent's completed turns."
+)
+MSG_SEED_MODE_FORK_TOOLS: Final = (
+    'Parameter "fork_tools" applies to fork_turns forks; a completed-turn fork takes the launch option '
+    "tool_filter instead."
+)
+
+
+def normalize_seed_mode(value: object) -> SeedMode:
+    """The seed mode `value` names (CLI spellings `fork-turns`, `completed-turns` too); None means `fork_turns`.
+
+    Raises:
+        InvalidAgentParams: any other value (`.field` is `seed_mode`).
+    """
+    if value is None:
+        return "fork_turns"
+    mode = _SEED_MODE_SPELLINGS.get(value) if isinstance(value, str) else None
+    if mode is None:
+        raise InvalidAgentParams(
+            'seed_mode must be "fork_turns" or "completed_turns" (the CLI spellings "fork-turns" and '
+            f'"completed-turns" are accepted too), got {shown(value)}.',
+            field="seed_mode",
+        )
+    return mode
+
+
+def check_seed_mode(seed_mode: object, agent: AgentParams) -> SeedMode:
+    """The launch's seed mode, normalized, once it is known to fit the Agent call `agent`.
+
+    Raises:
+        InvalidAgentParams: an unknown mode (`.field` `seed_mode`); `completed_turns` for anything but a fork
+            (`seed_mode`), or with `fork_turns` or `fork_tools` given (that parameter's field).
+    """
+    mode = normalize_seed_mode(seed_mode)
+    if mode != "completed_turns":
+        return mode
+    if not _is_fork_type(agent.subagent_type):
+        raise InvalidAgentParams(MSG_SEED_MODE_NOT_FORK, field="seed_mode")
+    if agent.name is not None:
+        raise InvalidAgentParams(MSG_SEED_MODE_TEAMMATE, field="seed_mode")
+    if agent.fork_turns is not None:
+        raise InvalidAgentParams(MSG_SEED_MODE_FORK_TURNS, field="fork_turns")
+    if agent.fork_tools is not None:
+        raise InvalidAgentParams(MSG_SEED_MODE_FORK_TOOLS, field="fork_tools")
+    return mode
+
+
 def agent_tool_schema() -> dict[str, Any]:
     """The JSON schema of the Agent tool's parameters, as the parent advertises it to its model."""
     return {
