@@ -10,8 +10,15 @@ import pytest
 from workers.errors import InvalidAgentParams
 from workers.history.params import (
     MSG_FORK_TURNS_DIGITS,
+    MSG_SEED_MODE_FORK_TOOLS,
+    MSG_SEED_MODE_FORK_TURNS,
+    MSG_SEED_MODE_NOT_FORK,
+    MSG_SEED_MODE_TEAMMATE,
+    SEED_MODES,
     AgentParams,
     agent_tool_schema,
+    check_seed_mode,
+    normalize_seed_mode,
     revalidate,
     validate_agent_params,
 )
@@ -302,3 +309,75 @@ def test_text_parameters_in_any_script_with_surrogate_pairs_are_accepted() -> No
     agent = validate_agent_params(params(description="café 😀", prompt="Привет, 世界 \U0001f600"))
 
     assert agent.prompt == "Привет, 世界 😀"
+
+
+# ── seed modes ────────────────────────────────────────────────────────────────────────────────
+
+
+@pytest.mark.parametrize(
+    ("given", "mode"),
+    [
+        (None, "fork_turns"),
+        ("fork_turns", "fork_turns"),
+        ("fork-turns", "fork_turns"),
+        ("completed_turns", "completed_turns"),
+        ("completed-turns", "completed_turns"),
+    ],
+)
+def test_a_seed_mode_is_normalized_from_either_spelling(given: str | None, mode: str) -> None:
+    assert normalize_seed_mode(given) == mode
+    assert check_seed_mode(given, validate_agent_params(params())) == mode
+    assert SEED_MODES == ("fork_turns", "completed_turns")
+
+
+@pytest.mark.parametrize("given", ["completed", "COMPLETED_TURNS", "completed turns", " fork_turns", "", 1, True])
+def test_an_unknown_seed_mode_is_refused_naming_both_modes_and_the_cli_spelling(given: object) -> None:
+    with pytest.raises(InvalidAgentParams) as caught:
+        check_seed_mode(given, validate_agent_params(params()))
+
+    assert caught.value.field == "seed_mode"
+    assert '"fork_turns" or "completed_turns"' in caught.value.message
+    assert '"completed-turns"' in caught.value.message
+
+
+@pytest.mark.parametrize("subagent_type", [..., "general-purpose", "forks"])
+def test_a_completed_turn_seed_is_refused_for_anything_but_a_fork(subagent_type: object) -> None:
+    agent = validate_agent_params(params(subagent_type=subagent_type))
+
+    with pytest.raises(InvalidAgentParams) as caught:
+        check_seed_mode("completed_turns", agent)
+
+    assert (caught.value.message, caught.value.field) == (MSG_SEED_MODE_NOT_FORK, "seed_mode")
+    assert check_seed_mode("fork_turns", agent) == "fork_turns"
+
+
+def test_a_completed_turn_seed_is_refused_for_a_named_teammate() -> None:
+    with pytest.raises(InvalidAgentParams) as caught:
+        check_seed_mode("completed_turns", validate_agent_params(params(name="reviewer")))
+
+    assert (caught.value.message, caught.value.field) == (MSG_SEED_MODE_TEAMMATE, "seed_mode")
+
+
+@pytest.mark.parametrize("fork_turns", ["all", "1"])
+def test_fork_turns_is_refused_with_a_completed_turn_seed(fork_turns: str) -> None:
+    with pytest.raises(InvalidAgentParams) as caught:
+        check_seed_mode("completed-turns", validate_agent_params(params(fork_turns=fork_turns)))
+
+    assert (caught.value.message, caught.value.field) == (MSG_SEED_MODE_FORK_TURNS, "fork_turns")
+    assert caught.value.message == (
+        'Parameter "fork_turns" cannot be used with seed_mode "completed_turns"; the completed-turn fork always '
+        "inherits the parent's completed turns."
+    )
+
+
+@pytest.mark.parametrize("fork_tools", [[], ["read_file"]])
+def test_fork_tools_is_refused_with_a_completed_turn_seed(fork_tools: list[str]) -> None:
+    with pytest.raises(InvalidAgentParams) as caught:
+        check_seed_mode("completed_turns", validate_agent_params(params(fork_tools=fork_tools)))
+
+    assert (caught.value.message, caught.value.field) == (MSG_SEED_MODE_FORK_TOOLS, "fork_tools")
+    assert "tool_filter" in caught.value.message
+
+
+def test_a_fork_in_any_case_spelling_takes_a_completed_turn_seed() -> None:
+    assert check_seed_mode("completed_turns", validate_agent_params(params(subagent_type="Fork"))) == "completed_turns"

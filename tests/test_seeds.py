@@ -13,6 +13,8 @@ from hypothesis import strategies as st
 from strategies import FORK_TURNS, GeneratedHistory, parent_histories
 
 from workers.errors import InvalidAgentParams
+from workers.history.completed import build_completed_seed_wire
+from workers.history.params import MSG_SEED_MODE_FORK_TURNS
 from workers.history.selection import build_fork_seed_wire
 from workers.history.snapshot import ParentSnapshot, parse_parent_snapshot
 from workers.records.fork import chunk_digest, split_wire
@@ -129,3 +131,79 @@ def test_a_snapshot_built_with_keep_false_leaves_nothing_in_the_builder() -> Non
 
     assert seed.chunks == expected(snapshot, "all", "go")[0]
     assert len(builder._selections) == 0
+
+
+# ── completed-turn forks ──────────────────────────────────────────────────────────────────────
+
+
+def expected_completed(snapshot: ParentSnapshot, directive: str) -> tuple[list[bytes], int, str]:
+    wire, task_prompt = build_completed_seed_wire(snapshot.history, directive=directive)
+    return split_wire(wire), len(wire), task_prompt
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(history=parent_histories(), directives=DIRECTIVES, fork_turns=TURNS)
+def test_completed_turn_forks_get_exactly_the_chunks_of_the_completed_seed(
+    history: GeneratedHistory, directives: list[str], fork_turns: str | None
+) -> None:
+    # Given one builder and one snapshot, launched from in both seed modes with different directives
+    builder = SeedBuilder()
+    snapshot = snapshot_of(history.raw)
+    for directive in [*directives, directives[0]]:
+        # When the builder makes a completed-turn seed (and a fork_turns seed of the same snapshot between them)
+        seed = builder.build(snapshot, fork_turns=None, directive=directive, seed_mode="completed_turns")
+        builder.build(snapshot, fork_turns=fork_turns, directive=directive)
+
+        # Then it is byte for byte what split_wire(build_completed_seed_wire(...)) gives, digests included
+        chunks, count, task_prompt = expected_completed(snapshot, directive)
+        assert seed.chunks == chunks
+        assert seed.digests == [chunk_digest(c) for c in chunks]
+        assert (seed.count, seed.task_prompt) == (count, task_prompt)
+
+
+def test_completed_turn_siblings_share_every_chunk_and_differ_only_in_the_task_prompt() -> None:
+    # Given a parent with completed turns, launching from its open turn
+    snapshot = snapshot_of(
+        [
+            {"role": "user", "parts": [{"text": "first task"}]},
+            {"role": "model", "parts": [{"text": "done"}]},
+            {"role": "user", "parts": [{"text": "second task"}]},
+            {"role": "model", "parts": [{"functionCall": {"id": "a-1", "name": "Agent", "args": {"prompt": "x"}}}]},
+        ]
+    )
+    builder = SeedBuilder()
+
+    # When two completed-turn forks are built (the CLI spelling of the mode is accepted)
+    one = builder.build(snapshot, fork_turns=None, directive="Review.", seed_mode="completed_turns")
+    two = builder.build(snapshot, fork_turns=None, directive="Document.", seed_mode="completed-turns")
+
+    # Then their chunks are equal and only the task prompts differ
+    assert one.chunks == two.chunks == expected_completed(snapshot, "Review.")[0]
+    assert one.count == 2
+    assert "Review." in one.task_prompt and "Document." in two.task_prompt
+
+
+def test_a_first_turn_completed_fork_has_no_chunks_and_the_bare_directive() -> None:
+    snapshot = snapshot_of([{"role": "user", "parts": [{"text": "task"}]}])
+
+    seed = SeedBuilder().build(snapshot, fork_turns=None, directive="go", seed_mode="completed_turns")
+
+    assert (seed.chunks, seed.digests, seed.count, seed.task_prompt) == ([], [], 0, "go")
+
+
+def test_fork_turns_with_a_completed_turn_fork_is_refused() -> None:
+    snapshot = snapshot_of([{"role": "user", "parts": [{"text": "task"}]}])
+
+    with pytest.raises(InvalidAgentParams) as caught:
+        SeedBuilder().build(snapshot, fork_turns="all", directive="go", seed_mode="completed_turns")
+
+    assert (caught.value.message, caught.value.field) == (MSG_SEED_MODE_FORK_TURNS, "fork_turns")
+
+
+def test_an_unknown_seed_mode_is_refused() -> None:
+    snapshot = snapshot_of([{"role": "user", "parts": [{"text": "task"}]}])
+
+    with pytest.raises(InvalidAgentParams, match='"completed_turns"') as caught:
+        SeedBuilder().build(snapshot, fork_turns=None, directive="go", seed_mode="completed")
+
+    assert caught.value.field == "seed_mode"

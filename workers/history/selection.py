@@ -33,6 +33,7 @@ __all__ = [
     "FORK_INSTRUCTIONS",
     "FORK_PLACEHOLDER_OUTPUT",
     "ForkSeed",
+    "as_contents",
     "build_fork_seed",
     "build_fork_seed_wire",
     "curate_history",
@@ -296,7 +297,7 @@ def select_fork_history(history: Sequence[Content | Mapping[str, Any]], fork_tur
     Raises:
         InvalidAgentParams: `fork_turns` is not `all` or a positive integer string.
     """
-    prefix, body = _select(_as_contents(history), fork_turns)
+    prefix, body = _select(as_contents(history), fork_turns)
     return copy_contents([*prefix, *body])
 
 
@@ -393,7 +394,7 @@ def select_fork_parts(
     Raises:
         InvalidAgentParams: `fork_turns` is invalid.
     """
-    return _select(_as_contents(parent_history), fork_turns)
+    return _select(as_contents(parent_history), fork_turns)
 
 
 def repair_fork_end(body: list[Content], directive: str) -> tuple[list[Content], str]:
@@ -402,5 +403,6 @@ def repair_fork_end(body: list[Content], directive: str) -> tuple[list[Content],
     return _repair_end(body, directive)
 
 
-def _as_contents(history: Iterable[Content | Mapping[str, Any]]) -> list[Content]:
+def as_contents(history: Iterable[Content | Mapping[str, Any]]) -> list[Content]:
+    """Contents as given, wire dicts parsed (`InvalidHistory` names a bad one's index)."""
     return [c if isinstance(c, Content) else parse_content(dict(c), index=i) for i, c in enumerate(history)]

@@ -7,23 +7,31 @@ snapshot object and `fork_turns`, and each launch only repairs, encodes and hash
 messages. A kept chunk is used only when the messages of this launch before its repaired end are the
 very Content objects it was built from (Contents are never changed in place), so the chunks are
 always byte-identical to `split_wire(build_fork_seed_wire(...))`; `tests/test_seeds.py` checks it.
+
+A completed-turn fork (`seed_mode="completed_turns"`, `workers.history.completed`) has no repaired end: its
+messages do not depend on the directive at all, so they are kept per snapshot the same way, and its chunks
+are byte-identical to `split_wire(build_completed_seed_wire(...))`.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from workers import codec
+from workers.errors import InvalidAgentParams
+from workers.history.completed import completed_task_prompt, select_completed_parts
 from workers.history.messages import Content, dump_contents
-from workers.history.params import normalize_fork_turns
+from workers.history.params import MSG_SEED_MODE_FORK_TURNS, normalize_fork_turns, normalize_seed_mode
 from workers.history.selection import repair_fork_end, select_fork_parts
 from workers.history.snapshot import ParentSnapshot
 from workers.records.fork import TAIL_MESSAGES, chunk_digest, split_body, tail_chunk
 
 SNAPSHOTS_KEPT = 4  # snapshots whose selections a builder keeps (the last ones used)
+COMPLETED = "completed_turns"  # the cache key of a completed-turn selection; `fork_turns` keys are "all" or digits
+_Select = Callable[[tuple[Content, ...]], tuple[list[Content], list[Content]]]  # history → (kept prefix, body)
 
 
 @dataclass(frozen=True)
@@ -38,7 +46,8 @@ class SeedChunks:
 
 @dataclass
 class _Selection:
-    """One snapshot's selection for one `fork_turns`, and the body chunks built from it (by message count)."""
+    """One snapshot's selection for one `fork_turns` (or the completed turns), and the body chunks built from it
+    (by message count)."""
 
     snapshot: ParentSnapshot  # held, so that its id (the cache key) stays its own while kept
     history: tuple[Content, ...]  # the snapshot's messages when selected: a list edited since is not served
@@ -63,17 +72,36 @@ class SeedBuilder:
         self._selections: OrderedDict[tuple[int, str], _Selection] = OrderedDict()
         self._lock = threading.Lock()
 
-    def build(self, snapshot: ParentSnapshot, *, fork_turns: object, directive: str, keep: bool = True) -> SeedChunks:
-        """The seed of a fork of `snapshot`: the chunks of `build_fork_seed_wire(snapshot.history, ...)`.
+    def build(
+        self,
+        snapshot: ParentSnapshot,
+        *,
+        fork_turns: object,
+        directive: str,
+        keep: bool = True,
+        seed_mode: str = "fork_turns",
+    ) -> SeedChunks:
+        """The seed of a fork of `snapshot`: the chunks of `build_fork_seed_wire(snapshot.history, ...)`, or of
+        `build_completed_seed_wire(snapshot.history, ...)` for `seed_mode="completed_turns"`.
 
         `keep=False` for a snapshot nobody can pass again (the client parsed it from a dict): nothing is kept.
 
         Raises:
-            InvalidAgentParams: `fork_turns` is invalid.
+            InvalidAgentParams: `fork_turns` or `seed_mode` is invalid, or `fork_turns` is given (not None)
+                with `completed_turns`.
         """
-        selection = self._selection(snapshot, fork_turns, keep)
+        if normalize_seed_mode(seed_mode) == "completed_turns":
+            if fork_turns is not None:
+                raise InvalidAgentParams(MSG_SEED_MODE_FORK_TURNS, field="fork_turns")
+            selection = self._selection(snapshot, COMPLETED, keep, _completed_parts)
+            return self._chunks(selection, selection.body, completed_task_prompt(selection.body, directive))
+        turns = str(normalize_fork_turns(fork_turns))
+        selection = self._selection(snapshot, turns, keep, lambda history: select_fork_parts(history, fork_turns))
         repaired, task_prompt = repair_fork_end(selection.body, directive)
-        messages = [*selection.prefix, *repaired]
+        return self._chunks(selection, [*selection.prefix, *repaired], task_prompt)
+
+    def _chunks(self, selection: _Selection, messages: list[Content], task_prompt: str) -> SeedChunks:
+        """The seed made of `messages`: body chunks shared through `selection`, the last three on their own."""
         body_end = max(0, len(messages) - TAIL_MESSAGES)
         chunks, digests = self._body(selection, messages, body_end)
         tail = tail_chunk([codec.encode(m) for m in dump_contents(messages[body_end:])])
@@ -84,15 +112,16 @@ class SeedBuilder:
             task_prompt=task_prompt,
         )
 
-    def _selection(self, snapshot: ParentSnapshot, fork_turns: object, keep: bool) -> _Selection:
-        key = (id(snapshot), str(normalize_fork_turns(fork_turns)))
+    def _selection(self, snapshot: ParentSnapshot, mode: str, keep: bool, select: _Select) -> _Selection:
+        """The selection of `snapshot` for `mode` (kept, or made by `select` from its history and kept if `keep`)."""
+        key = (id(snapshot), mode)
         with self._lock:
             found = self._selections.get(key)
             if found is not None and found.snapshot is snapshot and _same_messages(snapshot.history, found.history):
                 self._selections.move_to_end(key)
                 return found
         history = tuple(snapshot.history)
-        prefix, body = select_fork_parts(history, fork_turns)
+        prefix, body = select(history)
         selection = _Selection(snapshot, history, prefix, body)
         if not keep:
             return selection
@@ -117,6 +146,11 @@ class SeedBuilder:
         if kept is None:
             kept = selection.bodies[end] = _split(messages[:end])
         return kept
+
+
+def _completed_parts(history: tuple[Content, ...]) -> tuple[list[Content], list[Content]]:
+    """A completed-turn selection in the shape of `select_fork_parts`'s: no kept prefix, every message the body."""
+    return [], select_completed_parts(history)
 
 
 def _same_messages(current: Sequence[Content], kept: Sequence[Content]) -> bool:
