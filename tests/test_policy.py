@@ -11,7 +11,6 @@ from typing import Any
 import pytest
 from test_structured import SCHEMA
 
-from workers.subagents.launch import check_nesting, launch_options
 from workers.errors import InvalidAgentParams
 from workers.history.params import (
     MSG_FORK_TOOLS_LIST,
@@ -34,6 +33,7 @@ from workers.loop.policy import (
     is_agent_call,
     needs_approval,
 )
+from workers.subagents.launch import check_nesting, launch_options
 from workers.tools.builtins import builtin_tools
 from workers.tools.registry import Tool
 

@@ -162,8 +162,6 @@ def _run(stack: ExitStack, *, private_redis: bool) -> int:
     return 0 if ok else 1
 
 
-
-
 # ── Redis ─────────────────────────────────────────────────────────────────────────────────────
 
 
