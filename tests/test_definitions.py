@@ -164,3 +164,12 @@ def test_without_a_folder_the_cache_holds_the_built_ins() -> None:
 def test_a_teammate_asked_for_as_a_fork_is_a_general_purpose_subagent() -> None:
     found = built_in_catalog().find("Fork")
     assert found is not None and found.name == "general-purpose"
+
+
+def test_a_yaml_alias_bomb_is_refused_at_once_without_expanding_it() -> None:
+    # nine levels of nine aliases: a billion strings if anything expanded it (its repr, a copy, a walk)
+    levels = ["&a0 [lol, lol, lol, lol, lol, lol, lol, lol, lol]"]
+    levels += [f"&a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 10)]
+    text = "---\nname: bomb\ndescription: [" + ", ".join(levels) + "]\n---\nbody\n"
+    with pytest.raises(InvalidAgentDefinition, match=r"`description` is required .* got a list of 10 entries"):
+        parse_definition(text, source="bomb.md")

@@ -96,7 +96,8 @@ def parse_definition(text: str, *, source: str) -> AgentDefinition:
     meta = _load_yaml(front, source)
     for key in meta:
         if key not in FIELDS and key not in PASSED_OVER:
-            raise _bad(source, str(key), f"unknown field {shown(key)}; a definition takes {', '.join(FIELDS)}")
+            field = key[:60] if isinstance(key, str) else _shown(key)
+            raise _bad(source, field, f"unknown field {_shown(key)}; a definition takes {', '.join(FIELDS)}")
     prompt = body.strip()
     if not prompt:
         raise _bad(source, "body", "the body (the subagent's system prompt) is empty; write it below the front matter")
@@ -109,6 +110,14 @@ def parse_definition(text: str, *, source: str) -> AgentDefinition:
         max_turns=_max_turns(meta.get("max_turns"), source),
         source=source,
     )
+
+
+def _shown(value: object) -> str:
+    """A front-matter value for a message: a list or mapping by its size only (YAML aliases can make a small
+    file hold a structure whose repr would never end)."""
+    if isinstance(value, list | dict):
+        return f"a {'list' if isinstance(value, list) else 'mapping'} of {len(value)} entries"
+    return shown(value)
 
 
 def _bad(source: str, field: str, problem: str) -> InvalidAgentDefinition:
@@ -140,7 +149,7 @@ def _load_yaml(front: str, source: str) -> dict[str, Any]:
 def _text(meta: Mapping[str, Any], field: str, source: str) -> str:
     value = meta.get(field)
     if not isinstance(value, str) or not value.strip():
-        raise _bad(source, field, f"`{field}` is required and must be a non-empty string, got {shown(value)}")
+        raise _bad(source, field, f"`{field}` is required and must be a non-empty string, got {_shown(value)}")
     return value.strip()
 
 
@@ -150,7 +159,7 @@ def _name(meta: Mapping[str, Any], source: str) -> str:
         raise _bad(
             source,
             "name",
-            f"`name` {shown(name)} must be 1-64 letters, digits, '_', '.', ':', '-' starting with a "
+            f"`name` {_shown(name)} must be 1-64 letters, digits, '_', '.', ':', '-' starting with a "
             "letter or digit, such as `code-reviewer`",
         )
     if name.lower() == "fork":
@@ -163,10 +172,10 @@ def _tools(value: object, source: str) -> tuple[str, ...] | None:
         return None
     names = [n.strip() for n in value.split(",")] if isinstance(value, str) else value
     if not isinstance(names, list) or len(names) > MAX_TOOLS:
-        raise _bad(source, "tools", f"`tools` must be a list of at most {MAX_TOOLS} tool names, got {shown(value)}")
+        raise _bad(source, "tools", f"`tools` must be a list of at most {MAX_TOOLS} tool names, got {_shown(value)}")
     for name in names:
         if not isinstance(name, str) or not name or name != name.strip() or len(name) > 200:
-            raise _bad(source, "tools", f"`tools` entry {shown(name)} is not a tool name; list names like read_file")
+            raise _bad(source, "tools", f"`tools` entry {_shown(name)} is not a tool name; list names like read_file")
     if ALL_TOOLS in names and len(names) > 1:
         raise _bad(source, "tools", '`tools` "*" means every tool; it cannot be combined with names')
     return tuple(dict.fromkeys(names))
@@ -176,7 +185,7 @@ def _model(value: object, source: str) -> str | None:
     if value is None or value == "inherit":
         return None
     if not isinstance(value, str) or not value.strip() or len(value) > 200:
-        raise _bad(source, "model", f"`model` must be a model name or `inherit`, got {shown(value)}")
+        raise _bad(source, "model", f"`model` must be a model name or `inherit`, got {_shown(value)}")
     return value.strip()
 
 
@@ -187,7 +196,7 @@ def _max_turns(value: object, source: str) -> int | None:
         raise _bad(
             source,
             "max_turns",
-            f"`max_turns` must be a whole number from 1 to {MAX_LAUNCH_TURNS:,}, got {shown(value)}",
+            f"`max_turns` must be a whole number from 1 to {MAX_LAUNCH_TURNS:,}, got {_shown(value)}",
         )
     return value
 
