@@ -193,3 +193,32 @@ def test_a_tool_outside_the_launch_tool_filter_is_refused_at_execution(
     assert tool_names("openai", first) == ["read_file"]
     [reply] = [m for m in second.json["messages"] if m["role"] == "tool"]
     assert "is not one of this fork's tools" in reply["content"] and "was not run" in reply["content"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_launch_persona_and_tool_filter_reach_the_wire_of_a_completed_turn_fork(
+    kind: str,
+    apis: dict[str, FakeAPI],  # noqa: F811
+    forkq: Callable[..., ForkClient],  # noqa: F811
+    make_parent: Callable[[str], dict[str, Any]],  # noqa: F811
+) -> None:
+    # Given a completed-turn fork launched with a persona and two tools
+    api = apis[kind]
+    client = forkq(**provider_settings(kind, api))
+    answer(kind, api, "done")
+    persona = "You are the release-notes writer. Answer in one paragraph."
+
+    # When it runs
+    handle = client.launch(
+        make_parent(model_of(kind)),
+        FORK,
+        seed_mode="completed_turns",
+        persona=persona,
+        tool_filter=["glob", "read_file"],
+    )
+    assert handle.wait(timeout=20).status is Status.SUCCEEDED
+
+    # Then its request carried the persona as the system prompt and exactly those tools, in the parent's order
+    [received] = api.received
+    assert system_prompt(kind, received) == persona
+    assert tool_names(kind, received) == ["read_file", "glob"]
