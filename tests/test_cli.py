@@ -366,7 +366,7 @@ def test_inspect_shows_the_launch_options_in_text_and_json(forkq: Run, tmp_path:
     options = ["--approval-policy", "park", "--output-schema", str(tmp_path / "schema.json")]
     fork_id = launch(forkq, *options, "--max-wall-s", "30", "--max-turns", "5", "--fork-tools", "read_file,glob")
     code, out, _ = forkq(
-        "launch", "--parent", PARENT, "--prompt", PROMPT, "--subagent-type", "reviewer", "--name", "rev"
+        "launch", "--parent", PARENT, "--prompt", PROMPT, "--subagent-type", "Explore", "--name", "rev"
     )
     assert code == 0
     teammate = out.strip()
@@ -385,12 +385,14 @@ def test_inspect_shows_the_launch_options_in_text_and_json(forkq: Run, tmp_path:
     assert "approval_policy=park max_wall_s=30.0 max_turns=5" in text
     assert f"output_schema: {json.dumps(schema, sort_keys=True)}" in text and "subagent_type='fork'" in text
     assert (plain["subagent_type"], plain["name"], plain["approval_policy"], plain["output_schema"]) == (
-        "reviewer",
+        "Explore",
         "rev",
         "deny",
         None,
     )
     assert (plain["max_wall_s"], plain["max_turns"], plain["fork_tools"]) == (None, None, None)
+    assert (plain["agent"], plain["agent_source"], plain["seed_mode"]) == ("Explore", "built-in", "fork_turns")
+    assert "agent=Explore (built-in)" in forkq("inspect", teammate)[1]
 
 
 # ── the worker's exit code ────────────────────────────────────────────────────────────────────

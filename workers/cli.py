@@ -309,6 +309,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             f"approval_policy={record['approval_policy']} max_wall_s={record['max_wall_s']} "
             f"max_turns={record['max_turns']} fork_tools={record['fork_tools']}"
         )
+        agent = f"agent={record['agent']} ({record['agent_source']})" if record["agent"] else "agent=none"
+        print(
+            f"seed_mode={record['seed_mode']} {agent} persona={record['persona']} "
+            f"tool_filter={record['tool_filter']} max_depth={record['max_depth']}"
+        )
         schema = record["output_schema"]
         print(f"output_schema: {'none' if schema is None else json.dumps(schema, ensure_ascii=False)[:500]}")
         print(f"task prompt: {record['task_prompt'][:200]}")
