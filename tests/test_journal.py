@@ -60,6 +60,15 @@ class MemoryJournal:
     refuse_at: int | None = None
     events: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     stop_reason: Callable[[], str | None] = lambda: None
+    inbox: list[str] = field(default_factory=list)  # messages `send` left, delivered as the fenced inbox does
+
+    def take_mail(self) -> list[str]:
+        return list(self.inbox)
+
+    def deliver(self, entries: list[JournalEntry]) -> None:
+        for entry in entries:
+            self.append(entry)
+        del self.inbox[: len(entries)]
 
     def emit(self, kind: str, data: dict[str, Any]) -> None:
         self.events.append((kind, data))

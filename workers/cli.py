@@ -1,5 +1,5 @@
-"""The `forkq` command: launch, status, result, events, cancel, resume, approve, deny, inspect, agents,
-providers, worker, check, sweep, demo.
+"""The `forkq` command: launch, status, result, events, cancel, resume, approve, deny, inspect, send, list,
+agents, providers, worker, check, sweep, demo.
 
 Exit codes: 0 done, 1 failed (or no result yet), 2 bad input or settings (nothing was written), 3 the fork
 is parked (`awaiting_approval` or `paused`: a person must act before it can end). Every command that prints
@@ -32,6 +32,7 @@ from workers.errors import (
     InvalidAgentParams,
     InvalidHistory,
     InvalidParentSnapshot,
+    MessageRefused,
 )
 from workers.extras import require_extra
 from workers.history.snapshot import load_parent_snapshot, read_json_file
@@ -41,7 +42,7 @@ from workers.store.health import check_redis
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_PARKED = 0, 1, 2, 3
 PARKED: tuple[str, ...] = ("awaiting_approval", "paused")
 DEFAULT_DESCRIPTION_CHARS = 80  # the prompt's first words, when no --description is given
-MAX_PERSONA_FILE_BYTES = 256 * 1024  # `--persona FILE`
+MAX_TEXT_FILE_BYTES = 256 * 1024  # `--persona FILE`, `send --file F`
 
 
 def _settings() -> Settings:
@@ -113,19 +114,66 @@ def _tool_list(text: str, field: str = "fork_tools") -> Any:
 
 def _persona_file(path: str) -> str:
     """`--persona FILE`: the file's UTF-8 text (bounded)."""
+    return _text_file(path, "--persona", "persona")
+
+
+def _text_file(path: str, option: str, field: str) -> str:
+    """A text option's file: its UTF-8 text, at most MAX_TEXT_FILE_BYTES."""
     try:
         with Path(path).open("rb") as handle:
-            data = handle.read(MAX_PERSONA_FILE_BYTES + 1)
+            data = handle.read(MAX_TEXT_FILE_BYTES + 1)
     except OSError as exc:
-        raise InvalidAgentParams(f"--persona {path!r}: cannot read it ({exc.strerror})", field="persona") from exc
-    if len(data) > MAX_PERSONA_FILE_BYTES:
+        raise InvalidAgentParams(f"{option} {path!r}: cannot read it ({exc.strerror})", field=field) from exc
+    if len(data) > MAX_TEXT_FILE_BYTES:
         raise InvalidAgentParams(
-            f"--persona {path!r}: larger than {MAX_PERSONA_FILE_BYTES // 1024} KiB; shorten it", field="persona"
+            f"{option} {path!r}: larger than {MAX_TEXT_FILE_BYTES // 1024} KiB; shorten it", field=field
         )
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise InvalidAgentParams(f"--persona {path!r}: not UTF-8 text; save it as UTF-8", field="persona") from exc
+        raise InvalidAgentParams(f"{option} {path!r}: not UTF-8 text; save it as UTF-8", field=field) from exc
+
+
+def cmd_send(args: argparse.Namespace) -> int:
+    """Give a fork (by id, or a teammate by session and name) a message."""
+    fork_id, text = _send_target(args)
+    with _client() as client:
+        sent = client.send(fork_id, text) if fork_id is not None else client.send_to(args.session, args.to, text)
+        status = client.status(sent.fork_id).status.value
+    if args.json:
+        _print_json({"fork_id": sent.fork_id, "outcome": sent.outcome, "status": status, "waiting": sent.waiting})
+    elif sent.outcome == "continued":
+        print(f"{sent.fork_id}: continued (queued again; `forkq result {sent.fork_id} --wait` for its answer)")
+    else:
+        print(f"{sent.fork_id}: in its inbox ({sent.waiting} waiting), read before its next model call")
+    return EXIT_OK
+
+
+def _send_target(args: argparse.Namespace) -> tuple[str | None, str]:
+    """(fork id or None with --to, message) from `forkq send`'s arguments."""
+    words = list(args.words)
+    if (args.to is None) != (args.session is None):
+        raise InvalidAgentParams("--to and --session go together: --session S --to NAME names a teammate", field="to")
+    fork_id = None if args.to is not None else (words.pop(0) if words else None)
+    if args.to is None and fork_id is None:
+        raise InvalidAgentParams("name the fork: forkq send ID MESSAGE (or --session S --to NAME)", field="fork_id")
+    if (args.file is None) == (len(words) != 1):
+        raise InvalidAgentParams("give the message once: as one argument (quote it) or with --file F", field="message")
+    text = words[0] if args.file is None else _text_file(args.file, "--file", "message")
+    return fork_id, text
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    """List a parent session's forks."""
+    with _client() as client:
+        forks = client.list(args.session)
+    if args.json:
+        _print_json(forks)
+        return EXIT_OK
+    for fork in forks:
+        name = f" {fork['name']}" if fork.get("name") else ""
+        print(f"{fork['fork_id']} {fork['kind']}{name} {fork['status']}: {fork['description']}")
+    return EXIT_OK
 
 
 def cmd_agents(args: argparse.Namespace) -> int:
@@ -466,6 +514,8 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "events": cmd_events,
     "inspect": cmd_inspect,
     "agents": cmd_agents,
+    "send": cmd_send,
+    "list": cmd_list,
     "providers": cmd_providers,
     "worker": cmd_worker,
     "check": cmd_check,
@@ -479,7 +529,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         code: int = COMMANDS[args.command](args)
-    except (InvalidAgentParams, InvalidParentSnapshot, InvalidHistory, ConfigurationError) as exc:
+    except (InvalidAgentParams, InvalidParentSnapshot, InvalidHistory, ConfigurationError, MessageRefused) as exc:
         print(f"forkq {args.command}: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except ForkTimeout as exc:

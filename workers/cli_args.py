@@ -112,6 +112,19 @@ def build_parser() -> Parser:
     events = by_id("events", "Print a fork's progress events (--json: one JSON object per line).")
     events.add_argument("--follow", action="store_true", help="keep printing until the fork ends")
     by_id("inspect", "Print a fork's bootstrap record and launch options.")
+    send = add(
+        "send",
+        "Give a fork a message: continue a succeeded fork, or reach a running or parked one before its next call.",
+        epilog="forms: forkq send ID MESSAGE | forkq send ID --file F | forkq send --session S --to NAME MESSAGE",
+    )
+    send.add_argument("words", nargs="*", metavar="ID MESSAGE", help="the fork id, then the message")
+    send.add_argument("--file", help="read the message from this file (UTF-8)")
+    send.add_argument("--session", help="the parent session of the teammate named by --to")
+    send.add_argument("--to", help="the teammate's name (with --session), instead of a fork id")
+    send.add_argument("--json", action="store_true", help="print JSON")
+    listing = add("list", "List the forks of a parent session (id, kind, name, description, status, times).")
+    listing.add_argument("--session", required=True, help="the parent session id")
+    listing.add_argument("--json", action="store_true", help="print JSON")
     add("agents", "List the subagent definitions (built-ins and FORKQ_AGENTS_DIR).").add_argument(
         "--json", action="store_true", help="print JSON"
     )

@@ -16,16 +16,20 @@ from broker_config.redis_client import redis_client as connect_redis
 from broker_config.settings import Settings
 from workers.errors import (
     ForkNotEnded,
+    ForkNotFound,
     ForkNotPaused,
     ForkParked,
     ForkTimeout,
+    InvalidAgentParams,
     InvalidApproval,
+    MessageRefused,
 )
 from workers.history.params import AgentParams, ApprovalPolicy, SeedMode, revalidate, validate_agent_params
 from workers.history.snapshot import ParentSnapshot, parse_parent_snapshot
 from workers.keys import Keys
-from workers.limits import shown, text_problem
+from workers.limits import MAX_INBOX_MESSAGES, MAX_MESSAGE_BYTES, shown, text_problem
 from workers.records.fork import BootstrapRecord, ForkResult, ForkState, Status
+from workers.records.journal import exchanges
 from workers.records.notification import render_task_notification
 from workers.records.seeds import SeedBuilder, SeedChunks
 from workers.store.forks import ForkEvent, ForkStore
@@ -83,6 +87,36 @@ def check_timeout(timeout: object) -> None:
 def new_fork_id() -> str:
     """A fresh fork id: `f-` and 24 random hex digits."""
     return f"f-{secrets.token_hex(12)}"
+
+
+@dataclass(frozen=True)
+class Sent:
+    """What `send` did: `continued` (a succeeded fork queued again) or `queued` (in its inbox), and how many
+    messages now wait in the inbox."""
+
+    fork_id: str
+    outcome: str
+    waiting: int
+
+
+NAME_ATTEMPTS = 5  # compare-and-set rounds when launches race for one teammate name
+NAME_LAUNCH_GRACE_MS = 60_000  # a name claimed by a launch whose fork is not written yet stays taken this long
+TERMINAL = tuple(s.value for s in Status if s.terminal)
+
+
+def message_problem(text: object) -> str | None:
+    """Why `text` cannot be a message, or None."""
+    if not isinstance(text, str):
+        return f"a message must be text, got {type(text).__name__}"
+    if not text.strip():
+        return "the message is empty; send the text the fork should read"
+    problem = text_problem("the message", text)
+    if problem is not None:
+        return problem
+    size = len(text.encode("utf-8"))
+    if size > MAX_MESSAGE_BYTES:
+        return f"the message is {size:,} bytes, more than {MAX_MESSAGE_BYTES:,}; shorten it or point to a file"
+    return None
 
 
 @dataclass(frozen=True)
@@ -243,6 +277,8 @@ class ForkClient:
                 snapshot, fork_turns=fork_turns, directive=agent.prompt, keep=reused, seed_mode=plan.seed_mode
             )
         record = self._record(fid, snapshot, agent, seed, plan)
+        if agent.name:  # a teammate: its name is its own in the session while it lives
+            self._claim_name(snapshot.session_id, agent.name, fid)
         record_bytes, digest = record.encode()
         self.store.put_launch(record, record_bytes, digest, seed.chunks)
         self._enqueue_first(record, record_bytes, digest, seed.chunks)
@@ -445,6 +481,82 @@ class ForkClient:
             leases=self._leases,
         )
 
+    # ── conversations ─────────────────────────────────────────────────────────────────────────
+
+    def _claim_name(self, session: str, name: str, fork_id: str) -> None:
+        """Make `name` the new teammate's in `session`, unless a live teammate holds it.
+
+        Raises:
+            InvalidAgentParams: a teammate of that name has not ended (`.field` is `name`); nothing is written.
+        """
+        for _ in range(NAME_ATTEMPTS):
+            entry = self.store.teammate_entry(session, name)
+            if entry is not None:
+                holder, _, since = entry.partition(" ")
+                try:
+                    status = self.store.state(holder).status.value
+                except ForkNotFound:  # being launched right now, or a launch that never completed long ago
+                    launching = time.time() * 1000 - int(since or 0) < NAME_LAUNCH_GRACE_MS
+                    status = "being launched" if launching else None
+                if status is not None and status not in TERMINAL:
+                    raise InvalidAgentParams(
+                        f"teammate name {name!r} is taken in session {session} by fork {holder}, which is "
+                        f"{status}; choose another name, or message it (forkq send --session {session} --to {name})",
+                        field="name",
+                    )
+            if self.store.claim_name(session, name, fork_id, expected=entry):
+                return
+        raise InvalidAgentParams(f"teammate name {name!r}: launches raced for it; try again", field="name")
+
+    def send_to(self, session: str, name: str, text: str) -> Sent:
+        """`send` to the teammate launched as `name` from parent session `session`.
+
+        Raises:
+            ForkNotFound: the session has no teammate of that name.
+            MessageRefused: as `send`.
+        """
+        fork_id = self.store.teammate(session, name)
+        if fork_id is None:
+            raise ForkNotFound(
+                f"session {session} has no teammate named {name!r}; `forkq list --session {session}` lists its forks",
+                fork_id=None,
+            )
+        return self.send(fork_id, text)
+
+    def send(self, fork_id: str, text: str) -> Sent:
+        """Give a fork a message: a succeeded fork is continued (queued again: its next run answers the
+        message from its whole conversation); a running, queued or parked one gets it in its inbox, delivered
+        as a user message before its next model call (a parked one once it resumes).
+
+        Raises:
+            MessageRefused: the text is empty, not text or too long; the fork failed or was cancelled; or
+                its inbox is full. Nothing was written.
+            ForkNotFound: there is no such fork.
+        """
+        problem = message_problem(text)
+        if problem is not None:
+            raise MessageRefused(f"fork {fork_id}: {problem}", fork_id=fork_id, field="message")
+        word, waiting = self.store.send(fork_id, text, inbox_limit=MAX_INBOX_MESSAGES)
+        if word == "missing":
+            self.store.state(fork_id)  # raises ForkNotFound, with its message
+        if word in ("failed", "cancelled"):
+            raise MessageRefused(
+                f"fork {fork_id} {word}, so it takes no more messages (a message reaches a fork that runs, waits "
+                "or succeeded); launch a new fork with what it should do",
+                fork_id=fork_id,
+                status=word,
+            )
+        if word == "full":
+            raise MessageRefused(
+                f"fork {fork_id}: its inbox already holds {waiting} messages, the most it keeps; send again once "
+                "it has read them (at its next model call)",
+                fork_id=fork_id,
+                status=self.store.state(fork_id).status.value,
+            )
+        if word == "continued":
+            self._enqueue_again(fork_id)
+        return Sent(fork_id=fork_id, outcome="continued" if word == "continued" else "queued", waiting=waiting)
+
     def notification(self, fork_id: str) -> str:
         """The `<task-notification>` the parent's model reads once the fork has ended.
 
@@ -482,4 +594,5 @@ class ForkClient:
             "description": record.description,
             "parent_session": record.parent_session,
             **launch_settings(record),
+            "exchanges": exchanges(record.directive, self._leases.journal(fork_id)),
         }

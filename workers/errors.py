@@ -15,6 +15,7 @@ ForkqError                      base; never raised bare
 ├── ForkNotPaused               a resumed fork is not paused: nothing to resume (.fork_id, .status)
 ├── LeaseLost                   this worker no longer holds the fork's lease (.fork_id)
 ├── InvalidApproval             approve/deny of a fork or call that is not awaiting a decision (.fork_id)
+├── MessageRefused              a message `send` cannot give: empty, too long, ended fork, full inbox (.status)
 ├── ConfigurationError          settings or the Redis server are unfit for forkq (.field)
 │   ├── MissingExtra            a command needs an optional part of forkq that is not installed (.extra, .missing)
 │   └── InvalidAgentDefinition  a subagent definition file is malformed (.path, .field)
@@ -133,6 +134,15 @@ class LeaseLost(ForkqError):
 
 class InvalidApproval(ForkqError):
     """An approve/deny that does not apply: the fork is not awaiting approval, or has no such pending call."""
+
+
+class MessageRefused(ForkqError):
+    """A message `send` did not give the fork: the text is empty or too long, the fork failed or was cancelled,
+    or its inbox is full; `status` is the fork's status when that is the reason, and nothing was written."""
+
+    def __init__(self, message: str, *, fork_id: str | None, status: str | None = None, field: str | None = None):
+        super().__init__(message, fork_id=fork_id, field=field)
+        self.status = status
 
 
 class ConfigurationError(ForkqError):

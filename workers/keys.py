@@ -25,6 +25,10 @@ Each key: type; content; TTL; writer → readers.
 - `{ns}:{<fork_id>}:journal`: list; canonical msgpack `JournalEntry` per model response and tool
   call/result, appended only under the current epoch (and, while the fork is parked and has no
   owner, a person's `approval` entries); retention; worker, approve/deny → worker (replay), inspect.
+  A `message` entry is a user message `send` gave the fork, moved there from its inbox by the worker.
+- `{ns}:{<fork_id>}:inbox`: list; UTF-8 texts of messages `send` gave the fork, oldest first, at most
+  `workers.limits.MAX_INBOX_MESSAGES`; retention; send → worker (which moves them, under its epoch, into
+  the journal before a model call, or when the fork would otherwise end).
 - `{ns}:running`: sorted set; fork ids of running forks scored by their lease deadline (Redis ms);
   none; worker (claim, heartbeat, finish) → sweeper. The one key shared by all forks.
 - `{ns}:sweep`: hash; `last` (Redis ms of the latest sweeper pass) and `grace_until` (Redis ms until
@@ -42,6 +46,9 @@ Each key: type; content; TTL; writer → readers.
   reason, task_id, raw_bytes, raw_blake2b, at}`, a newline, then the item's bytes; newest first, capped
   at 16 items (LTRIM), 7 days after the last refusal (EXPIRE); written on the connection the item came
   from, before `{ns}:dead`, so an item is kept even while the records Redis is down; worker → operators.
+- `{ns}:{parent:<session>}:names`: hash; teammate name → the fork id of the last teammate launched
+  with that name from the session (a name belongs to one live teammate at a time); retention, renewed
+  by every named launch; launch (compare-and-set) → launch, send_to.
 - `{ns}:{parent:<session>}:chunk:<digest>`: string; a chunk named by the BLAKE2b-256 of its bytes:
   canonical msgpack list of wire Contents (a seed chunk), or the parent's context (system instruction
   and tool declarations); retention, renewed on reuse; launch → worker, inspect.
@@ -90,6 +97,10 @@ class Keys:
         """The fork's lease (owner token)."""
         return self._fork(fork_id, "lease")
 
+    def inbox(self, fork_id: str) -> str:
+        """Messages sent to the fork, not yet delivered."""
+        return self._fork(fork_id, "inbox")
+
     def journal(self, fork_id: str) -> str:
         """The fork's step journal."""
         return self._fork(fork_id, "journal")
@@ -119,8 +130,18 @@ class Keys:
         """Refused queue items, whole, on the broker's Redis (`broker_config.connection`)."""
         return f"{self.namespace}:dead:items"
 
+    def session_names(self, parent_session: str) -> str:
+        """Teammate names of one parent session → fork ids."""
+        _check_session(parent_session)
+        return f"{self.namespace}:{{parent:{parent_session}}}:names"
+
     def chunk(self, parent_session: str, digest_hex: str) -> str:
         """A content-addressed seed chunk shared by the forks of one parent session."""
         if not SESSION_RE.fullmatch(parent_session):
             raise ValueError(f"parent session id {parent_session!r} must be 1-200 characters without braces or spaces")
         return f"{self.namespace}:{{parent:{parent_session}}}:chunk:{digest_hex}"
+
+
+def _check_session(parent_session: str) -> None:
+    if not SESSION_RE.fullmatch(parent_session):
+        raise ValueError(f"parent session id {parent_session!r} must be 1-200 characters without braces or spaces")

@@ -52,6 +52,14 @@ class ForkIO(Protocol):
         """
         ...
 
+    def take_mail(self) -> list[str]:
+        """The oldest messages `send` left in the fork's inbox, to deliver now (empty: none)."""
+        ...
+
+    def deliver(self, entries: list[JournalEntry]) -> None:
+        """Journal the `message` entries of the texts `take_mail` returned, and take those from the inbox."""
+        ...
+
 
 # why a loop stopped: cancelled by a person, its worker shuts down, its lease was lost, or it parked (`Parked`)
 StopReason = Literal["cancelled", "shutdown", "lease_lost", "awaiting_approval"]
@@ -153,6 +161,8 @@ class ChildLoop:
         while True:
             if state.final is not None:
                 output, error = self._final(state)
+                if error is None and output is not None and self._deliver(state):
+                    continue  # a message arrived: the next exchange starts from this answer
                 if output is not None or error is not None:
                     status = Status.SUCCEEDED if error is None else Status.FAILED
                     return self._result(state, started, status, output, error)
@@ -163,10 +173,12 @@ class ChildLoop:
             if state.pending:
                 self._run_tools(state, deadline)
                 continue
-            if state.step >= self.max_turns:
+            if state.step - state.exchange_step >= self.max_turns:  # per exchange: a continuation starts afresh
                 return self._result(
                     state, started, Status.FAILED, None, f"max_turns: stopped after {self.max_turns} model calls"
                 )
+            if state.step > 0:  # never before the first call: its request is the launch's own (primed)
+                self._deliver(state)
             self._model_step(state)
 
     @property
@@ -199,6 +211,26 @@ class ChildLoop:
         self._write(state, step=state.step, kind="feedback", content=content.to_wire())
         self.io.emit("feedback", {"step": state.step, "error": problem[:500]})
         return None, None
+
+    def _deliver(self, state: LoopState) -> bool:
+        """Deliver the messages waiting in the inbox as user messages, between steps; True if there were any."""
+        texts = self.io.take_mail()
+        if not texts:
+            return False
+        entries = [
+            JournalEntry(
+                seq=state.next_seq + i,
+                step=state.step,
+                kind="message",
+                content=Content(role="user", parts=[Part(text=text)]).to_wire(),
+            )
+            for i, text in enumerate(texts)
+        ]
+        self.io.emit("message", {"step": state.step, "count": len(entries)})
+        self.io.deliver(entries)
+        for entry in entries:
+            state.apply(entry)
+        return True
 
     def _write(self, state: LoopState, *, boundary: bool = False, **fields: Any) -> None:
         """Journal the next entry, then apply that same entry: the live state is what a replay rebuilds."""
@@ -357,15 +389,28 @@ class ChildLoop:
     def _result(
         self, state: LoopState, started: float, status: Status, output: str | None, error: str | None
     ) -> ForkResult:
+        duration_ms = int((time.monotonic() - started + self.running_s) * 1000)  # since the exchange's first start
         usage = Usage(
             input_tokens=state.input_tokens,
             output_tokens=state.output_tokens,
             total_tokens=state.input_tokens + state.output_tokens,
             tool_uses=state.tool_uses,
             model_calls=state.step,
-            duration_ms=int((time.monotonic() - started + self.running_s) * 1000),  # since the first start
+            duration_ms=duration_ms,
         )
-        return ForkResult(fork_id=self.record.fork_id, status=status, output=output, usage=usage, error=error)
+        run_usage = None
+        if state.exchange_step > 0:  # a continuation: the usage above is the whole conversation's
+            run_usage = Usage(
+                input_tokens=state.exchange_input_tokens,
+                output_tokens=state.exchange_output_tokens,
+                total_tokens=state.exchange_input_tokens + state.exchange_output_tokens,
+                tool_uses=state.exchange_tool_uses,
+                model_calls=state.step - state.exchange_step,
+                duration_ms=duration_ms,
+            )
+        return ForkResult(
+            fork_id=self.record.fork_id, status=status, output=output, usage=usage, error=error, run_usage=run_usage
+        )
 
 
 def model_request(

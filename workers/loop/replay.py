@@ -79,6 +79,11 @@ class LoopState:
     tool_uses: int = 0
     decisions: dict[int, Decision] = field(default_factory=dict)  # approvals for the last model Content's calls
     feedbacks: int = 0  # final answers sent back for failing the output schema
+    exchange_step: int = 0  # `step` when the current exchange began (the launch, or the last message)
+    exchange_input_tokens: int = 0  # tokens of the current exchange only
+    exchange_output_tokens: int = 0
+    exchange_tool_uses: int = 0
+    messages_received: int = 0  # `message` entries applied
     finish_reason: str = "stop"  # of the last model response (`stop` also for `tool_calls`)
     fork_id: str | None = field(default=None, compare=False)  # names the fork in a damaged journal's error
 
@@ -102,6 +107,8 @@ class LoopState:
                 self._approval(entry)
             case "feedback":
                 self._feedback(entry)
+            case "message":
+                self._message(entry)
             case "surface":
                 pass  # which tools the first worker could execute: checked by the runner, not loop state
 
@@ -128,6 +135,8 @@ class LoopState:
         self.step = entry.step + 1
         self.input_tokens += entry.input_tokens
         self.output_tokens += entry.output_tokens
+        self.exchange_input_tokens += entry.input_tokens
+        self.exchange_output_tokens += entry.output_tokens
         self.calls = calls_of(content)
         invalid = entry.invalid_calls or {}
         self.pending = [PendingCall(i, c, started=False, invalid=invalid.get(c.id or "")) for i, c in self.calls]
@@ -153,6 +162,7 @@ class LoopState:
             raise self._damaged(entry, f"answers call {entry.call_index} of step {self.step - 1} a second time")
         self.answers[entry.call_index] = response_part(call, entry.response)
         self.tool_uses += 1
+        self.exchange_tool_uses += 1
         remaining = [p for p in self.pending if p.index != entry.call_index]
         if len(remaining) < len(self.pending) and not remaining:  # the step's answers are complete: they join
             self.messages.append(self.answer_content())
@@ -168,6 +178,19 @@ class LoopState:
             self.messages.append(Content.model_validate(entry.content))
             self.final = None
             self.feedbacks += 1
+
+    def _message(self, entry: JournalEntry) -> None:
+        if entry.content is None:
+            return
+        if self.pending:  # messages are delivered between steps, never while calls wait for results
+            raise self._damaged(entry, f"is a message while calls of step {self.step - 1} have no result")
+        self.messages.append(Content.model_validate(entry.content))
+        if self.final is not None:  # a message after the final answer starts the next exchange
+            self.exchange_step = self.step
+            self.exchange_input_tokens = self.exchange_output_tokens = self.exchange_tool_uses = 0
+            self.feedbacks = 0
+        self.final = None
+        self.messages_received += 1
 
 
 def replay(seed: ForkSeed, entries: Iterable[JournalEntry], *, fork_id: str | None = None) -> LoopState:

@@ -209,12 +209,13 @@ class ForkResult(BaseModel):
     fork_id: str
     status: Status
     output: str | None = None
-    usage: Usage = Field(default_factory=Usage)
+    usage: Usage = Field(default_factory=Usage)  # the whole fork's, across its continuations
     error: str | None = None
+    run_usage: Usage | None = None  # a continued fork's last exchange alone (None: the fork never was continued)
 
     def encode(self) -> bytes:
-        """Canonical bytes."""
-        return codec.encode(self.model_dump(mode="json"))
+        """Canonical bytes (without `run_usage` when it is None: a result's bytes stay those of before it)."""
+        return codec.encode(self.model_dump(mode="json", exclude={"run_usage"} if self.run_usage is None else None))
 
     @classmethod
     def decode(cls, data: bytes, *, fork_id: str) -> ForkResult:

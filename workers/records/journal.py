@@ -4,7 +4,9 @@ The first entry (`surface`) records which declared tools the first worker could 
 entry per model response, and for each tool call one `tool_started` before it runs and one
 `tool_result` after. A person's decision on a parked call is an `approval` entry (written by the
 client while the fork is parked); a final answer that failed the output schema is followed by a
-`feedback` entry, the user message that sent it back. Replaying the entries over the seed
+`feedback` entry, the user message that sent it back. A message `send` gave the fork becomes a
+`message` entry (a user Content) when the worker delivers it: before a model call, or instead of
+ending the fork, whose next exchange then starts. Replaying the entries over the seed
 (`workers.loop.replay`) rebuilds the exact messages the original run had, so a revived fork's next
 model request is identical to the one the dead worker made.
 """
@@ -36,8 +38,8 @@ class JournalEntry(BaseModel):
     schema_version: int = 1
     seq: int
     step: int
-    kind: Literal["surface", "model", "tool_started", "tool_result", "approval", "feedback"]
-    content: dict[str, Any] | None = None  # model: the response Content; feedback: the user Content (wire form)
+    kind: Literal["surface", "model", "tool_started", "tool_result", "approval", "feedback", "message"]
+    content: dict[str, Any] | None = None  # model: the response Content; feedback, message: the user Content
     request_digest: str | None = None  # model: digest of the request that produced it
     invalid_calls: dict[str, str] | None = None  # model: call id → error, for calls the provider garbled
     finish_reason: str | None = None  # model: why it stopped, when not `stop`/`tool_calls`
@@ -144,3 +146,29 @@ def journal_usage(journal: Sequence[bytes], fork_id: str) -> Usage:
             usage.tool_uses += 1
     usage.total_tokens = usage.input_tokens + usage.output_tokens
     return usage
+
+
+def exchanges(directive: str, entries: Sequence[JournalEntry]) -> list[dict[str, Any]]:
+    """A fork's conversation as `inspect` lists it: each exchange's message (the directive first), the messages
+    delivered while it ran (`during`), and its final answer (None while it has none)."""
+    current: dict[str, Any] = {"message": directive, "during": [], "answer": None}
+    found = [current]
+    for entry in entries:
+        if entry.kind == "model":
+            parts = (entry.content or {}).get("parts") or []
+            calls = any(isinstance(p, dict) and "functionCall" in p for p in parts)
+            texts = [p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str)]
+            thoughts = [
+                p.get("thought") is True for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str)
+            ]
+            answer = "".join(t for t, thought in zip(texts, thoughts, strict=True) if not thought)
+            current["answer"] = None if calls else answer
+        elif entry.kind == "message":
+            parts = (entry.content or {}).get("parts") or []
+            text = "".join(p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str))
+            if current["answer"] is None:
+                current["during"].append(text)
+            else:
+                current = {"message": text, "during": [], "answer": None}
+                found.append(current)
+    return found

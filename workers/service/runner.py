@@ -16,6 +16,7 @@ from broker_config.settings import Settings
 from workers.errors import ForkNotFound, ForkqError, LeaseLost, RecordIntegrityError
 from workers.history.selection import ForkSeed
 from workers.keys import Keys
+from workers.limits import INBOX_DELIVERY_BATCH
 from workers.loop.child import STOP_REASONS, ChildLoop, Parked, Spawner, Stopped, StopReason
 from workers.providers import ModelProvider
 from workers.providers.routing import ProviderRouter
@@ -172,6 +173,8 @@ class FencedChannel:
     pending_events: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     observe: Callable[[str, dict[str, Any]], None] | None = None  # metrics and Flower progress, as emitted
     published: list[tuple[str, dict[str, Any]]] = field(default_factory=list)  # by the claim (`Claim.primed`)
+    mail: bool = False  # messages wait in the inbox (as the claim, or the last fenced write, found it)
+    mail_items: list[bytes] = field(default_factory=list)  # read by `take_mail`, moved by `deliver`
 
     def emit(self, kind: str, data: dict[str, Any]) -> None:
         """Queue a progress event."""
@@ -203,7 +206,7 @@ class FencedChannel:
             return
         if self.pending_entries:  # the first run's tool surface: recorded before the first model call
             entries, self.pending_entries = self.pending_entries, []
-            self.leases.append(self.claim, *entries, events=self._take_events())
+            self.mail = self.leases.append(self.claim, *entries, events=self._take_events())
             return
         status = self.leases.emit(self.claim, self._take_events())
         if status != "running":
@@ -221,12 +224,28 @@ class FencedChannel:
         if not boundary and _is_final_answer(entry):
             self.pending_entries = entries
             return
-        self.leases.append(self.claim, *entries, events=self._take_events())
+        self.mail = self.leases.append(self.claim, *entries, events=self._take_events())
 
-    def finish(self, result: ForkResult) -> None:
-        """Write the result with the held entries and queued events (one round trip)."""
+    def take_mail(self) -> list[str]:
+        """The oldest messages waiting in the inbox (none without a round trip when no write saw any)."""
+        if not self.mail:
+            return []
+        self.mail_items = self.leases.inbox(self.claim.fork_id, INBOX_DELIVERY_BATCH)
+        self.mail = bool(self.mail_items)
+        return [item.decode("utf-8", "replace") for item in self.mail_items]
+
+    def deliver(self, entries: list[JournalEntry]) -> None:
+        """Journal `entries` (the messages `take_mail` read, after any held entry) and take them from the inbox."""
+        self._stop_if_asked()
+        held, self.pending_entries = self.pending_entries, []
+        items, self.mail_items = self.mail_items, []
+        self.mail = self.leases.deliver(self.claim, [*held, *entries], items, events=self._take_events())
+
+    def finish(self, result: ForkResult) -> str:
+        """Write the result with the held entries and queued events (one round trip); `continued` when
+        messages arrived meanwhile and the fork was queued again instead (see `Leases.finish`)."""
         entries, self.pending_entries = self.pending_entries, []
-        self.leases.finish(self.claim, result, *entries, events=self._take_events())
+        return self.leases.finish(self.claim, result, *entries, events=self._take_events())
 
 
 def _is_final_answer(entry: JournalEntry) -> bool:
@@ -362,7 +381,7 @@ def _prepare(
             fork_id=job.fork_id,
         )
     entries = [JournalEntry.decode(raw, fork_id=job.fork_id) for raw in claim.journal]
-    channel = FencedChannel(runtime.leases, claim, lost, runtime.stopping, observe=observe)
+    channel = FencedChannel(runtime.leases, claim, lost, runtime.stopping, observe=observe, mail=claim.mail > 0)
     if claim.primed and first is not None:
         channel.published = [("model_call", first.write.model_call)]
     declared = runtime.declarations.of(record)
@@ -406,7 +425,10 @@ def _run_loop(runtime: WorkerRuntime, job: RunForkJob, claim: Claim, lost: threa
         log.exception("fork %s: attempt %d failed", job.fork_id, claim.attempt)
         error = f"{type(exc).__name__}: {exc}"
         result = ForkResult(fork_id=job.fork_id, status=Status.FAILED, error=error, usage=loop.usage())
-    run.channel.finish(result)
+    if run.channel.finish(result) == "continued":  # messages arrived as it answered: the next run delivers them
+        if runtime.requeue is not None:
+            runtime.requeue(job.fork_id, job.digest, claim.attempt + 1)  # sends the job, then confirms it
+        return Outcome.RELEASED
     return Outcome(result.status.value)
 
 

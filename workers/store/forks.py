@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -174,6 +175,45 @@ return 'queued'
 
 DECIDE_ATTEMPTS: Final = 5
 
+# KEYS: the session's names hash. ARGV: name, the fork id it must map to now ('' = none), the new fork id,
+# ttl_s. Compare-and-set: 1 when the name now maps to the new fork, 0 when another launch got there first.
+_CLAIM_NAME = lua_script(
+    """
+if (redis.call('HGET', KEYS[1], ARGV[1]) or '') ~= ARGV[2] then return 0 end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])
+redis.call('EXPIRE', KEYS[1], ARGV[4])
+return 1
+"""
+)
+
+# KEYS: state, inbox, events, running, result. ARGV: message, inbox limit, ttl_s, fork_id, grace_ms. A message
+# for the fork: refused (the status) when it has failed or was cancelled, `full` when its inbox is; otherwise
+# queued in the inbox. A succeeded fork is continued: back to `queued` for its next exchange (its result gone
+# until that ends, its wall clock and attempts counted afresh), indexed until its job is confirmed enqueued.
+_SEND = lua_script(
+    NOW,
+    """
+local status = redis.call('HGET', KEYS[1], 'status')
+if not status then return {'missing', 0} end
+if status == 'failed' or status == 'cancelled' then return {status, 0} end
+if redis.call('LLEN', KEYS[2]) >= tonumber(ARGV[2]) then return {'full', redis.call('LLEN', KEYS[2])} end
+local waiting = redis.call('RPUSH', KEYS[2], ARGV[1])
+redis.call('EXPIRE', KEYS[2], ARGV[3])
+if status ~= 'succeeded' then
+  redis.call('XADD', KEYS[3], 'MAXLEN', '~', @MAXLEN@, '*', 'type', 'message', 'data',
+             cjson.encode({waiting = waiting, status = status}))
+  return {'inbox', waiting}
+end
+redis.call('HSET', KEYS[1], 'status', 'queued', 'owner', '', 'error', '', 'attempt', 0)
+redis.call('HDEL', KEYS[1], 'first_started_ms', 'finished_ms', 'parked_ms')
+redis.call('DEL', KEYS[5])
+redis.call('ZADD', KEYS[4], now + tonumber(ARGV[5]), ARGV[4])
+redis.call('XADD', KEYS[3], 'MAXLEN', '~', @MAXLEN@, '*', 'type', 'message', 'data',
+           cjson.encode({waiting = waiting, status = status, continued = true}))
+return {'continued', waiting}
+""",
+)
+
 
 @dataclass(frozen=True, slots=True)
 class ForkEvent:
@@ -207,6 +247,8 @@ class ForkStore:
         self._cancel = client.register_script(_CANCEL)
         self._resume = client.register_script(_RESUME)
         self._decide = client.register_script(_DECIDE)
+        self._send = client.register_script(_SEND)
+        self._claim_name = client.register_script(_CLAIM_NAME)
         self._replicas: int | None = None  # learned on the first launch
         self._known: OrderedDict[str, None] = OrderedDict()  # chunk keys this store wrote, most recent last
         self._known_lock = threading.Lock()
@@ -455,6 +497,37 @@ class ForkStore:
                     return outcome
                 raise InvalidApproval(_approval_refusal(self.state(fork_id), call_id), fork_id=fork_id)
         raise InvalidApproval(f"fork {fork_id}: decisions raced {DECIDE_ATTEMPTS} times; try again", fork_id=fork_id)
+
+    def teammate(self, parent_session: str, name: str) -> str | None:
+        """The fork id of the last teammate launched as `name` from the session, or None."""
+        entry = self.teammate_entry(parent_session, name)
+        return None if entry is None else entry.split(" ", 1)[0]
+
+    def teammate_entry(self, parent_session: str, name: str) -> str | None:
+        """The names hash's entry for `name`: `<fork id> <launch ms>`, or None."""
+        found = self.client.hget(self.keys.session_names(parent_session), name)
+        return None if found is None else cast(bytes, found).decode()
+
+    def claim_name(self, parent_session: str, name: str, fork_id: str, *, expected: str | None) -> bool:
+        """Map `name` to `fork_id` (with the time, for a launch that never completed) if the entry is still
+        `expected` (None: no entry)."""
+        keys = [self.keys.session_names(parent_session)]
+        entry = f"{fork_id} {int(time.time() * 1000)}"
+        return bool(self._claim_name(keys=keys, args=[name, expected or "", entry, self.ttl_s]))
+
+    def send(self, fork_id: str, text: str, *, inbox_limit: int) -> tuple[str, int]:
+        """Give the fork a message: (`inbox` or `continued`, messages waiting); the first word is otherwise why
+        not: `missing`, `failed`, `cancelled`, `full`. A `continued` fork's job is the caller's to send."""
+        keys = [
+            self.keys.state(fork_id),
+            self.keys.inbox(fork_id),
+            self.keys.events(fork_id),
+            self.keys.running,
+            self.keys.result(fork_id),
+        ]
+        args: list[Any] = [text.encode("utf-8"), inbox_limit, self.ttl_s, fork_id, DECISION_GRACE_MS]
+        word, waiting = cast(list[Any], self._send(keys=keys, args=args))
+        return cast(bytes, word).decode(), int(waiting)
 
     def events(
         self, fork_id: str, *, after: str = "0-0", block_ms: int | None = None, count: int = 1000

@@ -154,6 +154,7 @@ class Claim:
     journal: tuple[bytes, ...] = field(default=(), repr=False, compare=False)  # journal entries at claim time
     running_ms: int = 0  # Redis time since the fork's first claim (its wall-clock limit counts from there)
     primed: bool = False  # the claim wrote the surface entry and published the first `model_call` (`first`)
+    mail: int = 0  # messages waiting in the fork's inbox when it was claimed
     # when the lease has certainly lapsed (the claim's reply, then each renewal, moves it on)
     clock: LeaseClock = field(default_factory=lambda: LeaseClock(0.0), repr=False, compare=False)
 
@@ -172,6 +173,7 @@ class Leases:
         self.lapse_grace_ms = lapse_grace_ms
         self._claim = client.register_script(lua.CLAIM)
         self._append = client.register_script(lua.APPEND)
+        self._deliver = client.register_script(lua.DELIVER)
         self._emit = client.register_script(lua.EMIT)
         self._finish = client.register_script(lua.FINISH)
         self._release = client.register_script(lua.RELEASE)
@@ -214,6 +216,7 @@ class Leases:
             k.running,
             k.bootstrap(fork_id),
             k.journal(fork_id),
+            k.inbox(fork_id),
         ]
         args: list[Any] = [owner, self.ttl_ms, fork_id, digest or "", entry, event, record]
         reply = cast(
@@ -223,7 +226,7 @@ class Leases:
             return Refusal.from_reply(cast(bytes, reply[0]).decode(), fork_id=fork_id)
         clock = LeaseClock(self.ttl_ms / 1000, grace_s=self.lapse_grace_ms / 1000)
         clock.renewed(time.monotonic())
-        _, attempt, epoch, stored, journal, first_ms, now_ms, primed = reply
+        _, attempt, epoch, stored, journal, first_ms, now_ms, primed, mail = reply
         return Claim(
             fork_id=fork_id,
             owner=owner,
@@ -233,6 +236,7 @@ class Leases:
             journal=tuple(journal),
             running_ms=int(now_ms) - int(first_ms),
             primed=bool(primed),
+            mail=int(mail),
             clock=clock,
         )
 
@@ -244,7 +248,7 @@ class Leases:
         return cast(bytes, outcome).decode()
 
     def _fenced(self, claim: Claim, text: str, what: str) -> None:
-        if text not in ("ok", "finished", "released"):
+        if text not in ("ok", "mail", "finished", "released", "continued"):
             raise LeaseLost(
                 f"fork {claim.fork_id}: {what} refused ({text}); this worker (epoch {claim.epoch}) no longer "
                 "runs the fork",
@@ -252,8 +256,9 @@ class Leases:
                 refusal=text,
             )
 
-    def append(self, claim: Claim, *entries: JournalEntry, events: Sequence[tuple[str, dict[str, Any]]] = ()) -> None:
-        """Append journal entries (and publish events) under the claim, in one round trip.
+    def append(self, claim: Claim, *entries: JournalEntry, events: Sequence[tuple[str, dict[str, Any]]] = ()) -> bool:
+        """Append journal entries (and publish events) under the claim, in one round trip; True when messages
+        wait in the fork's inbox (`deliver` moves them into the journal).
 
         Raises:
             LeaseLost: the claim is stale, the lease lost, or the fork no longer running.
@@ -264,8 +269,39 @@ class Leases:
         args += [e.encode() for e in entries]
         args += [item for kind, data in events for item in (kind, json.dumps(data))]
         what = "journal entries " + (", ".join(f"{e.seq} ({e.kind})" for e in entries) or "events")
-        keys = [k.state(fid), k.lease(fid), k.journal(fid), k.events(fid)]
-        self._fenced(claim, self._write(claim, what, self._append, keys, args), what)
+        keys = [k.state(fid), k.lease(fid), k.journal(fid), k.events(fid), k.inbox(fid)]
+        outcome = self._write(claim, what, self._append, keys, args)
+        self._fenced(claim, outcome, what)
+        return outcome == "mail"
+
+    def inbox(self, fork_id: str, limit: int) -> list[bytes]:
+        """The oldest `limit` messages waiting in the fork's inbox (a read: `deliver` moves them)."""
+        return cast(list[bytes], self.client.lrange(self.keys.inbox(fork_id), 0, limit - 1))
+
+    def deliver(
+        self,
+        claim: Claim,
+        entries: Sequence[JournalEntry],
+        items: Sequence[bytes],
+        events: Sequence[tuple[str, dict[str, Any]]] = (),
+    ) -> bool:
+        """Append `entries` (any held entry, then one `message` entry per item) and take `items` (the inbox's
+        oldest) from the inbox, at once and once; True while more messages wait.
+
+        Raises:
+            LeaseLost: the claim is stale, the lease lost, the fork no longer running, or the inbox no longer
+                starts with `items` (`refusal` is `inbox`).
+        """
+        k = self.keys
+        fid = claim.fork_id
+        args: list[Any] = [claim.epoch, claim.owner, self.ttl_ms, entries[0].seq, len(entries), len(items)]
+        args += [e.encode() for e in entries] + list(items)
+        args += [item for kind, data in events for item in (kind, json.dumps(data))]
+        keys = [k.state(fid), k.lease(fid), k.journal(fid), k.events(fid), k.inbox(fid)]
+        what = f"{len(entries)} message(s)"
+        outcome = self._write(claim, what, self._deliver, keys, args)
+        self._fenced(claim, outcome, what)
+        return outcome == "mail"
 
     def emit(self, claim: Claim, events: Sequence[tuple[str, dict[str, Any]]]) -> str:
         """Publish events under the claim and read the fork's status, in one round trip.
@@ -291,13 +327,18 @@ class Leases:
         result: ForkResult,
         *entries: JournalEntry,
         events: Sequence[tuple[str, dict[str, Any]]] = (),
-    ) -> None:
+    ) -> str:
         """Write the final result and end the lease (LeaseLost when refused), appending the last
-        journal entries and publishing the last events in the same round trip."""
+        journal entries and publishing the last events in the same round trip.
+
+        `finished`; or `continued` when a fork that would succeed has messages waiting in its inbox: then no
+        result is written and the fork is queued again (released: the caller enqueues it, then `enqueued`).
+        """
         k = self.keys
         fid = claim.fork_id
         data = json.dumps({"status": result.status.value, "error": result.error, "usage": result.usage.model_dump()})
         keys = [k.state(fid), k.lease(fid), k.events(fid), k.running, k.result(fid), k.journal(fid), k.bootstrap(fid)]
+        keys.append(k.inbox(fid))
         args = [
             claim.epoch,
             claim.owner,
@@ -312,7 +353,9 @@ class Leases:
             *(e.encode() for e in entries),
             *(item for kind, data in events for item in (kind, json.dumps(data))),
         ]
-        self._fenced(claim, self._write(claim, "result", self._finish, keys, args), "result")
+        outcome = self._write(claim, "result", self._finish, keys, args)
+        self._fenced(claim, outcome, "result")
+        return outcome
 
     def release(self, claim: Claim, reason: str, *, grace_ms: int = 30_000) -> None:
         """Give the fork back (queued, lease deleted) so another worker resumes it at once.

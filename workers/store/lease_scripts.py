@@ -63,13 +63,14 @@ _ALREADY_RELEASED = """
 if redis.call('HGET', KEYS[1], 'released_by') == ARGV[2] then return '@DONE@' end
 """
 
-# KEYS: state, lease, events, running, bootstrap, journal. ARGV: owner, ttl_ms, fork_id, job digest ('' = any),
+# KEYS: state, lease, events, running, bootstrap, journal, inbox. ARGV: owner, ttl_ms, fork_id, job digest ('' = any),
 # surface entry ('' = none), model_call event data, the job's record bytes. One round trip: refuse a job
 # whose digest is not the launch digest, claim, and hand back the bootstrap record and the journal the run
 # starts from. On a first claim with an empty journal, a worker that built the first request from the job's
 # record (which hashes to the job digest, checked here, and equals the stored record) also records its tool
 # surface and publishes the first `model_call`: the checkpoint before the first model call, in the same
-# round trip (`primed`; the record is then not sent back). A retried claim whose first attempt ran (the
+# round trip (`primed`; the record is then not sent back). The reply ends with the inbox's length (messages
+# `send` left for the run to deliver). A retried claim whose first attempt ran (the
 # lease holds its owner token, or lapsed since with the state still naming it) gets the same claim back
 # and writes nothing but the lapsed lease.
 CLAIM: Final = lua_script(
@@ -110,28 +111,62 @@ else
   end
 end
 return {'claimed', attempt, epoch, record, redis.call('LRANGE', KEYS[6], 0, -1),
-        redis.call('HGET', KEYS[1], 'first_started_ms'), now, primed}
+        redis.call('HGET', KEYS[1], 'first_started_ms'), now, primed, redis.call('LLEN', KEYS[7])}
 """,
 )
 
-# KEYS: state, lease, journal, events. ARGV: epoch, owner, lease ttl_ms, seq, n entries, entries…, then event
-# (type, data) pairs. Entries are appended only at the expected position; the events go with them. A retry
-# that finds exactly these entries at that position (its first attempt ran) succeeds without writing.
+# KEYS: state, lease, journal, events, inbox. ARGV: epoch, owner, lease ttl_ms, seq, n entries, entries…, then
+# event (type, data) pairs. Entries are appended only at the expected position; the events go with them. A
+# retry that finds exactly these entries at that position (its first attempt ran) succeeds without writing.
+# The reply is `mail` instead of `ok` while the inbox holds messages for the run to deliver.
 APPEND: Final = lua_script(
     _fence("ARGV[3]")
     + """
+local ok = 'ok'
+if redis.call('LLEN', KEYS[5]) > 0 then ok = 'mail' end
 local len, seq, n = redis.call('LLEN', KEYS[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
 if len ~= seq then
   if n == 0 or len ~= seq + n then return 'seq' end
   local stored = redis.call('LRANGE', KEYS[3], seq, seq + n - 1)
   for i = 1, n do if stored[i] ~= ARGV[5 + i] then return 'seq' end end
-  return 'ok'
+  return ok
 end
 for i = 6, 5 + n do redis.call('RPUSH', KEYS[3], ARGV[i]) end
 for i = 6 + n, #ARGV, 2 do
   redis.call('XADD', KEYS[4], 'MAXLEN', '~', @MAXLEN@, '*', 'type', ARGV[i], 'data', ARGV[i + 1])
 end
-return 'ok'
+return ok
+"""
+)
+
+# KEYS: state, lease, journal, events, inbox. ARGV: epoch, owner, lease ttl_ms, seq, n, k, n journal entries,
+# the k inbox items they deliver (the last k entries are their `message` entries), then event (type, data)
+# pairs. Appends the entries at the expected position and takes the oldest k messages from the inbox,
+# atomically: a message is delivered once, and a retry that finds its entries written (its first attempt
+# ran) succeeds without writing. The reply is `mail` while more messages wait; `inbox` if the inbox no
+# longer starts with those items (nothing written).
+DELIVER: Final = lua_script(
+    _fence("ARGV[3]")
+    + """
+local len, seq, n, k = redis.call('LLEN', KEYS[3]), tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
+local function rest() if redis.call('LLEN', KEYS[5]) > 0 then return 'mail' end return 'ok' end
+if len ~= seq then
+  if len ~= seq + n then return 'seq' end
+  local stored = redis.call('LRANGE', KEYS[3], seq, seq + n - 1)
+  for i = 1, n do if stored[i] ~= ARGV[6 + i] then return 'seq' end end
+  return rest()
+end
+if k > 0 then
+  local waiting = redis.call('LRANGE', KEYS[5], 0, k - 1)
+  if #waiting ~= k then return 'inbox' end
+  for i = 1, k do if waiting[i] ~= ARGV[6 + n + i] then return 'inbox' end end
+end
+for i = 7, 6 + n do redis.call('RPUSH', KEYS[3], ARGV[i]) end
+if k > 0 then redis.call('LTRIM', KEYS[5], k, -1) end
+for i = 7 + n + k, #ARGV, 2 do
+  redis.call('XADD', KEYS[4], 'MAXLEN', '~', @MAXLEN@, '*', 'type', ARGV[i], 'data', ARGV[i + 1])
+end
+return rest()
 """
 )
 
@@ -161,15 +196,19 @@ return 'running'
 """
 )
 
-# KEYS: state, lease, events, running, result, journal, bootstrap. ARGV: epoch, owner, status,
+# KEYS: state, lease, events, running, result, journal, bootstrap, inbox. ARGV: epoch, owner, status,
 # result bytes, error, event data, ttl_s, fork_id, seq, n entries, entries…, then event (type, data)
 # pairs. The last journal entries and events go with the result (at the expected position only).
+# A fork that would succeed while its inbox holds messages (sent during its last model call) is not
+# finished: its entries are written, and it goes back to `queued` like a released fork (indexed until its
+# job is confirmed enqueued, due after 30 s), so its next run delivers them: the reply is then `continued`.
 FINISH: Final = lua_script(
     NOW,
     """
--- this claim's own earlier attempt wrote this very result, and only its reply was lost
-if redis.call('HGET', KEYS[1], 'released_by') == ARGV[2] and redis.call('GET', KEYS[5]) == ARGV[4] then
-  return 'finished'
+-- this claim's own earlier attempt wrote this very result (or continued the fork), and only its reply was lost
+if redis.call('HGET', KEYS[1], 'released_by') == ARGV[2] then
+  if redis.call('GET', KEYS[5]) == ARGV[4] then return 'finished' end
+  if redis.call('HGET', KEYS[1], 'status') == 'queued' then return 'continued' end
 end
 """
     + _fence(None)
@@ -180,12 +219,21 @@ for i = 11, 10 + n do redis.call('RPUSH', KEYS[6], ARGV[i]) end
 for i = 11 + n, #ARGV, 2 do
   redis.call('XADD', KEYS[3], 'MAXLEN', '~', @MAXLEN@, '*', 'type', ARGV[i], 'data', ARGV[i + 1])
 end
+if ARGV[3] == 'succeeded' and redis.call('LLEN', KEYS[8]) > 0 then
+  redis.call('HSET', KEYS[1], 'status', 'queued', 'owner', '', 'released_by', ARGV[2])
+  redis.call('HDEL', KEYS[1], 'first_started_ms')  -- the next exchange's wall clock starts at its claim
+  redis.call('DEL', KEYS[2])
+  redis.call('ZADD', KEYS[4], now + 30000, ARGV[8])
+  redis.call('XADD', KEYS[3], 'MAXLEN', '~', @MAXLEN@, '*', 'type', 'released', 'data',
+             cjson.encode({reason = 'messages arrived as it answered: the next run delivers them'}))
+  return 'continued'
+end
 redis.call('SET', KEYS[5], ARGV[4], 'EX', ARGV[7])
 redis.call('HSET', KEYS[1], 'status', ARGV[3], 'finished_ms', now, 'error', ARGV[5], 'released_by', ARGV[2])
 redis.call('DEL', KEYS[2])
 redis.call('ZREM', KEYS[4], ARGV[8])
 redis.call('XADD', KEYS[3], 'MAXLEN', '~', @MAXLEN@, '*', 'type', 'finished', 'data', ARGV[6])
-for _, i in ipairs({1, 3, 6, 7}) do redis.call('EXPIRE', KEYS[i], ARGV[7]) end
+for _, i in ipairs({1, 3, 6, 7, 8}) do redis.call('EXPIRE', KEYS[i], ARGV[7]) end
 return 'finished'
 """,
 )
