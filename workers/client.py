@@ -493,6 +493,7 @@ class ForkClient:
             entry = self.store.teammate_entry(session, name)
             if entry is not None:
                 holder, _, since = entry.partition(" ")
+                status: str | None
                 try:
                     status = self.store.state(holder).status.value
                 except ForkNotFound:  # being launched right now, or a launch that never completed long ago
