@@ -466,6 +466,37 @@ def test_a_completed_turn_fork_and_a_defined_subagent_are_revived_with_the_scope
         cluster.assert_effects_at_most_once(fid)
 
 
+def test_a_continuation_is_revived_on_another_worker_after_sigkill_with_its_message_delivered_once(
+    cluster: Cluster,
+) -> None:
+    # Given a fork that answered (a side effect, then its answer), and a script whose next call is slow
+    cluster.script(
+        step(0.2, call("e1")), step(0.2, text("first answer")), step(2.5, call("e2")), step(0.2, text("2nd"))
+    )
+    cluster.start("w1", "w2", sweepers=1)
+    fid = cluster.launch()
+    assert cluster.result(fid, timeout=20).output == "first answer"
+
+    # When the parent sends a follow-up, and the worker running the continuation is SIGKILLed in its model call
+    assert cluster.client.send(fid, "And then?").outcome == "continued"
+    cluster.wait_for(lambda: cluster.has_event(fid, "model_call", step=3), 10, "the continuation's model call", fid)
+    owner = [d for d in cluster.started(fid)][-1]["owner"]
+    cluster.proc_of(int(owner.split(":")[1])).send(signal.SIGKILL)
+
+    # Then the continuation finishes elsewhere: the message delivered once, no side effect twice, same requests
+    deadline = time.monotonic() + REVIVAL_S + 8
+    while (result := cluster.store.result(fid)) is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert result is not None and result.output == "2nd", cluster.diagnostics(fid)
+    assert len(cluster.of_type(fid, "revived")) == 1
+    messages = [e for e in cluster.leases.journal(fid) if e.kind == "message"]
+    assert len(messages) == 1 and cluster.redis.llen(cluster.keys.inbox(fid)) == 0
+    cluster.assert_requests_replayed_exactly(fid)
+    effects = cluster.assert_effects_at_most_once(fid)
+    assert effects == Counter({effect_key(fid, 0, "e1"): 1, effect_key(fid, 2, "e2"): 1})
+    assert result.usage.model_calls == 4 and result.run_usage is not None and result.run_usage.model_calls == 2
+
+
 @pytest.mark.parametrize("tool", ["count_effect", "count_idempotent"])
 def test_a_fork_finishes_on_another_worker_after_sigkill_during_a_tool_call(tool: str, cluster: Cluster) -> None:
     # Given a fork whose first tool call runs for 2 s
