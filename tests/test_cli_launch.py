@@ -269,3 +269,52 @@ def test_launch_refuses_what_the_fork_mode_lacks_with_exit_2_and_writes_nothing(
     assert (code, out) == (2, "")
     assert message in err
     assert redis_client.dbsize() == 0
+
+
+# ── conversations: send ───────────────────────────────────────────────────────────────────────
+
+
+def test_send_gives_a_queued_fork_a_message_by_id_by_file_and_to_a_teammate_by_name(forkq: Run, tmp_path: Path) -> None:
+    fork_id = launch(forkq)
+    code, out, err = forkq("send", fork_id, "Also the tests.", "--json")
+    assert (code, err) == (0, "")
+    assert json.loads(out) == {"fork_id": fork_id, "outcome": "queued", "status": "queued", "waiting": 1}
+    message = tmp_path / "msg.txt"
+    message.write_text("From a file.", encoding="utf-8")
+    code, out, _ = forkq("send", fork_id, "--file", str(message))
+    assert code == 0 and "in its inbox (2 waiting)" in out
+
+    session = json.loads(Path(PARENT).read_text(encoding="utf-8"))["session_id"]
+    code, out, err = forkq("launch", "--parent", PARENT, "--prompt", PROMPT, "--name", "ann")
+    assert code == 0, err
+    teammate = out.strip()
+    code, out, _ = forkq("send", "--session", session, "--to", "ann", "Hello ann.", "--json")
+    assert code == 0 and json.loads(out)["fork_id"] == teammate
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        ((), "name the fork"),
+        (("FORK",), "give the message once"),
+        (("FORK", "a", "b"), "give the message once"),
+        (("--to", "ann", "hi"), "--to and --session go together"),
+        (("FORK", ""), "the message is empty"),
+    ],
+)
+def test_send_with_bad_arguments_exits_2_naming_the_problem(
+    forkq: Run, redis_client: redis.Redis, argv: tuple[str, ...], message: str
+) -> None:
+    fork_id = launch(forkq)
+    code, out, err = forkq("send", *[fork_id if a == "FORK" else a for a in argv])
+    assert (code, out) == (2, "")
+    assert message in err
+    assert redis_client.llen(f"forkq-test:{{{fork_id}}}:inbox") == 0
+
+
+def test_send_to_a_cancelled_fork_exits_2_saying_why(forkq: Run) -> None:
+    fork_id = launch(forkq)
+    assert forkq("cancel", fork_id)[0] == 0
+    code, out, err = forkq("send", fork_id, "hello?")
+    assert (code, out) == (2, "")
+    assert f"fork {fork_id} cancelled, so it takes no more messages" in err
