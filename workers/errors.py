@@ -15,6 +15,8 @@ ForkqError                      base; never raised bare
 ├── ForkNotPaused               a resumed fork is not paused: nothing to resume (.fork_id, .status)
 ├── LeaseLost                   this worker no longer holds the fork's lease (.fork_id)
 ├── InvalidApproval             approve/deny of a fork or call that is not awaiting a decision (.fork_id)
+├── IdempotencyConflict         an Idempotency-Key sent again with another launch body (.fork_id: the first launch's)
+├── RequestRefused              an HTTP request `forkq serve` will not read: body too large, unknown encoding (.status)
 ├── ConfigurationError          settings or the Redis server are unfit for forkq (.field)
 │   └── MissingExtra            a command needs an optional part of forkq that is not installed (.extra, .missing)
 ├── ToolError                   a tool call failed in a way the model should read (workers.tools.registry)
@@ -132,6 +134,22 @@ class LeaseLost(ForkqError):
 
 class InvalidApproval(ForkqError):
     """An approve/deny that does not apply: the fork is not awaiting approval, or has no such pending call."""
+
+
+class IdempotencyConflict(ForkqError):
+    """A launch sent with an Idempotency-Key that an earlier launch with a different body used; nothing was written.
+
+    `fork_id` is the fork the first launch with that key made.
+    """
+
+
+class RequestRefused(ForkqError):
+    """An HTTP request the API refuses before its app reads it (a body over the limit, in an encoding it does not
+    read, or not valid gzip); `status` is the HTTP status of the answer."""
+
+    def __init__(self, message: str, *, status: int) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class ConfigurationError(ForkqError):
