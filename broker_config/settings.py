@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Final, Literal
 from urllib.parse import urlsplit
 
 from pydantic import AliasChoices, Field, SecretStr, ValidationError, field_validator, model_validator
@@ -15,6 +16,7 @@ REDIS_SCHEMES = ("redis", "rediss", "unix", "sentinel")
 # no `sentinel+ssl`: kombu would read it as transport `sentinel` with the host `ssl://…`
 BROKER_SCHEMES = ("redis", "rediss", "redis+socket", "sentinel")
 SENTINEL_SCHEME = "sentinel"
+TOKEN_HASH_PREFIX: Final = "sha256:"  # a FORKQ_API_TOKENS entry that is the SHA-256 of a token, not the token
 
 
 class Settings(BaseSettings):
@@ -114,6 +116,32 @@ class Settings(BaseSettings):
     sentinel_password: SecretStr | None = Field(
         None, description="Password of the Sentinel nodes themselves (the Redis password stays in the URL)."
     )
+    # a secret: never printed, and `forkq serve` refuses to start without one (unless on loopback, on purpose)
+    api_tokens: SecretStr | None = Field(
+        None,
+        description="Bearer tokens `forkq serve` accepts, comma-separated; an entry `sha256:<hex>` is a token's hash.",
+    )
+    api_max_body_bytes: int = Field(
+        32 * 1024 * 1024,
+        gt=0,
+        description="Largest request body `forkq serve` reads, checked on the compressed and the decompressed size.",
+    )
+    api_idempotency_ttl_s: int = Field(
+        24 * 3600, gt=0, description="How long `forkq serve` remembers an Idempotency-Key and the fork it launched."
+    )
+    api_redis_connections: int = Field(
+        2000,
+        gt=0,
+        description="Redis connections one `forkq serve` process opens at most for reads; each open event stream or "
+        "waiting long poll holds one.",
+    )
+    api_keepalive_s: float = Field(
+        15.0,
+        gt=0,
+        le=300,
+        allow_inf_nan=False,
+        description="Seconds between keep-alive comments of an idle event stream (below proxies' idle timeouts).",
+    )
 
     @field_validator("redis_url")
     @classmethod
@@ -138,6 +166,18 @@ class Settings(BaseSettings):
                 + ", ".join(f"{s}://" for s in BROKER_SCHEMES)
             )
         _check_sentinel_list("FORKQ_BROKER_URL", value)
+        return value
+
+    @field_validator("api_tokens")
+    @classmethod
+    def _token_hashes(cls, value: SecretStr | None) -> SecretStr | None:
+        for entry in api_token_entries(value):
+            digest = entry.removeprefix(TOKEN_HASH_PREFIX)
+            if entry.startswith(TOKEN_HASH_PREFIX) and not re.fullmatch(r"[0-9a-fA-F]{64}", digest):
+                raise ValueError(
+                    f"an entry {TOKEN_HASH_PREFIX}... must hold the 64 hex digits of a token's SHA-256 "
+                    f"(got {len(digest)} characters); compute it with `printf %s TOKEN | sha256sum`"
+                )
         return value
 
     @model_validator(mode="after")
@@ -170,6 +210,13 @@ class Settings(BaseSettings):
             query = f"?{parts.query}" if parts.query else ""
             return f"redis+socket://{parts.path}{query}"
         return self.redis_url
+
+
+def api_token_entries(tokens: SecretStr | None) -> list[str]:
+    """The entries of FORKQ_API_TOKENS: comma-separated, surrounding spaces and empty entries dropped."""
+    if tokens is None:
+        return []
+    return [entry.strip() for entry in tokens.get_secret_value().split(",") if entry.strip()]
 
 
 def load_settings(**overrides: Any) -> Settings:

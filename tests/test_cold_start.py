@@ -163,7 +163,7 @@ def test_the_base_install_launches_and_follows_forks_and_each_extra_command_name
     assert redis_client.llen(forkq_env.queue) == 1
 
     # Each command that needs an extra exits 2 naming it
-    for command, extra in (("worker", "worker"), ("sweep", "worker"), ("demo", "demo")):
+    for command, extra in (("worker", "worker"), ("sweep", "worker"), ("demo", "demo"), ("serve", "serve")):
         done = run_base(base_venv, "forkq", command, env=env)
         assert done.returncode == 2, (command, done.stderr)
         assert f'forkq {command}: forkq {command} needs the "{extra}" extra' in done.stderr

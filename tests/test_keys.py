@@ -86,7 +86,19 @@ def test_every_key_a_launch_writes_is_under_the_fork_or_parent_hash_tag(
 
     ours = [k.decode() for k in redis_client.keys(f"{client.settings.namespace}:*")]
     fork_keys = [k for k in ours if f"{{{handle.fork_id}}}" in k]
-    chunk_keys = [k for k in ours if f"{{parent:{parent['session_id']}}}:chunk:" in k]
-    assert sorted(fork_keys + chunk_keys) == sorted(ours)
+    parent_keys = [k for k in ours if k.startswith(f"{client.settings.namespace}:{{parent:{parent['session_id']}}}:")]
+    assert sorted(fork_keys + parent_keys) == sorted(ours)
+    assert client.store.keys.session_forks(parent["session_id"]) in parent_keys  # the session's index of forks
     assert len({key_slot(k.encode()) for k in fork_keys}) == 1
-    assert len({key_slot(k.encode()) for k in chunk_keys}) == 1
+    assert len({key_slot(k.encode()) for k in parent_keys}) == 1
+
+
+def test_the_session_index_and_idempotency_keys_are_built_here_and_checked() -> None:
+    keys = Keys("ns")
+
+    assert keys.session_forks("5d0e8c2a-7f31") == "ns:{parent:5d0e8c2a-7f31}:forks"
+    assert keys.idempotency("ab" * 32) == f"ns:idempotency:{'ab' * 32}"
+    with pytest.raises(ValueError, match="parent session id"):
+        keys.session_forks("a b")
+    with pytest.raises(ValueError, match="64 lowercase hex digits"):
+        keys.idempotency("not-a-digest")

@@ -45,6 +45,7 @@ LAYERS: dict[str, int] = {
     "workers.celery_commands": 8,
     "workers.demo": 9,
     "workers.demo_report": 9,
+    "workers.api": 9,  # `forkq serve`: over the client, beside the demo
     "workers.cli": 10,
     # the stable paths the fork-history contract names; for outside callers only
     "workers.messages": 11,
@@ -77,6 +78,8 @@ BANNED: dict[str, tuple[str, ...]] = {
     "workers.store": ("celery", "prometheus_client", "flower", *MODEL_SDKS),
     # the launcher: no worker side at all
     "workers.client": ("prometheus_client", "flower", *MODEL_SDKS),
+    # the HTTP API launches through the client: no worker side, and Celery only through it (on the first launch)
+    "workers.api": ("celery", "kombu", "prometheus_client", "flower", *MODEL_SDKS),
 }
 # packages the client must not reach even though they rank below it: they are the worker side
 CLIENT_NEVER = ("workers.service", "workers.loop", "workers.tools", "workers.providers", "workers.app")
@@ -166,7 +169,7 @@ def problems_of(imp: Import) -> list[str]:
     banned = next((b for p, b in BANNED.items() if src == p or src.startswith(p + ".")), ())
     if top in banned and not imp.type_only:
         found.append(f"{where}: the {src} layer must not load {top}")
-    if src.startswith("workers.client") and any(imp.target.startswith(p) for p in CLIENT_NEVER):
+    if src.startswith(("workers.client", "workers.api")) and any(imp.target.startswith(p) for p in CLIENT_NEVER):
         found.append(f"{where}: the client must not load the worker side")
     if dst is None or dst == src or GROUPS.get(dst, dst) == GROUPS.get(src, src):
         return found
@@ -273,6 +276,18 @@ def test_importing_the_client_loads_nothing_of_the_worker_side_through_any_chain
     assert "workers.store.forks" in loaded  # the walk follows chains
     worker_side = sorted(m for m in loaded if m.startswith(CLIENT_NEVER) or m.split(".")[0] in BANNED["workers.client"])
     assert worker_side == []
+
+
+def test_the_http_api_loads_nothing_of_the_worker_side_and_no_celery_through_any_chain() -> None:
+    loaded = loaded_with("workers.api.app", project_imports())
+    assert "workers.client" in loaded and "fastapi" in loaded  # the walk followed the app's imports
+    heavy = sorted(m for m in loaded if m.startswith(CLIENT_NEVER) or m.split(".")[0] in BANNED["workers.api"])
+    assert heavy == []
+
+
+def test_the_forkq_command_loads_no_fastapi_when_it_starts() -> None:
+    loaded = loaded_with("workers.cli", project_imports())
+    assert not {"fastapi", "uvicorn", "starlette", "workers.api.app"} & loaded
 
 
 def test_the_forkq_command_loads_no_celery_and_no_worker_side_when_it_starts() -> None:

@@ -1,7 +1,9 @@
-"""redis_client: FORKQ_REDIS_URL direct or through a real Redis Sentinel; a broker found by Sentinel runs forks."""
+"""redis_client and async_redis_client: FORKQ_REDIS_URL direct or through a real Redis Sentinel; a broker found by
+Sentinel runs forks."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import subprocess
 import threading
@@ -13,11 +15,12 @@ from typing import Any
 
 import pytest
 import redis
+import redis.asyncio
 from celery import Celery
 from celery.worker import WorkController
 from redis.sentinel import MasterNotFoundError
 
-from broker_config.redis_client import redis_client
+from broker_config.redis_client import async_redis_client, close_async_client, redis_client
 from broker_config.settings import Settings
 from workers.app import make_app
 from workers.client import ForkClient
@@ -151,6 +154,53 @@ def test_a_sentinel_url_reaches_the_primary_that_sentinel_names(
     direct = f"redis://:pa55-word@127.0.0.1:{fresh_redis.port}/2"
     with redis.Redis.from_url(direct) as primary:
         assert primary.get("forkq-sentinel-probe") == b"yes"
+
+
+# ── the asyncio client of `forkq serve` ───────────────────────────────────────────────────────
+
+
+async def _async_wait_for_held_connection(client: redis.asyncio.Redis) -> float:
+    """Seconds a PING waited while another task held the client's one connection in a 1 s BLPOP."""
+    blocked = asyncio.create_task(client.blpop(["forkq-test-nothing"], 1))
+    await asyncio.sleep(0.2)  # the BLPOP has the connection
+    started = time.monotonic()
+    assert await client.ping()
+    waited = time.monotonic() - started
+    await blocked
+    return waited
+
+
+def test_an_async_client_with_a_sized_pool_makes_a_command_wait_for_a_free_connection(redis_url: str) -> None:
+    async def run() -> float:
+        client = async_redis_client(Settings(redis_url=redis_url), max_connections=1, pool_timeout_s=10)
+        try:
+            return await _async_wait_for_held_connection(client)
+        finally:
+            await close_async_client(client)
+
+    assert asyncio.run(run()) > 0.5
+
+
+def test_an_async_sentinel_url_reaches_the_primary_that_sentinel_names(
+    fresh_redis: RedisServer, start_sentinel: Callable[..., SentinelNode]
+) -> None:
+    assert fresh_redis.port is not None
+    with redis.Redis.from_url(fresh_redis.url) as admin:
+        admin.config_set("requirepass", "pa55-word")
+    node = start_sentinel(fresh_redis.port, auth_pass="pa55-word")
+    settings = Settings(redis_url=f"sentinel://:pa55-word@127.0.0.1:{node.port}/3", sentinel_master=node.master)
+
+    async def run() -> None:
+        client = async_redis_client(settings, max_connections=4)
+        try:
+            await client.set("forkq-async-sentinel-probe", "yes")
+        finally:
+            await close_async_client(client)
+
+    asyncio.run(run())
+
+    with redis.Redis.from_url(f"redis://:pa55-word@127.0.0.1:{fresh_redis.port}/3") as primary:
+        assert primary.get("forkq-async-sentinel-probe") == b"yes"
 
 
 def test_sentinel_nodes_that_require_a_password_get_forkq_sentinel_password(

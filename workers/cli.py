@@ -1,5 +1,5 @@
 """The `forkq` command: launch, status, result, events, cancel, resume, approve, deny, inspect, send, list,
-agents, providers, worker, check, sweep, demo.
+agents, providers, worker, check, sweep, serve, demo.
 
 Exit codes: 0 done, 1 failed (or no result yet), 2 bad input or settings (nothing was written), 3 the fork
 is parked (`awaiting_approval` or `paused`: a person must act before it can end). Every command that prints
@@ -494,6 +494,16 @@ def _print_pass(outcomes: Counter[str]) -> None:
         print(json.dumps({"event": "pass", "outcomes": dict(sorted(outcomes.items()))}), flush=True)
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Serve the HTTP API (docs/api.md) until stopped; refuses to start without tokens (see workers/api/server.py)."""
+    require_extra("serve", "forkq serve")
+    from workers.api.server import run_server  # FastAPI and uvicorn: only for this command
+
+    return run_server(
+        _settings(), host=args.host, port=args.port, insecure_no_auth=args.insecure_no_auth, log_level=args.log_level
+    )
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     """Run the newcomer's demo (see workers/demo.py)."""
     require_extra("demo", "forkq demo")
@@ -520,6 +530,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "worker": cmd_worker,
     "check": cmd_check,
     "sweep": cmd_sweep,
+    "serve": cmd_serve,
     "demo": cmd_demo,
 }
 

@@ -190,9 +190,27 @@ def _process_commands(add: Callable[..., Parser]) -> None:
     sweep.add_argument(
         "--json", action="store_true", help="print JSON: the pass's outcomes, or one line per event while it runs"
     )
+    _serve_command(add)
     demo = add("demo", "Launch forks from an example conversation on private workers (a tour: no --json).")
     demo.add_argument(
         "--private-redis",
         action="store_true",
         help="start a private redis-server even if one listens on 127.0.0.1:6379 (FORKQ_REDIS_URL still wins)",
     )
+
+
+def _serve_command(add: Callable[..., Parser]) -> None:
+    """`forkq serve`: the HTTP API (the "serve" extra)."""
+
+    def port(text: str) -> int:
+        if not (text.isascii() and text.isdigit() and 0 < int(text) <= 65535):
+            raise argparse.ArgumentTypeError(f"{shown(text)} is not a TCP port; give one from 1 to 65535")
+        return int(text)
+
+    serve = add("serve", "Serve the HTTP API: REST under /v1, events as SSE, behind FORKQ_API_TOKENS (docs/api.md).")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    serve.add_argument("--port", type=port, default=8700, help="TCP port (default 8700)")
+    serve.add_argument(
+        "--insecure-no-auth", action="store_true", help="serve without tokens: only on a loopback --host, for local use"
+    )
+    serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])

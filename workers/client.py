@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import secrets
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import redis
 
@@ -508,6 +509,28 @@ class ForkClient:
             if self.store.claim_name(session, name, fork_id, expected=entry):
                 return
         raise InvalidAgentParams(f"teammate name {name!r}: launches raced for it; try again", field="name")
+
+    def list(self, session: str, *, limit: int = 1000) -> list[dict[str, Any]]:
+        """The forks launched from parent session `session` still in Redis, newest first: `fork_id`, `kind`,
+        `name`, `description`, `status`, `created_ms`, `updated_ms`."""
+        from workers.store.reader import session_fork  # noqa: PLC0415  (its module loads redis.asyncio)
+
+        ids = [
+            m.decode()
+            for m in cast(list[bytes], self.redis.zrevrange(self.store.keys.session_forks(session), 0, limit - 1))
+        ]
+        pipe = self.redis.pipeline(transaction=False)
+        for fid in ids:
+            pipe.hgetall(self.store.keys.state(fid))
+            pipe.get(self.store.keys.bootstrap(fid))
+            pipe.xrevrange(self.store.keys.events(fid), count=1)
+        replies = pipe.execute()
+        listed = []
+        for i, fid in enumerate(ids):
+            state, record, newest = replies[3 * i : 3 * i + 3]
+            if state:  # past its retention: the index keeps it until a later launch trims it
+                listed.append(dataclasses.asdict(session_fork(fid, state, record, newest)))
+        return listed
 
     def send_to(self, session: str, name: str, text: str) -> Sent:
         """`send` to the teammate launched as `name` from parent session `session`.

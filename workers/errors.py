@@ -16,6 +16,8 @@ ForkqError                      base; never raised bare
 ├── LeaseLost                   this worker no longer holds the fork's lease (.fork_id)
 ├── InvalidApproval             approve/deny of a fork or call that is not awaiting a decision (.fork_id)
 ├── MessageRefused              a message `send` cannot give: empty, too long, ended fork, full inbox (.status)
+├── IdempotencyConflict         an Idempotency-Key sent again with another launch body (.fork_id: the first launch's)
+├── RequestRefused              an HTTP request `forkq serve` will not read: body too large, unknown encoding (.status)
 ├── ConfigurationError          settings or the Redis server are unfit for forkq (.field)
 │   ├── MissingExtra            a command needs an optional part of forkq that is not installed (.extra, .missing)
 │   └── InvalidAgentDefinition  a subagent definition file is malformed (.path, .field)
@@ -142,6 +144,22 @@ class MessageRefused(ForkqError):
 
     def __init__(self, message: str, *, fork_id: str | None, status: str | None = None, field: str | None = None):
         super().__init__(message, fork_id=fork_id, field=field)
+        self.status = status
+
+
+class IdempotencyConflict(ForkqError):
+    """A launch sent with an Idempotency-Key that an earlier launch with a different body used; nothing was written.
+
+    `fork_id` is the fork the first launch with that key made.
+    """
+
+
+class RequestRefused(ForkqError):
+    """An HTTP request the API refuses before its app reads it (a body over the limit, in an encoding it does not
+    read, or not valid gzip); `status` is the HTTP status of the answer."""
+
+    def __init__(self, message: str, *, status: int) -> None:
+        super().__init__(message)
         self.status = status
 
 

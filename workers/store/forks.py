@@ -46,7 +46,8 @@ DECISION_GRACE_MS: Final = 30_000  # a decided fork's job not confirmed enqueued
 
 log = logging.getLogger("forkq.store")
 
-# KEYS: bootstrap, state, events. ARGV: record bytes, ttl_s, kind, description, digest, event data.
+# KEYS: bootstrap, state, events, the parent session's forks. ARGV: record bytes, ttl_s, kind, description, digest,
+# event data, fork id. The session index gets the fork with its record (the one key outside the fork's hash tag).
 _LAUNCH = lua_script(
     NOW,
     """
@@ -59,6 +60,9 @@ redis.call('HSET', KEYS[2], 'status', 'queued', 'kind', ARGV[3], 'description', 
 redis.call('EXPIRE', KEYS[2], ARGV[2])
 redis.call('XADD', KEYS[3], 'MAXLEN', '~', @MAXLEN@, '*', 'type', 'queued', 'data', ARGV[6])
 redis.call('EXPIRE', KEYS[3], ARGV[2])
+redis.call('ZADD', KEYS[4], now, ARGV[7])
+redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now - tonumber(ARGV[2]) * 1000)
+redis.call('EXPIRE', KEYS[4], ARGV[2])
 return 'created'
 """,
 )
@@ -299,8 +303,8 @@ class ForkStore:
         digests = [chunk_digest(context), *(record.seed_chunks if seed_chunks else ())]
         chunk_keys = [self.keys.chunk(session, d.hex()) for d in digests]
         sent = [b"" if self._known_chunk(key) else chunk for key, chunk in zip(chunk_keys, chunks, strict=True)]
-        keys = [self.keys.bootstrap(fid), self.keys.state(fid), self.keys.events(fid)]
-        args = [record_bytes, self.ttl_s, record.kind, record.description, digest_hex, data]
+        keys = [self.keys.bootstrap(fid), self.keys.state(fid), self.keys.events(fid), self.keys.session_forks(session)]
+        args = [record_bytes, self.ttl_s, record.kind, record.description, digest_hex, data, fid]
         gone, outcome = self._scripts((self._put_chunks, chunk_keys, [self.ttl_s, *sent]), (self._launch, keys, args))
         if outcome == b"conflict":
             raise RecordExistsError(
@@ -535,12 +539,12 @@ class ForkStore:
         """Events after stream id `after`; with `block_ms`, wait up to that long for new ones."""
         key = self.keys.events(fork_id)
         reply = cast(list[Any], self.client.xread({key: after}, count=count, block=block_ms))
-        return [_event(eid, fields) for _, entries in reply or [] for eid, fields in entries]
+        return [decode_event(eid, fields) for _, entries in reply or [] for eid, fields in entries]
 
     def latest_events(self, fork_id: str, *, count: int) -> list[ForkEvent]:
         """The fork's newest `count` events, newest first."""
         reply = cast(list[Any], self.client.xrevrange(self.keys.events(fork_id), count=count))
-        return [_event(eid, fields) for eid, fields in reply]
+        return [decode_event(eid, fields) for eid, fields in reply]
 
     def follow(self, fork_id: str, *, after: str = "0-0", block_ms: int = 1000) -> Iterator[ForkEvent]:
         """Every event from `after` on, waiting for new ones, until the fork's terminal event."""
@@ -559,6 +563,7 @@ def _approval_refusal(state: ForkState, call_id: str) -> str:
     return f"fork {state.fork_id}: no pending call {call_id!r}; calls awaiting approval: {waiting}"
 
 
-def _event(event_id: bytes, fields: dict[bytes, bytes]) -> ForkEvent:
+def decode_event(event_id: bytes, fields: dict[bytes, bytes]) -> ForkEvent:
+    """A `ForkEvent` from one XREAD/XRANGE entry."""
     data = json.loads(fields.get(b"data", b"{}"))
     return ForkEvent(id=event_id.decode(), type=fields.get(b"type", b"").decode(), data=data)

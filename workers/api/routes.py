@@ -1,0 +1,251 @@
+"""The API's endpoints: each a thin function over `ForkClient` (writes) or `AsyncForkReader` (reads and waits).
+
+Writes (launch, cancel, approve, deny) run `ForkClient`'s own code in the threadpool, so a launch over HTTP is
+checked exactly as one from Python. Reads, long polls and event streams use `redis.asyncio`: a request
+waiting on a fork holds a connection, never a thread.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Annotated, Any, cast
+
+from fastapi import APIRouter, Depends, Header, Path, Query, Request, Security
+from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.security import HTTPBearer
+
+from broker_config.settings import Settings
+from workers.api.launches import Launcher
+from workers.api.models import (
+    MAX_WAIT_S,
+    Cancelled,
+    Decided,
+    DecisionRequest,
+    Health,
+    Launched,
+    LaunchRequest,
+    Notification,
+    ResultBody,
+    SessionFork,
+    SessionForks,
+)
+from workers.api.problems import ErrorBody
+from workers.api.sse import EVENT_ID_PATTERN, event_stream
+from workers.api.transcript import Transcript, build_transcript
+from workers.client import ForkClient
+from workers.errors import ForkNotEnded
+from workers.keys import FORK_ID_RE, SESSION_RE
+from workers.records.fork import ForkResult, ForkState
+from workers.records.notification import render_task_notification
+from workers.store.health import check_redis
+from workers.store.reader import AsyncForkReader
+
+FORK_ID_PATTERN = f"^{FORK_ID_RE.pattern}$"
+SESSION_PATTERN = f"^{SESSION_RE.pattern}$"
+IDEMPOTENCY_KEY_PATTERN = r"^[\x21-\x7e]{1,255}$"  # visible ASCII
+
+log = logging.getLogger("forkq.api")
+
+
+@dataclass(frozen=True)
+class Services:
+    """What the endpoints use, built once per app by its lifespan."""
+
+    settings: Settings
+    client: ForkClient
+    reader: AsyncForkReader
+    launcher: Launcher
+
+
+async def services(request: Request) -> Services:
+    """The app's services (a dependency; async, so FastAPI does not run it in the threadpool)."""
+    return cast(Services, request.app.state.services)
+
+
+Svc = Annotated[Services, Depends(services)]
+ForkId = Annotated[str, Path(pattern=FORK_ID_PATTERN, description="A fork id, as the launch returned it.")]
+
+
+Responses = dict[int | str, dict[str, Any]]
+
+
+def _errors(*codes: int, other: Responses | None = None) -> Responses:
+    """The OpenAPI entries of an endpoint's error responses (all of the one shape), after its `other` responses."""
+    errors: Responses = {
+        code: {"model": ErrorBody, "description": "The error (docs/api.md: errors)."} for code in codes
+    }
+    return {**(other or {}), **errors}
+
+
+def _state_json(state: ForkState, status_code: int = 200) -> JSONResponse:
+    return JSONResponse(state.model_dump(mode="json"), status_code=status_code)
+
+
+def launch_fork(
+    body: LaunchRequest,
+    request: Request,
+    svc: Svc,
+    idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key", pattern=IDEMPOTENCY_KEY_PATTERN)] = None,
+) -> JSONResponse:
+    """Launch a fork or subagent: 202 with its id; 200 with the same fork for an Idempotency-Key seen before."""
+    token_id = str(getattr(request.state, "token_id", ""))
+    outcome = svc.launcher.launch(body, key=idempotency_key, token_id=token_id)
+    launched = Launched(fork_id=outcome.fork_id, status=outcome.status)
+    headers = {"Location": f"/v1/forks/{outcome.fork_id}"}
+    if not outcome.created:
+        headers["Idempotent-Replayed"] = "true"
+    return JSONResponse(launched.model_dump(), status_code=202 if outcome.created else 200, headers=headers)
+
+
+async def fork_state(fork_id: ForkId, svc: Svc) -> JSONResponse:
+    """The fork's state (as `forkq status --json` prints it)."""
+    return _state_json(await svc.reader.state(fork_id))
+
+
+async def fork_result(
+    fork_id: ForkId,
+    svc: Svc,
+    wait: Annotated[float, Query(ge=0, le=MAX_WAIT_S, description="Seconds to wait for the end (at most 60).")] = 0,
+) -> JSONResponse:
+    """The result (200) once the fork has ended; else, once `wait` runs out or at once if parked, its state (202)."""
+    outcome = await svc.reader.result_within(fork_id, wait)
+    if isinstance(outcome, ForkResult):
+        body = ResultBody(**outcome.model_dump(include={"fork_id", "status", "output", "usage", "error"}))
+        return JSONResponse(body.model_dump(mode="json"))
+    return _state_json(outcome, 202)
+
+
+async def fork_notification(fork_id: ForkId, svc: Svc) -> Notification:
+    """The `<task-notification>` for the parent's model; 409 while the fork has not ended."""
+    result = await svc.reader.result(fork_id)
+    state = await svc.reader.state(fork_id)
+    if result is None:
+        raise ForkNotEnded(
+            f"fork {fork_id} is {state.status.value}: it has no result to notify yet; wait for it first "
+            f"(GET /v1/forks/{fork_id}/result?wait=60)",
+            fork_id=fork_id,
+        )
+    text = render_task_notification(result, description=state.description)
+    return Notification(fork_id=fork_id, status=result.status.value, notification=text)
+
+
+async def fork_events(
+    fork_id: ForkId,
+    svc: Svc,
+    last_event_id: Annotated[str | None, Header(alias="Last-Event-ID", pattern=EVENT_ID_PATTERN)] = None,
+) -> StreamingResponse:
+    """The fork's events as Server-Sent Events, after `Last-Event-ID` if given, until it ends."""
+    await svc.reader.state(fork_id)  # 404 before the stream starts
+    stream = event_stream(svc.reader, fork_id, after=last_event_id or "0-0", keepalive_s=svc.settings.api_keepalive_s)
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy may hold events back
+    return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
+
+
+async def fork_transcript(
+    fork_id: ForkId,
+    svc: Svc,
+    max_chars: Annotated[int, Query(ge=0, le=1_000_000, description="Characters of a tool result kept.")] = 4096,
+) -> Transcript:
+    """The seed's summary and every journaled step (tool results cut to `max_chars`)."""
+    state = await svc.reader.state(fork_id)
+    record = await svc.reader.record(fork_id, state.digest or None)
+    entries = await svc.reader.journal(fork_id)
+    return build_transcript(state, record, entries, max_chars=max_chars)
+
+
+def cancel_fork(fork_id: ForkId, svc: Svc) -> Cancelled:
+    """Cancel the fork; its status afterwards (`cancelled`, or the status it had already ended with)."""
+    return Cancelled(fork_id=fork_id, status=svc.client.cancel(fork_id).value)
+
+
+def decide_call(
+    fork_id: ForkId,
+    call_id: Annotated[str, Path(min_length=1, max_length=200, description="The pending call's id.")],
+    body: DecisionRequest,
+    svc: Svc,
+) -> Decided:
+    """Approve or deny a call a parked fork waits on; the fork goes on once no call waits."""
+    if body.decision == "approve":
+        status = svc.client.approve(fork_id, call_id)
+    else:
+        status = svc.client.deny(fork_id, call_id, body.reason)
+    outcome = "queued" if status == "queued" else "recorded"
+    return Decided(fork_id=fork_id, call_id=call_id, decision=body.decision, outcome=outcome, status=status.value)
+
+
+async def session_forks(
+    session_id: Annotated[str, Path(pattern=SESSION_PATTERN, description="The parent's session id.")],
+    svc: Svc,
+    limit: Annotated[int, Query(ge=1, le=1000, description="The newest this many.")] = 100,
+) -> SessionForks:
+    """The forks launched from a parent session that are still in Redis, newest first."""
+    forks = await svc.reader.session_forks(session_id, limit=limit)
+    return SessionForks(session_id=session_id, forks=[SessionFork(**vars_of(f)) for f in forks])
+
+
+def vars_of(value: Any) -> dict[str, Any]:
+    """A slotted dataclass's fields as a dict."""
+    return {name: getattr(value, name) for name in value.__slots__}
+
+
+def healthz(svc: Svc) -> JSONResponse:
+    """200 when Redis answers and is fit for forkq (`forkq check`), else 503; no token needed."""
+    health = check_redis(svc.settings)
+    fit = not health.problems
+    for problem in health.problems:  # the body says only whether: the details may name hosts
+        log.warning("health: %s", problem)
+    body = Health(ok=fit, redis_reachable=health.reachable, redis_fit=fit)
+    return JSONResponse(body.model_dump(), status_code=200 if fit else 503)
+
+
+def fork_router(*, secured: bool) -> APIRouter:
+    """The `/v1` endpoints (behind a bearer token when `secured`) and `/healthz`."""
+    bearer = [Security(HTTPBearer(auto_error=False, description="A token of FORKQ_API_TOKENS."))] if secured else []
+    router = APIRouter()
+    v1 = APIRouter(prefix="/v1", dependencies=bearer, responses=_errors(401, 422, 500, 503))
+    v1.add_api_route(
+        "/forks",
+        launch_fork,
+        methods=["POST"],
+        status_code=202,
+        response_model=Launched,
+        responses=_errors(
+            409, 413, 415, other={200: {"model": Launched, "description": "An Idempotency-Key seen before"}}
+        ),
+    )
+    v1.add_api_route("/forks/{fork_id}", fork_state, methods=["GET"], response_model=ForkState, responses=_errors(404))
+    v1.add_api_route(
+        "/forks/{fork_id}/result",
+        fork_result,
+        methods=["GET"],
+        response_model=ResultBody,
+        responses=_errors(404, other={202: {"model": ForkState, "description": "Not ended (yet): the fork's state"}}),
+    )
+    v1.add_api_route("/forks/{fork_id}/notification", fork_notification, methods=["GET"], responses=_errors(404, 409))
+    v1.add_api_route(
+        "/forks/{fork_id}/events",
+        fork_events,
+        methods=["GET"],
+        response_class=StreamingResponse,
+        responses=_errors(
+            404, other={200: {"content": {"text/event-stream": {}}, "description": "Server-Sent Events"}}
+        ),
+    )
+    v1.add_api_route(
+        "/forks/{fork_id}/transcript",
+        fork_transcript,
+        methods=["GET"],
+        response_model_exclude_none=True,  # a step has the fields of its kind only
+        responses=_errors(404),
+    )
+    v1.add_api_route("/forks/{fork_id}/cancel", cancel_fork, methods=["POST"], responses=_errors(404))
+    v1.add_api_route(
+        "/forks/{fork_id}/approvals/{call_id}", decide_call, methods=["POST"], responses=_errors(404, 409, 413, 415)
+    )
+    v1.add_api_route("/sessions/{session_id}/forks", session_forks, methods=["GET"])
+    router.include_router(v1)
+    router.add_api_route(
+        "/healthz", healthz, methods=["GET"], response_model=Health, responses={503: {"model": Health}}
+    )
+    return router
