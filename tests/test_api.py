@@ -209,19 +209,31 @@ def test_a_body_that_is_not_json_is_refused_with_422(http: httpx.Client, redis_c
     assert redis_client.dbsize() == 0
 
 
-def test_an_option_the_servers_forkq_does_not_take_yet_is_refused_with_422_naming_it(
-    http: httpx.Client, redis_client: redis.Redis, parent: dict[str, Any]
+def test_the_subagent_options_reach_the_record_and_a_capability_the_mode_lacks_is_422(
+    http: httpx.Client, client: ForkClient, redis_client: redis.Redis, parent: dict[str, Any]
 ) -> None:
-    from workers.api.launches import launch_parameters
+    # a completed-turn fork with a persona, a tool filter and a depth limit
+    options = {
+        "seed_mode": "completed_turns",
+        "persona": "You write release notes.",
+        "tool_filter": ["read_file"],
+        "max_depth": 1,
+    }
+    fork_id = launch(http, parent, **options)
+    record = client.inspect(fork_id)
+    assert (record["seed_mode"], record["persona"], record["tool_filter"], record["max_depth"]) == (
+        "completed_turns",
+        True,
+        ["read_file"],
+        1,
+    )
+    assert record["system_instruction"] == "You write release notes."
 
-    later = [name for name in ("seed_mode", "persona", "tool_filter", "max_depth") if name not in launch_parameters()]
-    if not later:
-        pytest.skip("this ForkClient.launch takes every option")
-
-    error = error_of(http.post("/v1/forks", json={"parent": parent, "agent": FORK, "options": {later[0]: 1}}), 422)
-
-    assert error["field"] == later[0] and "not supported by this server's forkq version" in error["message"]
-    assert redis_client.dbsize() == 0
+    # a persona for a fork_turns fork: the Python API's message, and nothing written
+    before = redis_client.dbsize()
+    error = error_of(http.post("/v1/forks", json={"parent": parent, "agent": FORK, "options": {"persona": "x"}}), 422)
+    assert error["field"] == "persona" and "keeps the parent's system prompt byte for byte" in error["message"]
+    assert redis_client.dbsize() == before
 
 
 def test_launch_options_reach_the_bootstrap_record(
