@@ -87,6 +87,7 @@ def build_provider(settings: Settings, kind: ProviderKind) -> ModelProvider:
             base_url=settings.openai_base_url,
             timeout_s=settings.provider_timeout_s,
             retry=policy,
+            prompt_cache_key=settings.prompt_cache_key,
         )
     if kind == "gemini":
         from workers.providers.gemini import GeminiProvider  # noqa: PLC0415  (SDK import is slow)
