@@ -377,9 +377,9 @@ def print_report(plan: argparse.Namespace, runs: dict[str, dict[str, Requests]],
     siblings = PROMPTS[: plan.siblings]
     print(
         f"\nprompt-cache parity: {plan.siblings} sibling `all` forks of workers/examples/parent.json "
-        f"({len(parent['history'])} messages, {len(json.dumps(parent)) / 1000:.0f} KB) and one fork with "
-        f"{plan.continuations} continuations, per provider; one forkq worker process per run; shares of each "
-        "request's prompt (system, tools, history as sent) that are a byte prefix of the earlier request"
+        f"({len(parent['history'])} messages, {len(json.dumps(parent)) / 1000:.0f} KB)\n"
+        f"and one fork with {plan.continuations} continuations, per provider, on one forkq worker process per run;\n"
+        "the share of each request's prompt (system, tools, history, as sent) that is a byte prefix of the earlier one"
     )
     print("continuations: simulated (ForkClient.send is not in this tree): seed + journal replayed, a new user turn,")
     print("               the loop's own model_request, sent by the worker's provider adapter")
