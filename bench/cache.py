@@ -8,15 +8,13 @@ to the second. Per provider, on the example parent (`workers/examples/parent.jso
 
 (a) N sibling `all` forks launched at once. Each lists its directory; reads two files in parallel
     (OpenAI: after reasoning; Gemini: with a thought signature); then answers.
-(b) one fork that does the same, then M continuations. `ForkClient.send` is not in this tree, so a
-    continuation is simulated as the loop would make it: the fork's seed and journal replayed
-    (`workers.loop.replay`), its final answer followed by a new user turn, the request built by the
-    loop's own `model_request` and sent by the provider adapter the worker uses; the model answers
-    each in text.
+(b) one fork that does the same, then M continuations sent to it through `ForkClient.send` (the
+    worker runs each as the fork's next exchange, its message appended to the journal): the first
+    reads a file again and answers, the others answer in text.
 
 A request's prompt is its system instruction, tool declarations and history in the order the model
-reads them, each as the exact bytes of the wire body (the SDKs put `tools` after `messages` in the
-JSON; a provider builds the prompt with the declarations first). Its share is the longest byte
+reads them, each as the exact bytes of the wire body (the JSON's key order is the SDK's; a provider
+builds the prompt with the system instruction and declarations first). Its share is the longest byte
 prefix it has in common with another request, over its own length. The baseline is the ideal: a
 request that reuses every byte sent before, so that the rest is only its new messages (a later
 request: its previous request's prompt without the closing bracket; a sibling: everything before
@@ -35,7 +33,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,12 +49,7 @@ from fakeapi import FakeAPI, Received, Reply  # noqa: E402
 from bench.procs import fleet  # noqa: E402
 from broker_config.settings import Settings  # noqa: E402
 from workers.client import ForkClient, ForkHandle  # noqa: E402
-from workers.history.messages import Content, Part  # noqa: E402
 from workers.history.selection import FORK_BEGIN_PROMPT  # noqa: E402
-from workers.loop.child import model_request  # noqa: E402
-from workers.loop.replay import replay  # noqa: E402
-from workers.providers.routing import build_provider  # noqa: E402
-from workers.records.journal import JournalEntry  # noqa: E402
 from workers.store.redis_server import RedisServer  # noqa: E402
 
 EXAMPLE_PARENT = ROOT / "workers" / "examples" / "parent.json"
@@ -80,7 +73,7 @@ PROMPTS = (
     "Grep the tests for sleeps longer than one second.",
 )
 CONTINUATIONS = (
-    "Now say which of those files defines main().",
+    "Now read app.py again and say what main() returns.",
     "Good. What would you test first, and why?",
     "Thanks. Give the answer as three bullet points.",
 )
@@ -93,11 +86,15 @@ WAIT_S = 60.0
 
 
 def openai_reply(received: Received) -> Reply:
-    """List after the task prompt; read two files at once after the listing; answer after the reads or a new turn."""
+    """List after the task prompt; read two files at once after the listing; read one file when a message asks;
+    answer after the reads or any other message."""
     messages = received.json["messages"]
     last = messages[-1]
-    if last["role"] == "user" and last["content"] == FORK_BEGIN_PROMPT:
-        return Reply(body=completion({"tool_calls": [call("c-ls", "list_directory", {"path": "."})]}, received))
+    if last["role"] == "user":
+        if last["content"] == FORK_BEGIN_PROMPT:
+            return Reply(body=completion({"tool_calls": [call("c-ls", "list_directory", {"path": "."})]}, received))
+        if "read" in last["content"]:
+            return Reply(body=completion({"tool_calls": [call("c-rd-3", "read_file", {"path": "app.py"})]}, received))
     assistant = next(m for m in reversed(messages) if m["role"] == "assistant")
     if last["role"] == "tool" and assistant["tool_calls"][0]["function"]["name"] == "list_directory":
         reads = [call("c-rd-1", "read_file", {"path": "notes.txt"}), call("c-rd-2", "read_file", {"path": "app.py"})]
@@ -131,6 +128,9 @@ def gemini_reply(received: Received) -> Reply:
     if last == [{"text": FORK_BEGIN_PROMPT}]:
         ls = {"functionCall": {"id": "c-ls", "name": "list_directory", "args": {"path": "."}}, "thoughtSignature": SIG}
         return Reply(body=generated([ls], received))
+    if len(last) == 1 and "read" in last[0].get("text", ""):
+        read = {"functionCall": {"id": "c-rd-3", "name": "read_file", "args": {"path": "app.py"}}}
+        return Reply(body=generated([read], received))
     answered = [p["functionResponse"]["name"] for p in last if "functionResponse" in p]
     if answered == ["list_directory"]:
         reads = [
@@ -194,7 +194,7 @@ class Requests:
 
     kind: str
     forks: dict[str, list[Received]] = field(default_factory=dict)
-    continued: int = 0  # of the last fork's requests, how many are simulated continuations
+    continued: int = 0  # of the continued fork's requests, how many its continuations made
 
 
 def worker_env(redis_url: str, apis: dict[str, FakeAPI], logdir: Path, *, key: bool) -> dict[str, str]:
@@ -245,15 +245,16 @@ def run_config(plan: argparse.Namespace, tmp: Path, *, key: bool) -> dict[str, R
             for kind in plan.providers
             for prompt in (*siblings, *extra)
         }
+        continued: dict[str, int] = {}
         for (kind, prompt), handle in handles.items():
             result = handle.wait(timeout=WAIT_S)
             if result.status.value != "succeeded":
                 raise RuntimeError(f"{kind} fork {prompt!r}: {result.status.value} {result.error}\n{worker.tail()}")
-        runs = {kind: split_by_fork(kind, apis[kind], (*siblings, *extra)) for kind in plan.providers}
         for kind in plan.providers if key else ():
-            continue_fork(client, env, handles[kind, extra[0]], kind, plan.continuations)
-            runs[kind].forks[extra[0]] = [r for r in apis[kind].received if prompt_in(extra[0], r)]
-            runs[kind].continued = plan.continuations
+            continued[kind] = continue_fork(client, handles[kind, extra[0]], plan.continuations, worker.tail)
+        runs = {kind: split_by_fork(kind, apis[kind], (*siblings, *extra)) for kind in plan.providers}
+        for kind, first in continued.items():
+            runs[kind].continued = len(runs[kind].forks[extra[0]]) - first
     return runs
 
 
@@ -269,29 +270,15 @@ def split_by_fork(kind: str, api: FakeAPI, prompts: Sequence[str]) -> Requests:
     return Requests(kind, {prompt: [r for r in api.received if prompt_in(prompt, r)] for prompt in prompts})
 
 
-def continue_fork(client: ForkClient, env: dict[str, str], handle: ForkHandle, kind: str, turns: int) -> None:
-    """Simulated continuations: each appends a user turn to the replayed journal and asks the model again."""
-    record, seed = client.store.read_inputs(handle.fork_id, handle.digest)
-    raw = client.redis.lrange(client.store.keys.journal(handle.fork_id), 0, -1)
-    state = replay(seed, [JournalEntry.decode(b, fork_id=handle.fork_id) for b in raw], fork_id=handle.fork_id)
-    # the provider the worker runs, configured from the variables it was started with
-    worker = Settings(
-        openai_base_url=env["FORKQ_OPENAI_BASE_URL"],
-        openai_api_key=env["FORKQ_OPENAI_API_KEY"],
-        gemini_base_url=env["FORKQ_GEMINI_BASE_URL"],
-        gemini_api_key=env["FORKQ_GEMINI_API_KEY"],
-        prompt_cache_key=env["FORKQ_PROMPT_CACHE_KEY"] == "true",
-    )
-    provider = build_provider(worker, kind)
-    messages, step = list(state.messages), state.step
-    try:
-        for text in CONTINUATIONS[:turns]:
-            messages.append(Content(role="user", parts=[Part(text=text)]))
-            response = provider.generate(model_request(record, record.tools, step, messages))
-            messages.append(response.content)
-            step += 1
-    finally:
-        getattr(provider, "close", lambda: None)()
+def continue_fork(client: ForkClient, handle: ForkHandle, turns: int, log: Callable[[], str]) -> int:
+    """Send the ended fork `turns` messages, one exchange after the other; its requests before the first."""
+    before = handle.wait(timeout=WAIT_S).usage.model_calls
+    for text in CONTINUATIONS[:turns]:
+        client.send(handle.fork_id, text)
+        result = handle.wait(timeout=WAIT_S)
+        if result.status.value != "succeeded":
+            raise RuntimeError(f"continuation {text!r}: {result.status.value} {result.error}\n{log()}")
+    return before
 
 
 # ── the figures ──────────────────────────────────────────────────────────────────────────────
@@ -365,7 +352,7 @@ def figures(run: Requests, siblings: Sequence[str]) -> list[Figure]:
         own = pairs_of(continued[: len(continued) - run.continued])
         found.append(later_figure(run, "later request vs its previous (continued fork)", own))
         turns = pairs_of(continued)[-run.continued :]
-        found.append(later_figure(run, "continuation vs its previous (simulated)", turns))
+        found.append(later_figure(run, "continuation request vs its previous", turns))
     return found
 
 
@@ -381,8 +368,7 @@ def print_report(plan: argparse.Namespace, runs: dict[str, dict[str, Requests]],
         f"and one fork with {plan.continuations} continuations, per provider, on one forkq worker process per run;\n"
         "the share of each request's prompt (system, tools, history, as sent) that is a byte prefix of the earlier one"
     )
-    print("continuations: simulated (ForkClient.send is not in this tree): seed + journal replayed, a new user turn,")
-    print("               the loop's own model_request, sent by the worker's provider adapter")
+    print("continuations: sent through ForkClient.send and run by the worker (the first with a tool round)")
     print("baseline: the ideal, a request reusing every byte sent before (its rest only new messages or its directive)")
     head = (
         f"{'provider':8}  {'run':7}  {'figure':47}  {'n':>3}  {'min':>7}  {'median':>7}  {'ideal':>7}  rewrites  target"

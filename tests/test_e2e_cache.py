@@ -3,7 +3,7 @@
 Every request of a fork starts with exactly the bytes of its previous request up to the new messages,
 and its fixed parts (system instruction, declarations, output schema, cache key) go out byte-identical
 at every step: forks whose steps hold thoughts with signatures and parallel calls, an output-schema
-retry, a regular subagent, a completed-turn fork, and a continuation built by the loop's own code.
+retry, a regular subagent, a completed-turn fork, and continuations sent to a fork that ended.
 Sibling forks of one parent send one `prompt_cache_key` (the parent session) and first requests that
 are byte-identical up to their directives. Cached tokens the provider reports reach the result, the
 events, `forkq result --json`, the notification and the worker's metric.
@@ -46,11 +46,7 @@ from test_openai_compat import completion, tool_call
 
 from broker_config.settings import Settings
 from workers.app import runtime_of
-from workers.client import ForkClient, ForkHandle
-from workers.history.messages import Content, Part
-from workers.loop.child import model_request
-from workers.loop.replay import replay
-from workers.providers.routing import build_provider
+from workers.client import ForkClient
 from workers.records.fork import Status
 
 KINDS = ["openai", "gemini"]
@@ -264,22 +260,22 @@ def test_every_kind_of_child_resends_every_byte_it_sent_before(
             assert {r.json["prompt_cache_key"] for r in sent} == {parent["session_id"]}, case
 
 
-def continue_fork(client: ForkClient, handle: ForkHandle, kind: str, text: str) -> None:
-    """Send the request a continuation of the ended fork makes: its seed and journal (final answer included)
-    replayed, a new user turn, through the loop's own request code and the worker's provider settings."""
-    runtime = runtime_of(client.app)
-    record, seed = client.store.read_inputs(handle.fork_id, handle.digest)
-    state = replay(seed, runtime.leases.journal(handle.fork_id), fork_id=handle.fork_id)
-    messages = [*state.messages, Content(role="user", parts=[Part(text=text)])]
-    provider = build_provider(runtime.settings, kind)
-    try:
-        provider.generate(model_request(record, record.tools, state.step, messages))
-    finally:
-        getattr(provider, "close", lambda: None)()
+def answer(kind: str, text: str, cached: int) -> dict[str, Any]:
+    if kind == "openai":
+        return completion({"content": text}, cached=cached)
+    return generated([{"text": text}], cached=cached)
+
+
+def read_app(kind: str) -> dict[str, Any]:
+    if kind == "openai":
+        call = tool_call("c-app", "read_file", '{"path": "src/app.py"}')
+        return completion({"content": None, "tool_calls": [call]}, "tool_calls", cached=CACHED[1])
+    call = {"functionCall": {"id": "c-app", "name": "read_file", "args": {"path": "src/app.py"}}}
+    return generated([call], cached=CACHED[1])
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_a_continuation_built_by_the_loops_own_code_extends_the_forks_last_request(
+def test_continuations_sent_to_a_fork_extend_its_last_request_byte_for_byte(
     kind: str,
     forkq: Callable[..., ForkClient],  # noqa: F811
     apis: dict[str, FakeAPI],  # noqa: F811
@@ -292,21 +288,31 @@ def test_a_continuation_built_by_the_loops_own_code_extends_the_forks_last_reque
     handle = client.launch(parent_of(kind), FORK)
     assert wait_result(handle).status is Status.SUCCEEDED
 
-    # When a continuation appends a user turn to its journal and asks the model again
-    api.reply(text_answer(kind, "src/app.py defines main()."))
-    continue_fork(client, handle, kind, "Now say what src/app.py defines.")
+    # When it is continued twice through `send`: once with a tool round, once with a plain answer
+    api.reply(read_app(kind)).reply(answer(kind, "src/app.py defines main().", CACHED[2]))
+    client.send(handle.fork_id, "Now read src/app.py and say what it defines.")
+    first = wait_result(handle)
+    api.reply(answer(kind, "It returns 42.", CACHED[2]))
+    client.send(handle.fork_id, "What does main() return?")
+    second = wait_result(handle)
 
-    # Then that request starts with every byte of the fork's last one: its final answer, then the new turn
-    assert len(api.received) == 4
+    # Then each continuation's requests start with every byte of the fork's requests before them:
+    # its final answer, then the new turn
+    assert (first.output, second.output) == ("src/app.py defines main().", "It returns 42.")
+    assert len(api.received) == 6
     assert_stable_prefix(kind, api.received)
     last = api.received[-1].json[HISTORY[kind]][-2:]
     if kind == "openai":
         assert last == [
-            {"role": "assistant", "content": f"notes.txt says: {MARKER}"},
-            {"role": "user", "content": "Now say what src/app.py defines."},
+            {"role": "assistant", "content": "src/app.py defines main()."},
+            {"role": "user", "content": "What does main() return?"},
         ]
     else:
         assert [c["role"] for c in last] == ["model", "user"]
+    # and cached tokens count per exchange and for the whole conversation
+    assert first.run_usage is not None and first.run_usage.cached_input_tokens == CACHED[1] + CACHED[2]
+    assert second.run_usage is not None and second.run_usage.cached_input_tokens == CACHED[2]
+    assert second.usage.cached_input_tokens == sum(CACHED[1:]) + CACHED[2]
 
 
 # ── siblings share the parent's cache ────────────────────────────────────────────────────────
