@@ -61,6 +61,10 @@ class Settings(BaseSettings):
         validation_alias=AliasChoices("FORKQ_GEMINI_API_KEY", "GEMINI_API_KEY"),
         description="Gemini API key (else GEMINI_API_KEY).",
     )
+    # on by default: sibling forks of one parent then hit one provider cache; off for a server refusing the parameter
+    prompt_cache_key: bool = Field(
+        True, description="Send the parent session as `prompt_cache_key` with OpenAI-compatible requests."
+    )
     provider_timeout_s: float = Field(120.0, gt=0, description="Timeout of one model call (one attempt).")
     provider_max_attempts: int = Field(5, ge=1, description="Attempts per model call, retries on 429/5xx included.")
     provider_retry_base_s: float = Field(1.0, ge=0, description="First retry delay; doubles per retry, jittered.")

@@ -276,9 +276,17 @@ def test_cancelling_a_running_fork_marks_it_for_the_worker_to_stop(store: ForkSt
     assert leases.emit(claim, []) == "cancelled"
 
 
-def model_entry(seq: int, step: int, tokens: int) -> JournalEntry:
+def model_entry(seq: int, step: int, tokens: int, cached: int | None = None) -> JournalEntry:
     content = {"role": "model", "parts": [{"functionCall": {"id": f"c{step}", "name": "t", "args": {}}}]}
-    return JournalEntry(seq=seq, step=step, kind="model", content=content, input_tokens=tokens, output_tokens=1)
+    return JournalEntry(
+        seq=seq,
+        step=step,
+        kind="model",
+        content=content,
+        input_tokens=tokens,
+        output_tokens=1,
+        cached_input_tokens=cached,
+    )
 
 
 def test_a_cancelled_running_fork_keeps_the_usage_its_journal_records(store: ForkStore, seed: ForkSeed) -> None:
@@ -289,7 +297,7 @@ def test_a_cancelled_running_fork_keeps_the_usage_its_journal_records(store: For
     assert isinstance(claim, Claim)
     result_entry = JournalEntry(seq=1, step=0, kind="tool_result", call_index=0, response={"output": "ok"})
     leases.append(claim, model_entry(0, 0, 120), result_entry)
-    leases.append(claim, model_entry(2, 1, 80))
+    leases.append(claim, model_entry(2, 1, 80, cached=64))
     time.sleep(0.05)
 
     # When it is cancelled
@@ -301,6 +309,7 @@ def test_a_cancelled_running_fork_keeps_the_usage_its_journal_records(store: For
     usage = result.usage
     assert (usage.model_calls, usage.tool_uses, usage.input_tokens, usage.output_tokens) == (2, 1, 200, 2)
     assert usage.total_tokens == 202 and usage.duration_ms >= 50
+    assert usage.cached_input_tokens == 64
     assert store.events("f-1")[-1].data["usage"] == usage.model_dump()
 
 
@@ -360,11 +369,11 @@ def test_the_cancel_script_tallies_every_entry_appended_after_the_journal_the_cl
     leases = Leases(store.client, store.keys, ttl_ms=10_000, retention_s=TTL_S)
     claim = leases.claim("f-1", "worker-1")
     assert isinstance(claim, Claim)
-    leases.append(claim, model_entry(0, 0, 100))
+    leases.append(claim, model_entry(0, 0, 100, cached=50))
     read = store.client.lrange(store.keys.journal("f-1"), 0, -1)
     # and to which the fork appended a tool result and two more model calls before the cancel script ran
     tool_result = JournalEntry(seq=1, step=0, kind="tool_result", call_index=0, response={"output": "ok"})
-    leases.append(claim, tool_result, model_entry(2, 1, 20))
+    leases.append(claim, tool_result, model_entry(2, 1, 20, cached=16))
     leases.append(claim, model_entry(3, 2, 3))
 
     # When the cancel runs with the stale read
@@ -374,6 +383,7 @@ def test_the_cancel_script_tallies_every_entry_appended_after_the_journal_the_cl
     result = store.result("f-1")
     assert result is not None and len(read) == 1
     assert (result.usage.model_calls, result.usage.tool_uses, result.usage.input_tokens) == (3, 1, 123)
+    assert result.usage.cached_input_tokens == 66  # 50 read by the client, 16 tallied by the script
     assert result.usage.output_tokens == 3 and store.events("f-1")[-1].data["usage"] == result.usage.model_dump()
 
 

@@ -32,8 +32,11 @@ TOOLS = [
 ]
 
 
-def generated(parts: list[dict[str, Any]], finish_reason: str = "STOP", usage: tuple[int, int, int] = (8, 12, 5)):
-    """A GenerateContentResponse as the API reference records it (validated by the SDK's own type)."""
+def generated(
+    parts: list[dict[str, Any]], finish_reason: str = "STOP", usage: tuple[int, int, int] = (8, 12, 5), cached: int = 0
+):
+    """A GenerateContentResponse as the API reference records it (validated by the SDK's own type); `cached` of
+    the prompt tokens read from the cache (`cachedContentTokenCount`, absent when 0 as the API leaves it out)."""
     body = {
         "candidates": [
             {
@@ -53,6 +56,9 @@ def generated(parts: list[dict[str, Any]], finish_reason: str = "STOP", usage: t
         "modelVersion": MODEL,
         "responseId": "mCkjaNnHEZ2cz7IP5aHUsQ4",
     }
+    if cached:
+        body["usageMetadata"]["cachedContentTokenCount"] = cached
+        body["usageMetadata"]["cacheTokensDetails"] = [{"modality": "TEXT", "tokenCount": cached}]
     types.GenerateContentResponse.model_validate(body)
     return body
 
@@ -371,3 +377,15 @@ def test_a_content_system_instruction_gets_the_schema_as_one_more_part():
     assert config.response_json_schema is None
     none = generation_config(request([], system_instruction=None, output_schema=SCHEMA), native=False)
     assert none.system_instruction == schema_note(SCHEMA)
+
+
+def test_cached_content_tokens_are_reported_as_cached_input_tokens(api: FakeAPI, provider: GeminiProvider):
+    api.reply(generated([{"text": "ok"}], usage=(4096, 3, 0), cached=3900)).reply(generated([{"text": "ok"}]))
+
+    cached = provider.generate(request([user("hi")], cache_key="s-1"))
+    uncached = provider.generate(request([user("hi")]))
+
+    assert cached.usage.model_dump() == {"input_tokens": 4096, "output_tokens": 3, "cached_input_tokens": 3900}
+    assert uncached.usage.cached_input_tokens == 0
+    # implicit caching: no key on this wire, so a request with one is byte for byte a request without
+    assert api.received[0].raw == api.received[1].raw

@@ -510,3 +510,17 @@ def test_journal_usage_counts_model_calls_tokens_and_tool_uses_and_skips_a_damag
     assert (usage.model_calls, usage.tool_uses, usage.input_tokens, usage.output_tokens) == (2, 1, 250, 10)
     assert (usage.total_tokens, usage.duration_ms) == (260, 0)
     assert journal_usage([], "f-1").model_dump() == {k: 0 for k in usage.model_dump()}
+
+
+def test_cached_input_tokens_are_summed_and_an_entry_without_them_keeps_its_bytes() -> None:
+    from workers.records.journal import journal_usage
+
+    model = {"role": "model", "parts": [{"text": "done"}]}
+    plain = JournalEntry(seq=0, step=0, kind="model", content=model, input_tokens=100, output_tokens=7)
+    cached = JournalEntry(seq=1, step=1, kind="model", content=model, input_tokens=120, cached_input_tokens=96)
+
+    usage = journal_usage([plain.encode(), cached.encode()], "f-1")
+
+    assert (usage.input_tokens, usage.cached_input_tokens) == (220, 96)
+    assert b"cached_input_tokens" not in plain.encode()  # what entries were before the field existed
+    assert JournalEntry.decode(cached.encode(), fork_id="f-1") == cached

@@ -73,3 +73,21 @@ def test_an_empty_successful_answer_is_notified_as_no_model_visible_output(outpu
     result = ForkResult(fork_id="f-5", status=Status.SUCCEEDED, output=output, usage=USAGE)
     assert fields(render_task_notification(result, description="d"))["result"] == NO_OUTPUT
     assert NO_OUTPUT == "(subagent produced no model-visible output)"
+
+
+def test_cached_input_tokens_join_the_usage_only_when_the_provider_reported_some() -> None:
+    cached = ForkResult(
+        fork_id="f-1", status=Status.SUCCEEDED, output="ok", usage=USAGE.model_copy(update={"cached_input_tokens": 960})
+    )
+
+    usage = ET.fromstring(render_task_notification(cached, description="d")).find("usage")
+    plain = ET.fromstring(render_task_notification(cached.model_copy(update={"usage": USAGE}), description="d"))
+
+    assert usage is not None
+    assert [(child.tag, child.text) for child in usage] == [
+        ("total_tokens", "1234"),
+        ("cached_input_tokens", "960"),
+        ("tool_uses", "5"),
+        ("duration_ms", "6789"),
+    ]
+    assert plain.find("usage/cached_input_tokens") is None

@@ -14,7 +14,9 @@ from workers.errors import ConfigurationError, ProviderError
 from workers.history.messages import Content, load_contents
 from workers.providers import ModelRequest
 from workers.providers.openai_compat import (
+    CACHE_KEY_MAX_CHARS,
     OpenAICompatProvider,
+    cache_key,
     response_format,
     strict_compatible,
     to_messages,
@@ -35,8 +37,11 @@ TOOLS = [
 ]
 
 
-def completion(message: dict[str, Any], finish_reason: str = "stop", usage: tuple[int, int] = (19, 10)) -> dict:
-    """A chat.completion object as the API reference records it (validated by the SDK's own type)."""
+def completion(
+    message: dict[str, Any], finish_reason: str = "stop", usage: tuple[int, int] = (19, 10), cached: int = 0
+) -> dict:
+    """A chat.completion object as the API reference records it (validated by the SDK's own type); `cached`
+    of the prompt tokens read from the prompt cache."""
     body = {
         "id": "chatcmpl-B9MBs8CjcvOU2jLn4n570S5qMJKcT",
         "object": "chat.completion",
@@ -54,7 +59,7 @@ def completion(message: dict[str, Any], finish_reason: str = "stop", usage: tupl
             "prompt_tokens": usage[0],
             "completion_tokens": usage[1],
             "total_tokens": sum(usage),
-            "prompt_tokens_details": {"cached_tokens": 0, "audio_tokens": 0},
+            "prompt_tokens_details": {"cached_tokens": cached, "audio_tokens": 0},
             "completion_tokens_details": {
                 "reasoning_tokens": 0,
                 "audio_tokens": 0,
@@ -548,3 +553,52 @@ def test_a_400_the_text_form_does_not_cure_fails_the_call_and_keeps_native_mode(
     assert caught.value.status == 400
     provider.generate(request([user("audit")], output_schema=LOOSE_SCHEMA))
     assert ["response_format" in r.json for r in api.received] == [True, False, True]
+
+
+# ── prompt caching ────────────────────────────────────────────────────────────────────────────
+
+
+def test_the_cache_key_goes_as_prompt_cache_key_and_cached_tokens_come_back(api: FakeAPI, provider):
+    api.reply(completion({"content": "ok"}, usage=(2048, 5), cached=1920))
+
+    response = provider.generate(request([user("hi")], cache_key="5d0e8c2a-7f31-4b6e-9a0c-2f4b8e1d6c93"))
+
+    assert api.received[0].json["prompt_cache_key"] == "5d0e8c2a-7f31-4b6e-9a0c-2f4b8e1d6c93"
+    assert response.usage.model_dump() == {"input_tokens": 2048, "output_tokens": 5, "cached_input_tokens": 1920}
+
+
+def test_a_request_without_a_cache_key_or_with_the_setting_off_sends_none(api: FakeAPI, sleeps: Sleeps):
+    policy = RetryPolicy(max_attempts=1, base_delay_s=0.001, max_delay_s=0.01, sleep=sleeps)
+    off = OpenAICompatProvider(
+        api_key=KEY, base_url=f"{api.url}/v1", timeout_s=5.0, retry=policy, prompt_cache_key=False
+    )
+    on = OpenAICompatProvider(api_key=KEY, base_url=f"{api.url}/v1", timeout_s=5.0, retry=policy)
+    api.reply(completion({"content": "a"})).reply(completion({"content": "b"}))
+
+    off.generate(request([user("hi")], cache_key="s-1"))
+    on.generate(request([user("hi")]))
+
+    assert ["prompt_cache_key" in r.json for r in api.received] == [False, False]
+    off.close()
+    on.close()
+
+
+def test_a_session_id_too_long_for_the_api_becomes_a_stable_digest_of_64_characters_at_most():
+    long_id = "paperclip:company:" + "7" * 100
+
+    key = cache_key(long_id)
+
+    assert key is not None and len(key) <= CACHE_KEY_MAX_CHARS and key.startswith("forkq-")
+    assert key == cache_key(long_id) != cache_key(long_id + "8")
+    assert cache_key("x" * CACHE_KEY_MAX_CHARS) == "x" * CACHE_KEY_MAX_CHARS
+    assert cache_key(None) is None and cache_key("") is None
+
+
+def test_a_usage_without_prompt_token_details_reports_no_cached_tokens(api: FakeAPI, provider):
+    body = completion({"content": "ok"}, usage=(30, 2))
+    del body["usage"]["prompt_tokens_details"]  # vLLM, Ollama and older servers leave the details out
+    api.reply(body)
+
+    response = provider.generate(request([user("hi")]))
+
+    assert (response.usage.input_tokens, response.usage.cached_input_tokens) == (30, 0)

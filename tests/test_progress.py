@@ -54,7 +54,9 @@ def test_model_call_and_step_latencies_tokens_and_tools_are_measured_from_loop_e
     clock.now += 1
     run.observe("model_call", {"step": 2})
     clock.now += 3
-    run.observe("step", {"step": 2, "tool_calls": [], "input_tokens": 20, "output_tokens": 5})
+    run.observe(
+        "step", {"step": 2, "tool_calls": [], "input_tokens": 20, "output_tokens": 5, "cached_input_tokens": 16}
+    )
     assert sample(registry, "forkq_forks_running") == 1
     run.ended(Outcome.SUCCEEDED)
     run.close()
@@ -66,6 +68,7 @@ def test_model_call_and_step_latencies_tokens_and_tools_are_measured_from_loop_e
     assert sample(registry, "forkq_step_seconds_count") == 2
     assert sample(registry, "forkq_tokens_total", direction="input") == 30
     assert sample(registry, "forkq_tokens_total", direction="output") == 8
+    assert sample(registry, "forkq_cached_input_tokens_total") == 16  # a step without the field counts none
     assert sample(registry, "forkq_tool_calls_total", tool="read_file", outcome="ok") == 1
     assert sample(registry, "forkq_tool_calls_total", tool="other", outcome="error") == 1
     assert sample(registry, "forkq_claim_attempt_bucket", le="2.0") == 1

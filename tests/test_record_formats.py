@@ -1,4 +1,5 @@
-"""Stored formats kept byte for byte: bootstrap records (typed options, approval mode) and parked calls.
+"""Stored formats kept byte for byte: bootstrap records (typed options, approval mode) and parked calls; and
+results written before a usage counter was added still read.
 
 The literals below were written by the code before `ForkOptions`, `ApprovalMode` and `ParkedCall`
 typed these fields (when options were a plain map and parked calls plain JSON objects): records and
@@ -19,7 +20,7 @@ from conftest import TEST_NAMESPACE
 from workers import codec
 from workers.errors import RecordDecodeError
 from workers.keys import Keys
-from workers.records.fork import BootstrapRecord, ForkOptions, ForkState, chunk_digest
+from workers.records.fork import BootstrapRecord, ForkOptions, ForkResult, ForkState, Status, chunk_digest
 from workers.records.parked import ParkedCall, decode_parked, encode_parked
 from workers.store.forks import ForkStore
 from workers.store.lease import Claim, Leases
@@ -183,3 +184,25 @@ def test_a_parked_fork_stores_the_same_json_as_before_and_its_state_reads_it_bac
     event = fork_store.events(fid)[-1]
     assert (event.type, event.data["calls"]) == ("awaiting_approval", json.loads(PARKED_JSON))
     assert fork_store.state(fid).pending_approval == PARKED
+
+
+# a result as the code before cached input tokens wrote it (ForkResult.encode)
+OLD_RESULT = base64.b64decode(
+    "hqVlcnJvcsCnZm9ya19pZKNmLTGmb3V0cHV0pGRvbmWuc2NoZW1hX3ZlcnNpb24BpnN0YXR1c6lzdWNjZWVkZWSldXNhZ2WGq2R1cmF0"
+    "aW9uX21zzQTSrGlucHV0X3Rva2Vuc80E0qttb2RlbF9jYWxscwKtb3V0cHV0X3Rva2VucyKpdG9vbF91c2VzA6x0b3RhbF90b2tlbnPNBPQ="
+)
+
+
+def test_a_result_written_before_cached_tokens_were_counted_reads_them_as_zero() -> None:
+    result = ForkResult.decode(OLD_RESULT, fork_id="f-1")
+
+    assert (result.status, result.output) == (Status.SUCCEEDED, "done")
+    assert result.usage.model_dump() == {
+        "input_tokens": 1234,
+        "output_tokens": 34,
+        "total_tokens": 1268,
+        "tool_uses": 3,
+        "model_calls": 2,
+        "duration_ms": 1234,
+        "cached_input_tokens": 0,
+    }

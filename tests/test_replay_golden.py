@@ -140,7 +140,15 @@ MESSAGES: Final = json.loads(
     'model", "parts": [{"text": "{\\"ok\\": true}"}]}]'
 )
 OUTPUT: Final = '{"ok": true}'
-USAGE: Final = {"input_tokens": 490, "output_tokens": 32, "total_tokens": 522, "tool_uses": 2, "model_calls": 4}
+# the old loop counted no cached tokens: its journal has none, so today's usage reads 0
+USAGE: Final = {
+    "input_tokens": 490,
+    "output_tokens": 32,
+    "total_tokens": 522,
+    "tool_uses": 2,
+    "model_calls": 4,
+    "cached_input_tokens": 0,
+}
 
 
 def inputs() -> tuple[BootstrapRecord, ForkSeed, list[JournalEntry]]:

@@ -169,6 +169,29 @@ def test_the_router_dispatches_by_model_and_builds_one_provider_per_kind():
     assert router.provider_for("gpt-x") is router.provider_for("gpt-y")
 
 
+def test_the_first_request_builds_every_named_provider_before_it_goes_out():
+    # Given a router whose settings name three providers, one of which cannot be built yet
+    built: list[str] = []
+
+    def build(settings: Settings, kind: Any) -> Recording:
+        if kind == "gemini":
+            raise ConfigurationError("the gemini provider has no API key", field="gemini_api_key")
+        built.append(kind)
+        return Recording(kind)
+
+    routes = {"gpt-*": "openai", "gemini-*": "gemini"}
+    router = ProviderRouter(Settings(provider="scripted", provider_routes=routes), build=build)
+
+    # When the first request arrives
+    answer = router.generate(request("other")).content.parts[0].text
+
+    # Then its own provider and the other buildable ones were built (their SDKs imported before any request
+    # runs), and the one that failed is left to its own first use, which raises why
+    assert (answer, built) == ("scripted", ["scripted", "openai"])
+    with pytest.raises(ConfigurationError, match="no API key"):
+        router.provider_for("gemini-2.5-pro")
+
+
 def test_closing_the_router_closes_the_providers_that_hold_pools():
     closed: list[str] = []
 

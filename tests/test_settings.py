@@ -78,6 +78,16 @@ def test_every_setting_is_read_from_its_forkq_variable(monkeypatch: pytest.Monke
     assert settings.script == script
 
 
+def test_the_prompt_cache_key_is_on_by_default_and_forkq_prompt_cache_key_turns_it_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert Settings().prompt_cache_key is True
+
+    monkeypatch.setenv("FORKQ_PROMPT_CACHE_KEY", "false")
+
+    assert Settings().prompt_cache_key is False
+
+
 def test_arguments_win_over_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FORKQ_QUEUE", "from-env")
 

@@ -253,6 +253,7 @@ class ChildLoop:
                 "tool_calls": [c.name for _, c in calls],
                 "input_tokens": response.usage.input_tokens,
                 "output_tokens": response.usage.output_tokens,
+                "cached_input_tokens": response.usage.cached_input_tokens,
             },
         )
         self._write(
@@ -263,6 +264,8 @@ class ChildLoop:
             request_digest=digest,
             input_tokens=response.usage.input_tokens,
             output_tokens=response.usage.output_tokens,
+            cached_input_tokens=response.usage.cached_input_tokens
+            or None,  # absent when none: entries keep their bytes
             invalid_calls=response.invalid_calls or None,
             finish_reason=None if response.finish_reason in ("stop", "tool_calls") else response.finish_reason,
         )
@@ -397,6 +400,7 @@ class ChildLoop:
             tool_uses=state.tool_uses,
             model_calls=state.step,
             duration_ms=duration_ms,
+            cached_input_tokens=state.cached_input_tokens,
         )
         run_usage = None
         if state.exchange_step > 0:  # a continuation: the usage above is the whole conversation's
@@ -407,6 +411,7 @@ class ChildLoop:
                 tool_uses=state.exchange_tool_uses,
                 model_calls=state.step - state.exchange_step,
                 duration_ms=duration_ms,
+                cached_input_tokens=state.exchange_cached_input_tokens,
             )
         return ForkResult(
             fork_id=self.record.fork_id, status=status, output=output, usage=usage, error=error, run_usage=run_usage
@@ -431,6 +436,7 @@ def model_request(
         generation=record.generation,
         directive=record.directive,
         output_schema=record.options.output_schema,
+        cache_key=record.parent_session,  # sibling forks (and nested subagents) of one parent share the cache
     )
 
 

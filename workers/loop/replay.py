@@ -76,12 +76,14 @@ class LoopState:
     final: Content | None = None  # the model answered without calls: the fork's output
     input_tokens: int = 0
     output_tokens: int = 0
+    cached_input_tokens: int = 0  # the part of input_tokens the provider read from its prompt cache
     tool_uses: int = 0
     decisions: dict[int, Decision] = field(default_factory=dict)  # approvals for the last model Content's calls
     feedbacks: int = 0  # final answers sent back for failing the output schema
     exchange_step: int = 0  # `step` when the current exchange began (the launch, or the last message)
     exchange_input_tokens: int = 0  # tokens of the current exchange only
     exchange_output_tokens: int = 0
+    exchange_cached_input_tokens: int = 0  # of the current exchange only, like the counters around it
     exchange_tool_uses: int = 0
     messages_received: int = 0  # `message` entries applied
     finish_reason: str = "stop"  # of the last model response (`stop` also for `tool_calls`)
@@ -137,6 +139,8 @@ class LoopState:
         self.output_tokens += entry.output_tokens
         self.exchange_input_tokens += entry.input_tokens
         self.exchange_output_tokens += entry.output_tokens
+        self.cached_input_tokens += entry.cached_input_tokens or 0
+        self.exchange_cached_input_tokens += entry.cached_input_tokens or 0
         self.calls = calls_of(content)
         invalid = entry.invalid_calls or {}
         self.pending = [PendingCall(i, c, started=False, invalid=invalid.get(c.id or "")) for i, c in self.calls]
@@ -188,6 +192,7 @@ class LoopState:
         if self.final is not None:  # a message after the final answer starts the next exchange
             self.exchange_step = self.step
             self.exchange_input_tokens = self.exchange_output_tokens = self.exchange_tool_uses = 0
+            self.exchange_cached_input_tokens = 0
             self.feedbacks = 0
         self.final = None
         self.messages_received += 1

@@ -25,13 +25,18 @@ class ModelRequest(BaseModel):
     directive: str = ""
     # the launch's JSON schema of the final answer: adapters send it natively (else as text in the request)
     output_schema: dict[str, Any] | None = None
+    # the provider's prompt-cache key: the parent session, shared by sibling forks. It routes the request to a
+    # cache and is not what the model reads, so it is left out of dumps and thus of the request digest
+    cache_key: str | None = Field(default=None, exclude=True)
 
 
 class TokenUsage(BaseModel):
-    """Tokens one model call consumed."""
+    """Tokens one model call consumed; `cached_input_tokens` (part of `input_tokens`) were read from the
+    provider's prompt cache, when the provider reports them."""
 
     input_tokens: int = 0
     output_tokens: int = 0
+    cached_input_tokens: int = 0
 
 
 class ModelResponse(BaseModel):

@@ -7,6 +7,8 @@ Gemini's `parameters` is an OpenAPI subset that the SDK would rewrite or reject 
 same reason an output schema goes as `responseJsonSchema` (with `responseMimeType`
 `application/json`); a model that refuses it (e.g. one that does not combine function calling with a
 JSON response) gets the schema as text in the system instruction (`workers/providers/output_schema.py`).
+Gemini caches prompt prefixes implicitly (no key to send); the answer's `cachedContentTokenCount` is
+reported as `cached_input_tokens`.
 """
 
 from __future__ import annotations
@@ -276,13 +278,20 @@ def from_response(response: types.GenerateContentResponse, *, model: str, fork_i
     calls = any(p.function_call is not None for p in content.parts)
     raw = candidate.finish_reason.value if candidate.finish_reason else "STOP"
     finish = FINISH_REASONS.get(raw, raw.lower())
-    usage = response.usage_metadata
     return ModelResponse(
         content=content,
-        usage=TokenUsage(
-            input_tokens=(usage.prompt_token_count or 0) if usage else 0,
-            # thinking tokens are billed as output
-            output_tokens=((usage.candidates_token_count or 0) + (usage.thoughts_token_count or 0)) if usage else 0,
-        ),
+        usage=token_usage(response.usage_metadata),
         finish_reason="tool_calls" if calls and finish == "stop" else finish,
+    )
+
+
+def token_usage(usage: types.GenerateContentResponseUsageMetadata | None) -> TokenUsage:
+    """Our token usage for a response's usage metadata; thinking tokens count as output (they are billed so)."""
+    if usage is None:
+        return TokenUsage()
+    return TokenUsage(
+        input_tokens=usage.prompt_token_count or 0,
+        output_tokens=(usage.candidates_token_count or 0) + (usage.thoughts_token_count or 0),
+        # implicit (or explicit) context caching: the part of the prompt read from the cache
+        cached_input_tokens=usage.cached_content_token_count or 0,
     )

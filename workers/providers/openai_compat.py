@@ -17,11 +17,17 @@ docs/fork-history.md, "Decisions where the contract leaves a choice"):
 - An output schema goes as `response_format` `json_schema`, `strict` only when the schema meets
   strict mode's rules (else the server would refuse it); a server that refuses `response_format`
   gets the schema as text in the system message (`workers/providers/output_schema.py`).
+- Prompt caching: every request of a fork carries `prompt_cache_key`, the parent session's id (a
+  digest of it when it is longer than the 64 characters the API takes), so the sibling forks of one
+  parent are routed to one cache (`FORKQ_PROMPT_CACHE_KEY=false` leaves it out, for a server that
+  refuses the parameter); the answer's `prompt_tokens_details.cached_tokens` is reported as
+  `cached_input_tokens`.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import logging
 import re
@@ -29,6 +35,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import openai
+from openai.types import CompletionUsage
 from openai.types.chat import ChatCompletion, ChatCompletionMessage, ChatCompletionMessageFunctionToolCall
 
 from workers.errors import ProviderError
@@ -68,6 +75,7 @@ STRICT_KEYWORDS = frozenset(
     }
 )  # fmt: skip
 STRICT_MAX_DEPTH = 64
+CACHE_KEY_MAX_CHARS = 64  # OpenAI refuses a longer prompt_cache_key (HTTP 400, string_above_max_length)
 _FORMAT_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
@@ -84,6 +92,7 @@ class OpenAICompatProvider:
         timeout_s: float,
         retry: RetryPolicy,
         merge_user_turns: bool = True,
+        prompt_cache_key: bool = True,
     ) -> None:
         # max_retries=0: our retry loop is the only one, so attempts and delays are what settings say
         self._client = openai.OpenAI(api_key=api_key, base_url=base_url, timeout=timeout_s, max_retries=0)
@@ -91,6 +100,7 @@ class OpenAICompatProvider:
         self._timeout_s = timeout_s
         self.retry = retry
         self.merge_user_turns = merge_user_turns
+        self.prompt_cache_key = prompt_cache_key  # send the request's cache key (the parent session)
         self.schemas = SchemaModes()  # the models whose server refused `response_format`
 
     def __repr__(self) -> str:
@@ -145,6 +155,9 @@ class OpenAICompatProvider:
         tools = to_tools(request.tools)
         if tools:
             params["tools"] = tools
+        key = cache_key(request.cache_key) if self.prompt_cache_key else None
+        if key is not None:  # the same at every step of a fork, and for its siblings
+            params["prompt_cache_key"] = key
         if schema is not None and native:
             params["response_format"] = response_format(schema)
         for key, value in request.generation.items():
@@ -177,6 +190,15 @@ def _error_detail(exc: openai.APIStatusError) -> str:
 
 
 # --- request conversion ------------------------------------------------------------------------------
+
+
+def cache_key(session: str | None) -> str | None:
+    """The `prompt_cache_key` for a parent session: its id, or a digest of an id too long for the API."""
+    if not session:
+        return None
+    if len(session) <= CACHE_KEY_MAX_CHARS:
+        return session
+    return "forkq-" + hashlib.blake2b(session.encode(), digest_size=24).hexdigest()
 
 
 def response_format(schema: dict[str, Any]) -> dict[str, Any]:
@@ -383,17 +405,25 @@ def from_completion(completion: ChatCompletion, *, step: int) -> ModelResponse:
     """Our response for the first choice of a completion; calls without a (unique) id get `call_<step>_<i>`."""
     choice = completion.choices[0]
     parts, invalid = _answer_parts(choice.message, step)
-    usage = completion.usage
     calls = any(p.function_call is not None for p in parts)
     reason = str(choice.finish_reason or "stop")
     finish = "tool_calls" if calls and reason == "stop" else FINISH_REASONS.get(reason, reason.lower())
     return ModelResponse(
         content=Content(role="model", parts=parts),
-        usage=TokenUsage(
-            input_tokens=usage.prompt_tokens if usage else 0, output_tokens=usage.completion_tokens if usage else 0
-        ),
+        usage=token_usage(completion.usage),
         finish_reason=finish,
         invalid_calls=invalid,
+    )
+
+
+def token_usage(usage: CompletionUsage | None) -> TokenUsage:
+    """Our token usage for a completion's: prompt, completion, and cached prompt tokens (when reported)."""
+    if usage is None:
+        return TokenUsage()
+    details = usage.prompt_tokens_details
+    cached = (details.cached_tokens or 0) if details is not None else 0
+    return TokenUsage(
+        input_tokens=usage.prompt_tokens, output_tokens=usage.completion_tokens, cached_input_tokens=cached
     )
 
 

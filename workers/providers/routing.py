@@ -2,13 +2,16 @@
 
 `make_provider` builds a provider for one model name; `ProviderRouter` is the worker's provider: it
 dispatches each request by `request.model` and keeps one provider per kind (one HTTP connection pool
-each) for the life of the worker process that owns it. There is no default provider: the scripted
-one runs only where a setting names it, and `provider_problems` is the worker's start-up check.
+each) for the life of the worker process that owns it, building every kind the settings name at the
+first request (an SDK imported while another one sends can break that request). There is no default
+provider: the scripted one runs only where a setting names it, and `provider_problems` is the worker's
+start-up check.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import logging
 import threading
 from collections.abc import Callable
 from typing import Final, Literal, get_args
@@ -23,6 +26,7 @@ from workers.providers.scripted import ScriptedProvider, load_script
 
 ProviderKind = Literal["scripted", "openai", "gemini"]
 PROVIDER_CHOICES: Final = ", ".join(get_args(ProviderKind))
+log = logging.getLogger("forkq.provider")
 KEYED: Final[dict[str, str]] = {"openai": "OPENAI", "gemini": "GEMINI"}  # kind → its API key's variable infix
 
 
@@ -87,6 +91,7 @@ def build_provider(settings: Settings, kind: ProviderKind) -> ModelProvider:
             base_url=settings.openai_base_url,
             timeout_s=settings.provider_timeout_s,
             retry=policy,
+            prompt_cache_key=settings.prompt_cache_key,
         )
     if kind == "gemini":
         from workers.providers.gemini import GeminiProvider  # noqa: PLC0415  (SDK import is slow)
@@ -124,13 +129,32 @@ class ProviderRouter:
         self._lock = threading.Lock()  # forks run in threads; build each provider (and pool) once
 
     def provider_for(self, model_name: str | None) -> ModelProvider:
-        """The cached provider `model_name` routes to, built on first use."""
+        """The cached provider `model_name` routes to, built on first use (with the others the settings name)."""
         kind = provider_kind(self.settings, model_name)
         with self._lock:
             provider = self._providers.get(kind)
             if provider is None:
+                first = not self._providers
                 provider = self._providers[kind] = self._build(self.settings, kind)
+                if first:
+                    self._build_others()
             return provider
+
+    def _build_others(self) -> None:
+        """Build every other provider the settings name, before the first request goes out.
+
+        An SDK imports its HTTP stack when its provider is first built, and the openai client looks up the
+        `httpx` module in `sys.modules` on every request: built in one fork's thread while another thread's
+        request is under way, google-genai's import of `httpx` let that request read a half-imported module
+        (AttributeError). Built here, under the lock every request passes first, no request overlaps an import.
+        A kind that cannot be built now is left for its own first use, which raises why.
+        """
+        named = {self.settings.provider, *self.settings.provider_routes.values()}
+        for kind in sorted(k for k in named if k is not None and k not in self._providers):
+            try:
+                self._providers[kind] = self._build(self.settings, kind)
+            except (ConfigurationError, ImportError) as exc:
+                log.debug("provider %s not built ahead of its first use: %s", kind, exc)
 
     def generate(self, request: ModelRequest) -> ModelResponse:
         """Send `request` to the provider of its model."""

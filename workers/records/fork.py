@@ -188,7 +188,8 @@ class BootstrapRecord(BaseModel):
 
 
 class Usage(BaseModel):
-    """What a fork consumed."""
+    """What a fork consumed; `cached_input_tokens`, part of `input_tokens`, came from the provider's prompt cache
+    (0 where the provider reports none, and in results written before it was counted)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -198,6 +199,7 @@ class Usage(BaseModel):
     tool_uses: int = 0
     model_calls: int = 0
     duration_ms: int = 0
+    cached_input_tokens: int = 0
 
 
 class ForkResult(BaseModel):

@@ -45,6 +45,9 @@ class JournalEntry(BaseModel):
     finish_reason: str | None = None  # model: why it stopped, when not `stop`/`tool_calls`
     input_tokens: int = 0
     output_tokens: int = 0
+    # model: the part of input_tokens read from the provider's prompt cache; None (left out) when none was reported,
+    # so entries without it keep the bytes they always had
+    cached_input_tokens: int | None = None
     call_index: int | None = None  # tools: position of the call in the step's model Content
     call_id: str | None = None
     name: str | None = None
@@ -79,7 +82,8 @@ STATIC_ENCODINGS_MAX: Final = 256
 class RequestDigests:
     """`request_digest` of model requests, each message encoded once while it lives.
 
-    The digest is that of `request.model_dump(mode="json", exclude={"directive"})`, built from the
+    The digest is that of `request.model_dump(mode="json", exclude={"directive"})` (a dump never holds the
+    request's cache key, which routes it and is not what the model reads), built from the
     encoding of each message kept by identity (weakly: an entry goes with its Content), so a step
     encodes only its new messages, and forks sharing seed Contents (`workers.records.fork.ChunkCache`)
     share their encodings. Relies on what the chunk cache relies on: a Content is never changed in
@@ -142,6 +146,7 @@ def journal_usage(journal: Sequence[bytes], fork_id: str) -> Usage:
             usage.model_calls += 1
             usage.input_tokens += entry.input_tokens
             usage.output_tokens += entry.output_tokens
+            usage.cached_input_tokens += entry.cached_input_tokens or 0
         elif entry.kind == "tool_result":
             usage.tool_uses += 1
     usage.total_tokens = usage.input_tokens + usage.output_tokens

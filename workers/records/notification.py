@@ -34,9 +34,14 @@ def render_task_notification(result: ForkResult, *, description: str) -> str:
         lines.append(f"<result>{escape(output)}</result>")
     else:
         lines.append(f"<error>{escape(result.error or 'no reason given')}</error>")
+    # cached tokens only when the provider reported some: 0 would also read "none were reported"
+    cached = (
+        f"<cached_input_tokens>{usage.cached_input_tokens}</cached_input_tokens>" if usage.cached_input_tokens else ""
+    )
     lines += [
         "<usage>"
         f"<total_tokens>{usage.total_tokens}</total_tokens>"
+        f"{cached}"
         f"<tool_uses>{usage.tool_uses}</tool_uses>"
         f"<duration_ms>{usage.duration_ms}</duration_ms>"
         "</usage>",

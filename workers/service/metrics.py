@@ -112,6 +112,12 @@ class Metrics:
         self.tokens = Counter(
             "forkq_tokens", "Model tokens, by direction (input, output).", ["direction"], registry=registry
         )
+        # its own counter, not a direction: these are part of the input tokens, and a sum over directions must hold
+        self.cached_input_tokens = Counter(
+            "forkq_cached_input_tokens",
+            "Input tokens the provider read from its prompt cache (part of the input tokens; where it reports them).",
+            registry=registry,
+        )
         self.tool_calls = Counter(
             "forkq_tool_calls",
             "Tool calls answered, by tool (unknown names: other) and outcome (ok, error).",

@@ -70,6 +70,7 @@ class RunObserver:
                 self._model_started = None
             self.metrics.tokens.labels(direction="input").inc(int(data.get("input_tokens", 0)))
             self.metrics.tokens.labels(direction="output").inc(int(data.get("output_tokens", 0)))
+            self.metrics.cached_input_tokens.inc(int(data.get("cached_input_tokens", 0)))
             self._report(step_progress(data, self.attempt))
         elif kind == "tool":
             self.metrics.tool_call(str(data.get("tool")), ok=bool(data.get("ok")), known=self.tools)

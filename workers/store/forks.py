@@ -82,10 +82,10 @@ return gone
 )
 
 # KEYS: state, events, result, bootstrap, journal. ARGV: fork_id, ttl_s, n, and the usage of the first n journal
-# entries (input tokens, output tokens, model calls, tool uses). Terminal forks stay. The entries appended since
-# the caller read those n are counted here (so the usage is exact however the fork raced the cancel), and the
-# duration runs from the first start to now, or to when the fork parked. The result is msgpack (cmsgpack's, which
-# ForkResult.decode reads); the finished event carries the same usage.
+# entries (input tokens, output tokens, model calls, tool uses, cached input tokens). Terminal forks stay. The
+# entries appended since the caller read those n are counted here (so the usage is exact however the fork raced
+# the cancel), and the duration runs from the first start to now, or to when the fork parked. The result is
+# msgpack (cmsgpack's, which ForkResult.decode reads); the finished event carries the same usage.
 _CANCEL = lua_script(
     NOW,
     """
@@ -93,13 +93,14 @@ local status = redis.call('HGET', KEYS[1], 'status')
 if not status then return 'missing' end
 if status == 'succeeded' or status == 'failed' or status == 'cancelled' then return status end
 local usage = {input_tokens = tonumber(ARGV[4]), output_tokens = tonumber(ARGV[5]), model_calls = tonumber(ARGV[6]),
-               tool_uses = tonumber(ARGV[7]), duration_ms = 0}
+               tool_uses = tonumber(ARGV[7]), cached_input_tokens = tonumber(ARGV[8]), duration_ms = 0}
 for _, raw in ipairs(redis.call('LRANGE', KEYS[5], tonumber(ARGV[3]), -1)) do
   local ok, entry = pcall(cmsgpack.unpack, raw)
   if ok and type(entry) == 'table' and entry.kind == 'model' then
     usage.model_calls = usage.model_calls + 1
     usage.input_tokens = usage.input_tokens + (tonumber(entry.input_tokens) or 0)
     usage.output_tokens = usage.output_tokens + (tonumber(entry.output_tokens) or 0)
+    usage.cached_input_tokens = usage.cached_input_tokens + (tonumber(entry.cached_input_tokens) or 0)
   elseif ok and type(entry) == 'table' and entry.kind == 'tool_result' then
     usage.tool_uses = usage.tool_uses + 1
   end
@@ -452,6 +453,7 @@ class ForkStore:
         """Cancel with the usage of `journal`, the entries read so far; the script tallies the ones after them."""
         usage, k = journal_usage(journal, fork_id), self.keys
         counted = [len(journal), usage.input_tokens, usage.output_tokens, usage.model_calls, usage.tool_uses]
+        counted.append(usage.cached_input_tokens)  # ARGV[8], after the counts the script always took
         keys = [k.state(fork_id), k.events(fork_id), k.result(fork_id), k.bootstrap(fork_id), k.journal(fork_id)]
         outcome = cast(bytes, self._cancel(keys=keys, args=[fork_id, self.ttl_s, *counted])).decode()
         if outcome == "missing":
