@@ -555,6 +555,9 @@ def test_the_openapi_document_is_valid_and_names_every_endpoint_and_the_bearer_s
         "/v1/forks/{fork_id}/cancel",
         "/v1/forks/{fork_id}/approvals/{call_id}",
         "/v1/sessions/{session_id}/forks",
+        "/v1/forks/{fork_id}/messages",
+        "/v1/agents",
+        "/v1/providers",
         "/healthz",
     }
     assert document["components"]["securitySchemes"]["HTTPBearer"] == {
@@ -586,3 +589,39 @@ def test_no_response_carries_an_api_key_of_the_servers_settings(
         bodies += [http.get("/openapi.json").text, http.get("/healthz").text]
 
     assert all(SECRET_KEY not in body for body in bodies)
+
+
+def test_a_message_continues_a_succeeded_fork_over_http_and_an_ended_one_is_409(
+    http: httpx.Client, scripted_worker: Callable[..., WorkController], parent: dict[str, Any]
+) -> None:
+    # Given a fork cancelled before any worker ran, a fork that answered once, and an answer for its continuation
+    other = launch(http, parent)
+    http.post(f"/v1/forks/{other}/cancel")
+    scripted_worker([step("first answer"), step("second answer")])
+    fork_id = launch(http, parent)
+    first = http.get(f"/v1/forks/{fork_id}/result", params={"wait": 20})
+    assert first.status_code == 200 and first.json()["output"] == "first answer"
+
+    # When a message is posted to it
+    sent = http.post(f"/v1/forks/{fork_id}/messages", json={"text": "And then?"})
+
+    # Then it was continued, and its result is the new answer
+    assert sent.status_code == 202 and sent.json() == {"fork_id": fork_id, "outcome": "continued", "waiting": 1}
+    second = http.get(f"/v1/forks/{fork_id}/result", params={"wait": 20}).json()
+    assert second["output"] == "second answer"
+
+    # and an empty message is 422 naming the field, a cancelled fork's message 409, an unknown fork's 404
+    assert error_of(http.post(f"/v1/forks/{fork_id}/messages", json={"text": " "}), 422)["field"] == "message"
+    assert (
+        "takes no more messages"
+        in error_of(http.post(f"/v1/forks/{other}/messages", json={"text": "x"}), 409)["message"]
+    )
+    error_of(http.post("/v1/forks/f-nope/messages", json={"text": "x"}), 404)
+
+
+def test_agents_and_providers_are_listed_over_http(http: httpx.Client) -> None:
+    agents = http.get("/v1/agents")
+    providers = http.get("/v1/providers")
+    assert agents.status_code == providers.status_code == 200
+    assert {"Explore", "general-purpose"} <= {a["name"] for a in agents.json()["items"]}
+    assert [p["name"] for p in providers.json()["items"]] == ["spawn", "fork"]

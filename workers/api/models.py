@@ -164,3 +164,26 @@ class Health(BaseModel):
     ok: bool
     redis_reachable: bool
     redis_fit: bool
+
+
+class MessageRequest(BaseModel):
+    """A message for a fork (`send`): it continues a succeeded fork, or waits in a running or parked one's inbox."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    schema_version: Literal[1] = 1
+    text: str = Field(description="The message, as the fork's model will read it (UTF-8, at most 256 KiB).")
+
+
+class MessageSent(BaseModel):
+    """What `send` did: `continued` (queued again) or `queued` (in its inbox), and how many messages wait."""
+
+    fork_id: str
+    outcome: Literal["continued", "queued"]
+    waiting: int
+
+
+class Listing(BaseModel):
+    """A list of subagent definitions or providers, as `forkq agents --json` / `forkq providers --json` print it."""
+
+    items: list[dict[str, Any]]

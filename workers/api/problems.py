@@ -28,10 +28,12 @@ from workers.errors import (
     ForkNotPaused,
     ForkqError,
     IdempotencyConflict,
+    InvalidAgentDefinition,
     InvalidAgentParams,
     InvalidApproval,
     InvalidHistory,
     InvalidParentSnapshot,
+    MessageRefused,
     RecordExistsError,
     RequestRefused,
 )
@@ -41,12 +43,14 @@ LAUNCH_OPTIONS: Final = tuple(LaunchOptions.model_fields)
 
 STATUS_OF: Final[Sequence[tuple[type[ForkqError], int]]] = (
     (InvalidAgentParams, 422),
+    (InvalidAgentDefinition, 500),  # the server's FORKQ_AGENTS_DIR holds a malformed file: its operator's to fix
     (InvalidParentSnapshot, 422),
     (InvalidHistory, 422),
     (ForkNotFound, 404),
     (ForkNotEnded, 409),
     (ForkNotPaused, 409),
     (InvalidApproval, 409),
+    (MessageRefused, 409),  # an ended fork, a full inbox; an empty or oversized message is 422 (its field)
     (IdempotencyConflict, 409),
     (RecordExistsError, 409),  # a fork id chosen by the caller that another launch took
 )
@@ -92,6 +96,8 @@ def status_of(exc: ForkqError) -> int:
     """The HTTP status of one of forkq's errors: 422 bad input, 404 no such fork, 409 not now, else 500."""
     if isinstance(exc, RequestRefused):
         return exc.status
+    if isinstance(exc, MessageRefused) and exc.field == "message":  # the text itself: bad input
+        return 422
     return next((status for kind, status in STATUS_OF if isinstance(exc, kind)), 500)
 
 

@@ -25,6 +25,9 @@ from workers.api.models import (
     Health,
     Launched,
     LaunchRequest,
+    Listing,
+    MessageRequest,
+    MessageSent,
     Notification,
     ResultBody,
     SessionFork,
@@ -184,6 +187,23 @@ async def session_forks(
     return SessionForks(session_id=session_id, forks=[SessionFork(**vars_of(f)) for f in forks])
 
 
+def send_message(fork_id: ForkId, body: MessageRequest, svc: Svc) -> MessageSent:
+    """Give the fork a message (docs/conversations.md): a succeeded fork is continued, a running or parked one
+    reads it before its next model call; a fork that failed or was cancelled, or a full inbox, is 409."""
+    sent = svc.client.send(fork_id, body.text)
+    return MessageSent(fork_id=sent.fork_id, outcome=sent.outcome, waiting=sent.waiting)
+
+
+def list_agents(svc: Svc) -> Listing:
+    """The subagent definitions a launch can name (`forkq agents --json`)."""
+    return Listing(items=svc.client.agents())
+
+
+def list_providers(svc: Svc) -> Listing:
+    """The subagent providers and their capabilities (`forkq providers --json`)."""
+    return Listing(items=svc.client.providers())
+
+
 def vars_of(value: Any) -> dict[str, Any]:
     """A slotted dataclass's fields as a dict."""
     return {name: getattr(value, name) for name in value.__slots__}
@@ -244,6 +264,11 @@ def fork_router(*, secured: bool) -> APIRouter:
         "/forks/{fork_id}/approvals/{call_id}", decide_call, methods=["POST"], responses=_errors(404, 409, 413, 415)
     )
     v1.add_api_route("/sessions/{session_id}/forks", session_forks, methods=["GET"])
+    v1.add_api_route(
+        "/forks/{fork_id}/messages", send_message, methods=["POST"], status_code=202, responses=_errors(404, 409, 413)
+    )
+    v1.add_api_route("/agents", list_agents, methods=["GET"])
+    v1.add_api_route("/providers", list_providers, methods=["GET"])
     router.include_router(v1)
     router.add_api_route(
         "/healthz", healthz, methods=["GET"], response_model=Health, responses={503: {"model": Health}}
