@@ -233,4 +233,29 @@ def test_racing_launches_of_one_teammate_name_give_it_to_exactly_one(client: For
     assert outcomes.count("refused") == 7
     [winner] = [o for o in outcomes if o != "refused"]
     assert client.store.teammate(parent["session_id"], "racer") == winner
-    time.sleep(0)
+
+
+def test_a_sessions_forks_are_listed_newest_first_with_kind_name_and_status(
+    client: ForkClient, parent: dict, forkq_env: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from workers.cli import main
+
+    fork = client.launch(parent, FORK)
+    time.sleep(0.01)  # the index orders by launch time in ms
+    teammate = client.launch(parent, {"description": "review the diff", "prompt": "Review.", "name": "ann"})
+    client.cancel(fork.fork_id)
+    listed = client.list(parent["session_id"])
+    assert [(f["fork_id"], f["kind"], f["name"], f["status"]) for f in listed] == [
+        (teammate.fork_id, "spawn", "ann", "queued"),
+        (fork.fork_id, "fork", None, "cancelled"),
+    ]
+    assert listed[0]["description"] == "review the diff" and listed[0]["created_ms"] <= listed[0]["updated_ms"]
+    assert client.list("no-such-session") == []
+
+    capsys.readouterr()
+    assert main(["list", "--session", parent["session_id"]]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines() == [
+        f"{teammate.fork_id} spawn ann queued: review the diff",
+        f"{fork.fork_id} fork cancelled: {FORK['description']}",
+    ]
