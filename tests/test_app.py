@@ -224,3 +224,17 @@ def test_a_workers_redis_pool_fits_the_concurrency_celery_runs_it_with(
     runtime = runtime_of(app)
     assert runtime.slots == 150
     assert runtime.redis.connection_pool.max_connections == 150 + 16
+
+
+def test_a_threads_pool_worker_starts_a_thread_for_every_slot_before_it_consumes(
+    app: Celery, start_live_worker: Callable[..., Any]
+) -> None:
+    # Given a worker started with 24 slots and nothing queued
+    worker = start_live_worker(app, concurrency=24)
+
+    # Then its pool already holds a thread per slot: no job waits for one to start
+    assert len(worker.pool.executor._threads) == 24
+
+
+def test_prestarting_threads_leaves_a_pool_without_an_executor_alone() -> None:
+    assert app_module.prestart_threads(object()) == 0
