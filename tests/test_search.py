@@ -352,5 +352,8 @@ def test_a_catastrophic_pattern_in_one_fork_costs_the_forks_beside_it_nothing(
     # and the poisoned call got an error naming the time limit, after which that fork went on too
     assert poison.wait(timeout=30).status is Status.SUCCEEDED
     message = tool_results(journal_of(client.settings, poison.fork_id))["g1"]["error"]
-    # the budget is what was left of the call's 4 s when the search began (a little less on a busy machine)
-    assert re.match(r"grep_search stopped after (4|3\.\d) s, its time limit", message), message
+    # the budget is what was left of the call's 4 s when the search began (a little less on a busy machine);
+    # on a loaded machine the search's own stop can come after the registry's deadline, which then answers
+    stopped = re.match(r"grep_search stopped after (4|3\.\d) s, its time limit", message)
+    abandoned = message.startswith("tool 'grep_search' did not finish within its time limit of 4 s")
+    assert stopped or abandoned, message
