@@ -16,25 +16,6 @@ from celery.worker import state as worker_state
 from cli_support import PARENT, Run, call, events_of, launch, parent_file, step, wait_for
 from conftest import REPO_ROOT
 
-from broker_config.settings import Settings
-
-
-@pytest.fixture
-def scripted_worker(
-    make_settings: Callable[..., Settings], start_live_worker: Callable[..., WorkController], tmp_path: Path
-) -> Callable[[list[dict[str, Any]]], WorkController]:
-    """Start an in-process worker whose model answers with `steps` (on the CLI's Redis, namespace and queue)."""
-
-    def start(steps: list[dict[str, Any]]) -> WorkController:
-        script = tmp_path / "script.json"
-        script.write_text(json.dumps({"steps": steps}), encoding="utf-8")
-        from workers.app import make_app
-
-        return start_live_worker(make_app(make_settings(script=script, provider="scripted")))
-
-    return start
-
-
 PARKING = [step(call("w1", "write_file", path="a.txt", content="a"), call("s1", "run_shell_command", command="true"))]
 
 

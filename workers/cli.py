@@ -75,7 +75,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
         params["fork_tools"] = _tool_list(args.fork_tools)
     parent = load_parent_snapshot(Path(args.parent))
     schema = _json_file(args.output_schema, "--output-schema") if args.output_schema else None
-    persona = _persona_file(args.persona) if args.persona is not None else None
+    persona = _text_file(args.persona, "--persona", "persona") if args.persona is not None else None
     tool_filter = _tool_list(args.tool_filter, "tool_filter") if args.tool_filter is not None else None
     with _client() as client:
         handle = client.launch(
@@ -110,11 +110,6 @@ def _tool_list(text: str, field: str = "fork_tools") -> Any:
                 field=field,
             ) from exc
     return [name for name in text.split(",")] if text else []
-
-
-def _persona_file(path: str) -> str:
-    """`--persona FILE`: the file's UTF-8 text (bounded)."""
-    return _text_file(path, "--persona", "persona")
 
 
 def _text_file(path: str, option: str, field: str) -> str:

@@ -69,11 +69,12 @@ def text(value: str) -> str:
     return value
 
 
-def _version() -> str:
+def package_version() -> str:
+    """The installed forkq's version (`forkq --version`, the HTTP API's OpenAPI document)."""
     try:
         return version("forkq")
     except PackageNotFoundError:  # run from a source tree that was never installed
-        return "unknown (not installed)"
+        return "0+unknown"
 
 
 def build_parser() -> Parser:
@@ -83,7 +84,7 @@ def build_parser() -> Parser:
         description="Background fork subagents on Celery and Redis.",
         epilog="exit codes: 0 ok, 1 failed, 2 bad input or settings, 3 parked (forkq result)",
     )
-    parser.add_argument("--version", action="version", version=f"forkq {_version()}")
+    parser.add_argument("--version", action="version", version=f"forkq {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def add(name: str, help_text: str, **extra: Any) -> Parser:

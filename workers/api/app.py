@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from importlib.metadata import PackageNotFoundError, version
 
 from fastapi import FastAPI
 
@@ -21,6 +20,7 @@ from workers.api.bodies import BodyLimit
 from workers.api.launches import Launcher
 from workers.api.problems import install_error_handlers
 from workers.api.routes import Services, fork_router
+from workers.cli_args import package_version
 from workers.client import ForkClient
 from workers.errors import ConfigurationError
 from workers.keys import Keys
@@ -47,7 +47,7 @@ def make_api(settings: Settings, *, require_auth: bool = True) -> FastAPI:
         raise ConfigurationError(NO_TOKENS, field="FORKQ_API_TOKENS")
     app = FastAPI(
         title="forkq",
-        version=_version(),
+        version=package_version(),
         summary="Launch and follow forked LLM subagents (docs/api.md).",
         lifespan=_lifespan(settings),
         docs_url=None,  # the interactive docs would need the token in a browser; /openapi.json is served
@@ -87,10 +87,3 @@ def _lifespan(settings: Settings) -> Callable[[FastAPI], AbstractAsyncContextMan
             client.close()
 
     return lifespan
-
-
-def _version() -> str:
-    try:
-        return version("forkq")
-    except PackageNotFoundError:  # run from a source tree that was never installed
-        return "0+unknown"

@@ -85,7 +85,6 @@ class LoopState:
     exchange_output_tokens: int = 0
     exchange_cached_input_tokens: int = 0  # of the current exchange only, like the counters around it
     exchange_tool_uses: int = 0
-    messages_received: int = 0  # `message` entries applied
     finish_reason: str = "stop"  # of the last model response (`stop` also for `tool_calls`)
     fork_id: str | None = field(default=None, compare=False)  # names the fork in a damaged journal's error
 
@@ -195,7 +194,6 @@ class LoopState:
             self.exchange_cached_input_tokens = 0
             self.feedbacks = 0
         self.final = None
-        self.messages_received += 1
 
 
 def replay(seed: ForkSeed, entries: Iterable[JournalEntry], *, fork_id: str | None = None) -> LoopState:
