@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test check lint lint-deploy typecheck unit bench clean
+.PHONY: setup demo test check lint lint-deploy typecheck unit bench clean ts-deps ts-schema
 
 $(BIN)/forkq: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,7 +33,21 @@ lint-deploy: setup
 
 check: lint typecheck lint-deploy
 
-unit: setup
+# the TypeScript client's one devDependency (typescript, from its lockfile), for tests/test_typescript_client.py;
+# without npm those tests skip (and fail under CI)
+TS_CLIENT := clients/typescript
+ts-deps:
+	@if command -v npm >/dev/null 2>&1 && [ ! -x $(TS_CLIENT)/node_modules/.bin/tsc ]; then \
+		cd $(TS_CLIENT) && npm ci --no-audit --no-fund; fi
+
+# regenerate the client's types from the API's OpenAPI document (no server needed), after a change of its bodies
+ts-schema: setup
+	$(BIN)/python -c 'import json; from broker_config.settings import Settings; from workers.api.app import make_api; \
+		print(json.dumps(make_api(Settings(api_tokens="unused")).openapi()))' \
+		| node $(TS_CLIENT)/scripts/schema.mjs > $(TS_CLIENT)/src/schema.ts.new
+	mv $(TS_CLIENT)/src/schema.ts.new $(TS_CLIENT)/src/schema.ts
+
+unit: setup ts-deps
 	$(BIN)/pytest
 
 test: check unit
@@ -43,3 +57,4 @@ bench: setup
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .coverage .coverage.* *.egg-info
+	rm -rf $(TS_CLIENT)/node_modules $(TS_CLIENT)/dist
