@@ -30,7 +30,7 @@ NODE_TIMEOUT_S = 150.0
 def _tool(name: str) -> str:
     path = shutil.which(name)
     if path is None:
-        message = f"the TypeScript client's tests need {name} (Node.js 20 or later) on PATH"
+        message = f"the TypeScript client's tests need {name} (Node.js 18.20 or later) on PATH"
         if os.environ.get("CI"):
             pytest.fail(f"CI must provide {name}: {message}")
         pytest.skip(message)

@@ -57,7 +57,7 @@ const FORK_ID = /^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$/;
 const MAX_SEGMENT = 200;
 const MAX_WAIT_S = 60;
 
-interface Request {
+interface ApiRequest {
   what: string;
   method: "GET" | "POST";
   path: string;
@@ -236,7 +236,7 @@ export class ForkqClient {
   }
 
   private async call<T>(
-    req: Request,
+    req: ApiRequest,
     options: CallOptions,
     accept: number[] = [],
   ): Promise<{ status: number; body: T }> {
