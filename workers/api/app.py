@@ -2,8 +2,8 @@
 
 Every fork's state lives in Redis, so any number of these apps, in any number of processes, can serve the
 same forks behind a load balancer; a client may send each request, or resume an event stream, to any of them.
-Around the endpoints (`workers.api.routes`): the bearer-token check (`auth`), outermost, then the body
-limits (`bodies`); the one error shape (`problems`) for everything refused.
+Around the endpoints (`workers.api.routes`) and the web view (`ui`): the bearer-token check (`auth`), outermost,
+then the body limits (`bodies`); the one error shape (`problems`) for everything refused.
 """
 
 from __future__ import annotations
@@ -15,11 +15,12 @@ from fastapi import FastAPI
 
 from broker_config.redis_client import async_redis_client, close_async_client
 from broker_config.settings import Settings
-from workers.api.auth import BearerAuth, TokenSet
+from workers.api.auth import OPEN_PATHS, BearerAuth, TokenSet
 from workers.api.bodies import BodyLimit
 from workers.api.launches import Launcher
 from workers.api.problems import install_error_handlers
 from workers.api.routes import Services, fork_router
+from workers.api.ui import UI_PATHS, ui_router
 from workers.cli_args import package_version
 from workers.client import ForkClient
 from workers.errors import ConfigurationError
@@ -55,9 +56,11 @@ def make_api(settings: Settings, *, require_auth: bool = True) -> FastAPI:
     )
     install_error_handlers(app)
     app.include_router(fork_router(secured=require_auth))
+    app.include_router(ui_router())
     app.add_middleware(BodyLimit, max_bytes=settings.api_max_body_bytes)
     if require_auth:  # added last: outermost, so no body is read for a request without a valid token
-        app.add_middleware(BearerAuth, tokens=tokens)
+        # the web view's page and files hold no data: served to anyone, while every call they make needs a token
+        app.add_middleware(BearerAuth, tokens=tokens, open_paths=OPEN_PATHS | UI_PATHS)
     return app
 
 

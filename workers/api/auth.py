@@ -70,17 +70,19 @@ def bearer_token(scope: Scope) -> bytes | None:
 
 
 class BearerAuth:
-    """ASGI middleware: every request but `GET /healthz` needs a token of `tokens`, else 401 (nothing read or written).
+    """ASGI middleware: every request but those of `open_paths` needs a token of `tokens`, else 401 (nothing read or
+    written).
 
     The matched entry's id goes into the request's state (`token_id`), which scopes idempotency keys by caller.
     """
 
-    def __init__(self, app: ASGIApp, tokens: TokenSet) -> None:
+    def __init__(self, app: ASGIApp, tokens: TokenSet, open_paths: frozenset[str] = OPEN_PATHS) -> None:
         self.app = app
         self.tokens = tokens
+        self.open_paths = open_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+        if scope["type"] != "http" or scope["path"] in self.open_paths:
             await self.app(scope, receive, send)
             return
         token = bearer_token(scope)
