@@ -11,7 +11,14 @@ from typing import Any
 import pytest
 import redis
 
-from workers.errors import ForkNotFound, LeaseLost, RecordDecodeError, RecordExistsError, RecordIntegrityError
+from workers.errors import (
+    ForkNotFound,
+    InvalidApproval,
+    LeaseLost,
+    RecordDecodeError,
+    RecordExistsError,
+    RecordIntegrityError,
+)
 from workers.history.selection import ForkSeed, build_fork_seed
 from workers.history.snapshot import parse_parent_snapshot
 from workers.keys import Keys
@@ -328,6 +335,24 @@ def test_a_cancelled_parked_fork_reports_its_time_until_it_parked(store: ForkSto
     result = store.result("f-1")
     assert result is not None
     assert result.usage.duration_ms == int(times[1]) - int(times[0]) >= 50
+
+
+def test_a_cancelled_parked_fork_lists_no_call_awaiting_approval(store: ForkStore, seed: ForkSeed) -> None:
+    # Given a fork parked on a write
+    launch(store, seed)
+    leases = Leases(store.client, store.keys, ttl_ms=10_000, retention_s=TTL_S)
+    claim = leases.claim("f-1", "worker-1")
+    assert isinstance(claim, Claim)
+    leases.park(claim, [ParkedCall(call_id="w1", index=0, step=0, name="write_file", args={})])
+    assert [call.call_id for call in store.state("f-1").pending_approval] == ["w1"]
+
+    # When it is cancelled, no call waits any more: the state says so (the decision is refused as before)
+    store.cancel("f-1")
+
+    state = store.state("f-1")
+    assert state.status is Status.CANCELLED and state.pending_approval == []
+    with pytest.raises(InvalidApproval, match="is cancelled, not awaiting approval"):
+        store.decide("f-1", "w1", "approve")
 
 
 def test_a_cancel_racing_a_running_fork_counts_every_entry_the_fork_wrote(store: ForkStore, seed: ForkSeed) -> None:

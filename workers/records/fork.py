@@ -248,9 +248,13 @@ class ForkState(BaseModel):
         def num(name: str) -> int | None:
             return int(fields[name]) if fields.get(name) else None
 
+        status = Status(fields["status"])
+        # the parked calls are kept in the hash after a cancel (for the record), but no call waits on a fork
+        # that is not parked any more
+        pending = (fields.get("pending") or "") if status is Status.AWAITING_APPROVAL else ""
         return cls(
             fork_id=fork_id,
-            status=Status(fields["status"]),
+            status=status,
             kind=fields.get("kind", "fork"),
             description=fields.get("description", ""),
             digest=fields.get("digest", ""),
@@ -260,7 +264,7 @@ class ForkState(BaseModel):
             started_ms=num("started_ms"),
             finished_ms=num("finished_ms"),
             error=fields.get("error") or None,
-            pending_approval=decode_parked(fields.get("pending") or "", fork_id=fork_id),
+            pending_approval=decode_parked(pending, fork_id=fork_id),
         )
 
 
