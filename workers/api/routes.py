@@ -149,12 +149,18 @@ async def fork_transcript(
     fork_id: ForkId,
     svc: Svc,
     max_chars: Annotated[int, Query(ge=0, le=1_000_000, description="Characters of a tool result kept.")] = 4096,
-) -> Transcript:
+) -> JSONResponse:
     """The seed's summary and every journaled step (tool results cut to `max_chars`)."""
     state = await svc.reader.state(fork_id)
     record = await svc.reader.record(fork_id, state.digest or None)
     entries = await svc.reader.journal(fork_id)
-    return build_transcript(state, record, entries, max_chars=max_chars)
+    transcript = build_transcript(state, record, entries, max_chars=max_chars)
+    # a step has the fields of its kind only; every other null (a seed's fork_turns, a call's id) is the value
+    body = transcript.model_dump(mode="json", exclude={"steps"})
+    body["steps"] = [
+        {k: v for k, v in step.model_dump(mode="json").items() if v is not None} for step in transcript.steps
+    ]
+    return JSONResponse(body)
 
 
 def cancel_fork(fork_id: ForkId, svc: Svc) -> Cancelled:
@@ -256,7 +262,7 @@ def fork_router(*, secured: bool) -> APIRouter:
         "/forks/{fork_id}/transcript",
         fork_transcript,
         methods=["GET"],
-        response_model_exclude_none=True,  # a step has the fields of its kind only
+        response_model=Transcript,
         responses=_errors(404),
     )
     v1.add_api_route("/forks/{fork_id}/cancel", cancel_fork, methods=["POST"], responses=_errors(404))
