@@ -72,7 +72,9 @@ from dataclasses import dataclass
 from typing import Final
 
 FORK_ID_RE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
-SESSION_RE: Final = re.compile(r"[^{}\s]{1,200}")
+# \x1c-\x1f are whitespace to Python's `\s` but not to other engines' (pydantic-core's, which checks the API's
+# path against this pattern): named, so the pattern means the same wherever it is checked
+SESSION_RE: Final = re.compile(r"[^{}\s\x1c-\x1f]{1,200}")
 HEX_DIGEST_RE: Final = re.compile(r"[0-9a-f]{64}")
 
 

@@ -124,7 +124,21 @@ async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
 
 async def _http_error(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, HTTPException)
+    if exc.status_code == 400 and exc.__cause__ is not None:  # FastAPI could not parse the body as JSON
+        return error_response(422, body_not_json(exc.__cause__))
     return error_response(exc.status_code, str(exc.detail), headers=exc.headers)
+
+
+def body_not_json(cause: BaseException) -> str:
+    """The message for a body FastAPI could not decode (its own says only "There was an error parsing the body")."""
+    if isinstance(cause, UnicodeDecodeError):
+        return (
+            f"the request body is not JSON: byte {cause.object[cause.start]:#04x} at offset {cause.start} is not "
+            "UTF-8; send the JSON encoded as UTF-8"
+        )
+    if isinstance(cause, RecursionError):
+        return "the request body is not JSON this server reads: it nests too deeply; flatten it"
+    return f"the request body is not JSON ({type(cause).__name__}); send a JSON object encoded as UTF-8"
 
 
 async def _unexpected(_: Request, exc: Exception) -> JSONResponse:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Annotated, Any, cast
+from typing import Annotated, Any, Final, cast
 
 from fastapi import APIRouter, Depends, Header, Path, Query, Request, Security
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -71,6 +71,7 @@ ForkId = Annotated[str, Path(pattern=FORK_ID_PATTERN, description="A fork id, as
 
 
 Responses = dict[int | str, dict[str, Any]]
+BODY_ERRORS: Final = (400, 413, 415)  # any POST: its body is read (bounded, decoded) before the endpoint sees it
 
 
 def _errors(*codes: int, other: Responses | None = None) -> Responses:
@@ -149,12 +150,18 @@ async def fork_transcript(
     fork_id: ForkId,
     svc: Svc,
     max_chars: Annotated[int, Query(ge=0, le=1_000_000, description="Characters of a tool result kept.")] = 4096,
-) -> Transcript:
+) -> JSONResponse:
     """The seed's summary and every journaled step (tool results cut to `max_chars`)."""
     state = await svc.reader.state(fork_id)
     record = await svc.reader.record(fork_id, state.digest or None)
     entries = await svc.reader.journal(fork_id)
-    return build_transcript(state, record, entries, max_chars=max_chars)
+    transcript = build_transcript(state, record, entries, max_chars=max_chars)
+    # a step has the fields of its kind only; every other null (a seed's fork_turns, a call's id) is the value
+    body = transcript.model_dump(mode="json", exclude={"steps"})
+    body["steps"] = [
+        {k: v for k, v in step.model_dump(mode="json").items() if v is not None} for step in transcript.steps
+    ]
+    return JSONResponse(body)
 
 
 def cancel_fork(fork_id: ForkId, svc: Svc) -> Cancelled:
@@ -231,7 +238,7 @@ def fork_router(*, secured: bool) -> APIRouter:
         status_code=202,
         response_model=Launched,
         responses=_errors(
-            409, 413, 415, other={200: {"model": Launched, "description": "An Idempotency-Key seen before"}}
+            409, *BODY_ERRORS, other={200: {"model": Launched, "description": "An Idempotency-Key seen before"}}
         ),
     )
     v1.add_api_route("/forks/{fork_id}", fork_state, methods=["GET"], response_model=ForkState, responses=_errors(404))
@@ -256,21 +263,32 @@ def fork_router(*, secured: bool) -> APIRouter:
         "/forks/{fork_id}/transcript",
         fork_transcript,
         methods=["GET"],
-        response_model_exclude_none=True,  # a step has the fields of its kind only
+        response_model=Transcript,
         responses=_errors(404),
     )
-    v1.add_api_route("/forks/{fork_id}/cancel", cancel_fork, methods=["POST"], responses=_errors(404))
+    v1.add_api_route("/forks/{fork_id}/cancel", cancel_fork, methods=["POST"], responses=_errors(404, *BODY_ERRORS))
     v1.add_api_route(
-        "/forks/{fork_id}/approvals/{call_id}", decide_call, methods=["POST"], responses=_errors(404, 409, 413, 415)
+        "/forks/{fork_id}/approvals/{call_id}",
+        decide_call,
+        methods=["POST"],
+        responses=_errors(404, 409, *BODY_ERRORS),
     )
     v1.add_api_route("/sessions/{session_id}/forks", session_forks, methods=["GET"])
     v1.add_api_route(
-        "/forks/{fork_id}/messages", send_message, methods=["POST"], status_code=202, responses=_errors(404, 409, 413)
+        "/forks/{fork_id}/messages",
+        send_message,
+        methods=["POST"],
+        status_code=202,
+        responses=_errors(404, 409, *BODY_ERRORS),
     )
     v1.add_api_route("/agents", list_agents, methods=["GET"])
     v1.add_api_route("/providers", list_providers, methods=["GET"])
     router.include_router(v1)
     router.add_api_route(
-        "/healthz", healthz, methods=["GET"], response_model=Health, responses={503: {"model": Health}}
+        "/healthz",
+        healthz,
+        methods=["GET"],
+        response_model=Health,
+        responses=_errors(500, other={503: {"model": Health, "description": "Redis is unreachable or unfit"}}),
     )
     return router
