@@ -1,9 +1,13 @@
-"""The baseline of bench/dispatch.py: a bare Celery app with forkq's broker settings and one no-op task.
+"""The baselines of bench/dispatch.py and bench/concurrency.py: a bare Celery app with forkq's broker settings.
 
 Run by the benchmark as `celery -A bench.bare_app worker -Q bench-bare ...`. The configuration is
 `broker_config.celery.celery_config(Settings())` (msgpack, acks_late, prefetch 1, events on), so the
 only difference from a forkq worker is the task body: `bench.noop` LPUSHes to the key it is given,
-which the caller BLPOPs (latency) or counts with EXISTS (throughput).
+which the caller BLPOPs (latency) or counts with EXISTS (throughput). `bench.slow` is a fork's shape with
+nothing of forkq: S sleeps of L seconds (the model calls), a directory listing and one Redis GET between them
+(the tool call and a write), its start and end times RPUSHed to Redis lists (bench/concurrency.py's baseline).
+Its worker starts every thread of its pool first, as forkq's does (`workers.app.prestart_threads`), so the
+baseline has the same pool tuning and differs from a forkq worker only in what a task does.
 
 `bench.bare_app:conn_app` is the same app with forkq's broker connection (`broker_config.connection`,
 one Redis client per channel instead of one per publish): the second baseline of the throughput
@@ -12,20 +16,34 @@ figure, which shows how much of forkq's ratio that connection accounts for.
 
 from __future__ import annotations
 
+import os
+import time
 from dataclasses import dataclass
 from functools import cache, cached_property
-from typing import Any
+from typing import Any, ClassVar
 
 import redis
-from celery import Celery
+from celery import Celery, bootsteps
 
 from broker_config.celery import celery_config
 from broker_config.connection import ForkqAMQP
 from broker_config.settings import Settings
+from workers.app import prestart_threads
 
 BARE_QUEUE = "bench-bare"
 CONN_QUEUE = "bench-bare-conn"
 NOOP_TASK = "bench.noop"
+SLOW_TASK = "bench.slow"
+SLOW_STARTS, SLOW_ENDS = "bench:slow:started", "bench:slow:finished"  # lists of Unix ms
+
+
+class _PrestartThreads(bootsteps.StartStopStep):
+    """The worker step that starts every thread of a threads pool before the worker consumes, as forkq's does."""
+
+    requires: ClassVar[set[str]] = {"celery.worker.components:Pool"}
+
+    def start(self, parent: Any) -> None:
+        prestart_threads(parent.pool)
 
 
 @dataclass
@@ -59,6 +77,18 @@ def make_bare_app(settings: Settings, *, forkq_connection: bool = False) -> Cele
         """Do nothing but tell the caller it ran."""
         runtime.redis.lpush(done_key, b"1")
 
+    @app.task(name=SLOW_TASK, ignore_result=True, acks_late=True, reject_on_worker_lost=True)
+    def slow(steps: int, delay_s: float, cwd: str) -> None:
+        """A fork's shape without forkq: `steps` waits of `delay_s`, a listing and a Redis GET between them."""
+        runtime.redis.rpush(SLOW_STARTS, int(time.time() * 1000))
+        for step in range(steps):
+            time.sleep(delay_s)
+            if step < steps - 1:
+                sorted(os.listdir(cwd))
+                runtime.redis.get(SLOW_STARTS + ":tool")
+        runtime.redis.rpush(SLOW_ENDS, int(time.time() * 1000))
+
+    app.steps["worker"].add(_PrestartThreads)
     return app
 
 

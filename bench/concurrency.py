@@ -16,6 +16,10 @@ every fork has a result, then reads every fork's event stream and prints one row
 - Redis commands per model step (INFO commandstats, commands inside Lua scripts included, the benchmark's
   own EXISTS/INFO polls left out) and Redis CPU per step.
 
+Baseline, in the same run (unless `--no-baseline`): the same C × S × L workload as bare Celery tasks on one
+worker with the same pool tuning (bench/concurrency_bare.py), the ceiling Celery itself sets, printed with
+forkq's efficiency as a share of it.
+
 Pools: `threads` runs `forkq worker --pool threads --concurrency C`; `gevent` runs `celery -A workers.app
 worker -P gevent -c C` (forkq's CLI offers threads, prefork and solo only), and needs gevent installed.
 """
@@ -48,6 +52,7 @@ if str(ROOT) not in sys.path:  # `python bench/concurrency.py` puts bench/, not 
 import celery  # noqa: E402
 import redis  # noqa: E402
 
+from bench.concurrency_bare import BareRun, run_bare  # noqa: E402
 from bench.procs import Fleet, Proc, fleet, worker_env  # noqa: E402
 from broker_config.settings import Settings  # noqa: E402
 from workers.client import ForkClient, new_fork_id  # noqa: E402
@@ -83,6 +88,7 @@ class Plan:
     concurrency: int | None  # None: one slot per fork (C)
     timeout_s: float | None  # None: derived from the plan
     sweeper: bool
+    baseline: bool = True
 
     @property
     def ideal_s(self) -> float:
@@ -558,8 +564,8 @@ def print_details(rows: Sequence[Row]) -> None:
 # ── main ──────────────────────────────────────────────────────────────────────────────────────
 
 
-def run(plan: Plan) -> list[Row]:
-    """Every pool × C, each on its own Redis and worker."""
+def run(plan: Plan) -> tuple[list[Row], list[BareRun]]:
+    """Every pool × C, each on its own Redis and worker; then the bare-Celery baseline of each C."""
     parent = parse_parent_snapshot(json.loads(EXAMPLE_PARENT.read_text()))
     rows = []
     with tempfile.TemporaryDirectory(prefix="forkq-conc-") as tmpdir:
@@ -577,7 +583,27 @@ def run(plan: Plan) -> list[Row]:
                     print(f"{pool} C={c}: {type(exc).__name__}: {exc}", flush=True)
                     rows.append(Row(pool, c, plan.concurrency or c, plan.steps, plan.model_s, note=repr(exc)[:300]))
                 print_table(rows[-1:])
-    return rows
+        bare = []
+        for c in plan.counts if plan.baseline else ():
+            logdir = tmp / f"bare-{c}"
+            bare.append(run_bare(c, plan.steps, plan.model_s, cwd=cwd, logdir=logdir, timeout_s=plan.wait_s(c)))
+            print(bare[-1].line(), flush=True)
+    return rows, bare
+
+
+def print_baseline(rows: Sequence[Row], bare: Sequence[BareRun]) -> None:
+    """The bare-Celery runs, and each forkq row's efficiency as a share of the bare one at the same C."""
+    if not bare:
+        return
+    print("\nbaseline: the same workload as bare Celery tasks, one worker, the same pool tuning")
+    for b in bare:
+        print("  " + b.line())
+        for x in (x for x in rows if x.c == b.c):
+            print(
+                f"  {x.pool} C={x.c:,}: efficiency {x.efficiency:.3f} = {x.efficiency / b.efficiency:.2f}× bare "
+                "Celery's; "
+                f"first → last start {x.start_spread_s:.2f} s against {b.start_spread_s:.2f} s"
+            )
 
 
 def counts(text: str) -> tuple[int, ...]:
@@ -594,6 +620,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=None, help="worker slots (default: C, one per fork)")
     parser.add_argument("--timeout", type=float, default=None, help="max s to wait per run (default 120 + 10·S·L)")
     parser.add_argument("--no-sweeper", action="store_true", help="run no `forkq sweep` beside the worker")
+    parser.add_argument("--no-baseline", action="store_true", help="skip the bare-Celery run of each C")
     parser.add_argument("--quick", action="store_true", help="C=100, S=2, L=1 s: a smoke run (about half a minute)")
     args = parser.parse_args()
     pools = tuple(p.strip() for p in args.pools.split(",") if p.strip())
@@ -602,17 +629,19 @@ def main() -> None:
         parser.error(f"unknown pool(s) {sorted(unknown)}; choose from {', '.join(POOLS)}")
     if args.quick:
         args.c, args.steps, args.model_s = (100,), 2, 1.0
-    plan = Plan(args.c, args.steps, args.model_s, pools, args.concurrency, args.timeout, not args.no_sweeper)
+    bounds = (args.concurrency, args.timeout, not args.no_sweeper, not args.no_baseline)
+    plan = Plan(args.c, args.steps, args.model_s, pools, *bounds)
     started = time.monotonic()
     print(
         f"forkq concurrency: {os.cpu_count()} CPUs, Python {platform.python_version()}, Celery {celery.__version__}; "
         f"C={','.join(map(str, plan.counts))}, S={plan.steps}, L={plan.model_s:g} s, pools {','.join(pools)}",
         flush=True,
     )
-    rows = run(plan)
+    rows, bare = run(plan)
     print("\n" + "=" * 100)
     print_table(rows)
     print_details(rows)
+    print_baseline(rows, bare)
     print("\nload average (1, 5, 15 min) at the end: {:.1f} {:.1f} {:.1f}".format(*os.getloadavg()))
     print(f"total {time.monotonic() - started:.0f} s")
 
