@@ -531,7 +531,8 @@ def test_a_damaged_record_or_an_unexpected_failure_is_500_in_the_one_error_shape
     http: httpx.Client, client: ForkClient, redis_client: redis.Redis, parent: dict[str, Any]
 ) -> None:
     damaged, odd = launch(http, parent), launch(http, parent)
-    redis_client.hset(client.store.keys.state(damaged), "pending", "not json")  # a RecordDecodeError
+    # a RecordDecodeError: the pending calls of a parked fork are read, and these are not JSON
+    redis_client.hset(client.store.keys.state(damaged), mapping={"status": "awaiting_approval", "pending": "not json"})
     redis_client.hset(client.store.keys.state(odd), "status", "sleeping")  # no Status: a ValueError
 
     record_error = error_of(http.get(f"/v1/forks/{damaged}"), 500)
