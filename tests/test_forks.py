@@ -90,6 +90,23 @@ def test_a_launch_writes_the_record_the_queued_state_and_the_first_event(store: 
     assert store.result("f-1") is None
 
 
+def test_a_queued_forks_event_stream_holds_its_event_without_a_preallocated_node(
+    store: ForkStore, seed: ForkSeed
+) -> None:
+    # Given a fork launched and a worker's first events appended afterwards
+    launch(store, seed)
+    key = store.keys.events("f-1")
+    # Then the stream was written anew (Redis 7 allocates a new stream's first node at 4 KiB)
+    queued = store.client.memory_usage(key, samples=0)
+    assert queued is not None and queued < 1500, queued
+    assert 0 < store.client.ttl(key) <= TTL_S
+    # And it keeps taking events in order after it (a worker's claim and finish), ids still increasing
+    [first] = store.events("f-1")
+    finished(store, "f-1")
+    assert [e.type for e in store.events("f-1")] == ["queued", "started", "finished"]
+    assert [e.type for e in store.events("f-1", after=first.id)] == ["started", "finished"]
+
+
 def test_launching_the_same_record_again_is_idempotent(store: ForkStore, seed: ForkSeed) -> None:
     record, digest = launch(store, seed)
     data, _ = record.encode()

@@ -48,6 +48,9 @@ log = logging.getLogger("forkq.store")
 
 # KEYS: bootstrap, state, events, the parent session's forks. ARGV: record bytes, ttl_s, kind, description, digest,
 # event data, fork id. The session index gets the fork with its record (the one key outside the fork's hash tag).
+# A new stream's first node is allocated at 4 KiB (Redis 7's XADD pre-allocates `stream-node-max-bytes`, at most
+# 4096), most of a queued fork's memory: written anew by DUMP and RESTORE, the stream keeps only what its
+# `queued` event needs (about 0.8 KB), and grows from there as the worker appends.
 _LAUNCH = lua_script(
     NOW,
     """
@@ -58,8 +61,13 @@ redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
 redis.call('HSET', KEYS[2], 'status', 'queued', 'kind', ARGV[3], 'description', ARGV[4], 'digest', ARGV[5],
            'attempt', 0, 'created_ms', now)
 redis.call('EXPIRE', KEYS[2], ARGV[2])
+local fresh = redis.call('EXISTS', KEYS[3]) == 0
 redis.call('XADD', KEYS[3], 'MAXLEN', '~', @MAXLEN@, '*', 'type', 'queued', 'data', ARGV[6])
-redis.call('EXPIRE', KEYS[3], ARGV[2])
+if fresh then
+  redis.call('RESTORE', KEYS[3], tonumber(ARGV[2]) * 1000, redis.call('DUMP', KEYS[3]), 'REPLACE')
+else
+  redis.call('EXPIRE', KEYS[3], ARGV[2])
+end
 redis.call('ZADD', KEYS[4], now, ARGV[7])
 redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now - tonumber(ARGV[2]) * 1000)
 redis.call('EXPIRE', KEYS[4], ARGV[2])
