@@ -18,12 +18,15 @@ from workers.history.messages import Content, dump_contents, load_contents
 from workers.history.params import ApprovalPolicy
 from workers.history.selection import ForkSeed
 from workers.history.snapshot import ApprovalMode
+from workers.records.allocation import fills_its_class
 from workers.records.parked import ParkedCall, decode_parked
 
 SCHEMA_VERSION: Final = 1
 CHUNK_MAX_MESSAGES: Final = 64
 CHUNK_MAX_BYTES: Final = 1 << 20
 CHUNK_BOUNDARY_MODULUS: Final = 16  # content-defined boundaries: about one message in 16 ends a chunk
+# a chunk of at least this many bytes also ends where it nearly fills its Redis allocation (`allocation`)
+CHUNK_FIT_MIN_BYTES: Final = 16 << 10
 CONTEXT_FIELDS: Final = ("system_instruction", "tools_json")  # stored once per parent, as a chunk
 TAIL_MESSAGES: Final = 3  # the repaired end (redacted calls, placeholders + directive, ack) gets its own chunk
 # a record naming more seed chunks names them through one seed index chunk, shared by the forks of one seed
@@ -324,7 +327,9 @@ def split_wire(messages: Sequence[dict[str, Any]]) -> list[bytes]:
 
     A chunk ends after a message whose CRC-32 is 0 mod 16, at 64 messages or 1 MiB, and before the
     last three messages (the repaired end, which differs between sibling forks); so forks of one
-    parent produce the same chunks for the messages they share, even at different window offsets.
+    parent produce the same chunks for the messages they share, even at different window offsets
+    (from the first such boundary on). A chunk of 16 KiB or more also ends before a message that would
+    take its Redis allocation into the next size class while it fills its own but for 1/32 or less.
     """
     encoded = [codec.encode(m) for m in messages]
     tail_start = max(0, len(encoded) - TAIL_MESSAGES)
@@ -337,6 +342,9 @@ def split_body(encoded: Sequence[bytes]) -> list[bytes]:
     current: list[bytes] = []
     size = 0
     for item in encoded:
+        if size >= CHUNK_FIT_MIN_BYTES and fills_its_class(len(current), size, len(item)):
+            chunks.append(codec.encode_array(current))
+            current, size = [], 0
         current.append(item)
         size += len(item)
         boundary = zlib.crc32(item) % CHUNK_BOUNDARY_MODULUS == 0
