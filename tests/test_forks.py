@@ -116,6 +116,21 @@ def test_a_queued_forks_event_stream_holds_its_event_without_a_preallocated_node
     assert [e.type for e in store.events("f-1", after=first.id)] == ["started", "finished"]
 
 
+@pytest.mark.parametrize("refused", ["DUMP", "RESTORE"])
+def test_a_launch_on_a_server_that_refuses_dump_or_restore_keeps_the_stream_xadd_wrote(
+    redis_executable: str, seed: ForkSeed, refused: str
+) -> None:
+    with RedisServer(extra_args=["--rename-command", refused, ""], executable=redis_executable) as server:
+        store = ForkStore(redis.Redis.from_url(server.url), Keys("t"), ttl_s=TTL_S)
+
+        _, digest = launch(store, seed)
+
+        [event] = store.events("f-1")
+        assert (event.type, event.data["digest"]) == ("queued", digest)
+        assert 0 < store.client.ttl(store.keys.events("f-1")) <= TTL_S
+        store.client.close()
+
+
 def test_launching_the_same_record_again_is_idempotent(store: ForkStore, seed: ForkSeed) -> None:
     record, digest = launch(store, seed)
     data, _ = record.encode()

@@ -50,7 +50,8 @@ log = logging.getLogger("forkq.store")
 # event data, fork id. The session index gets the fork with its record (the one key outside the fork's hash tag).
 # A new stream's first node is allocated at 4 KiB (Redis 7's XADD pre-allocates `stream-node-max-bytes`, at most
 # 4096), most of a queued fork's memory: written anew by DUMP and RESTORE, the stream keeps only what its
-# `queued` event needs (about 0.8 KB), and grows from there as the worker appends.
+# `queued` event needs (about 0.8 KB), and grows from there as the worker appends. Best effort: where a
+# server renames or refuses DUMP or RESTORE (some managed services do), the stream stays as XADD made it.
 _LAUNCH = lua_script(
     NOW,
     """
@@ -63,11 +64,15 @@ redis.call('HSET', KEYS[2], 'status', 'queued', 'kind', ARGV[3], 'description', 
 redis.call('EXPIRE', KEYS[2], ARGV[2])
 local fresh = redis.call('EXISTS', KEYS[3]) == 0
 redis.call('XADD', KEYS[3], 'MAXLEN', '~', @MAXLEN@, '*', 'type', 'queued', 'data', ARGV[6])
+local restored = false
 if fresh then
-  redis.call('RESTORE', KEYS[3], tonumber(ARGV[2]) * 1000, redis.call('DUMP', KEYS[3]), 'REPLACE')
-else
-  redis.call('EXPIRE', KEYS[3], ARGV[2])
+  local dumped = redis.pcall('DUMP', KEYS[3])
+  if type(dumped) == 'string' then
+    local reply = redis.pcall('RESTORE', KEYS[3], tonumber(ARGV[2]) * 1000, dumped, 'REPLACE')
+    restored = type(reply) == 'table' and reply.ok ~= nil
+  end
 end
+if not restored then redis.call('EXPIRE', KEYS[3], ARGV[2]) end
 redis.call('ZADD', KEYS[4], now, ARGV[7])
 redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now - tonumber(ARGV[2]) * 1000)
 redis.call('EXPIRE', KEYS[4], ARGV[2])
