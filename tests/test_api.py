@@ -21,6 +21,7 @@ import redis
 from api_support import FORK, TOKEN, Api, no_keys_written, wait_status
 from celery.worker import WorkController
 from cli_support import call, step
+from conftest import TEST_NAMESPACE
 from openapi_spec_validator import validate
 
 from workers.client import ForkClient
@@ -365,6 +366,24 @@ def test_the_notification_is_409_until_the_fork_ends_then_the_task_notification(
         "notification": client.notification(fork_id),
     }
     assert response.json()["notification"].startswith("<task-notification>")
+
+
+def test_the_transcript_of_a_fork_whose_record_names_a_seed_index_shows_its_whole_seed(
+    http: httpx.Client, redis_client: redis.Redis, parent: dict[str, Any]
+) -> None:
+    # Given a queued fork of a long history: its record names its seed chunks through an index chunk
+    turns = [
+        {"role": r, "parts": [{"text": f"{r} {i} " + "words " * (i % 30)}]}
+        for i in range(150)
+        for r in ("user", "model")
+    ]
+    fork_id = launch(http, {**parent, "history": [*turns, *parent["history"]]})
+    stored = redis_client.get(f"{TEST_NAMESPACE}:{{{fork_id}}}:bootstrap") or b""
+    assert b"seed_index" in stored and b"seed_chunks" not in stored
+
+    transcript = http.get(f"/v1/forks/{fork_id}/transcript").json()
+
+    assert transcript["seed"]["messages"] > 300
 
 
 PARKING = [

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import random
 import zlib
 from typing import Any
 
@@ -13,8 +14,10 @@ from workers import codec
 from workers.errors import RecordDecodeError, RecordIntegrityError
 from workers.history.messages import Content, dump_contents
 from workers.history.selection import ForkSeed
+from workers.records.allocation import string_allocation
 from workers.records.fork import (
     CHUNK_BOUNDARY_MODULUS,
+    CHUNK_FIT_MIN_BYTES,
     CHUNK_MAX_MESSAGES,
     TAIL_MESSAGES,
     BootstrapRecord,
@@ -251,6 +254,51 @@ def test_a_run_without_boundaries_is_cut_at_the_chunk_message_limit() -> None:
 
     assert sizes[:2] == [CHUNK_MAX_MESSAGES, CHUNK_MAX_MESSAGES]
     assert sum(sizes) == len(messages)
+
+
+def big_conversation(n: int, tag: str) -> list[Content]:
+    """n Contents like `conversation`'s, with tool outputs of 0.5-12 KB (chunks reach the size classes)."""
+    rnd = random.Random(tag)
+    contents = conversation(n, tag)
+    for i in range(2, n, 3):
+        output = " ".join(rnd.choice(WORDS) for _ in range(rnd.randint(80, 2000)))
+        contents[i] = user(response(f"c{tag}{i - 1}", "read_file", output))
+    return contents
+
+
+WORDS = ("lease", "fork", "epoch", "journal", "chunk", "record", "worker", "digest", "stream", "seed")
+
+
+def test_a_large_chunk_ends_where_it_nearly_fills_its_allocation_and_the_seed_wastes_little() -> None:
+    messages = big_conversation(600, "fit-")
+    chunks = split_seed(messages)
+    encoded = [codec.encode(m) for m in dump_contents(messages)]
+
+    # each body chunk ends at a content-defined boundary or limit, or nearly fills its size class
+    # (and the next message would not have fit)
+    position = 0
+    for chunk in chunks[:-2]:
+        count = len(codec.decode(chunk))
+        position += count
+        last, following = encoded[position - 1], encoded[position]
+        if zlib.crc32(last) % CHUNK_BOUNDARY_MODULUS != 0 and count < CHUNK_MAX_MESSAGES:
+            allocated = string_allocation(len(chunk))
+            assert len(chunk) >= CHUNK_FIT_MIN_BYTES and allocated - len(chunk) <= allocated / 32
+            assert string_allocation(len(chunk) + len(following) + 2) > allocated
+    waste = sum(string_allocation(len(c)) for c in chunks) / sum(map(len, chunks))
+    assert waste < 1.075, waste  # content-defined boundaries alone: 1.11 for this conversation
+
+
+def test_large_chunks_at_another_offset_are_shared_from_the_first_content_defined_boundary_on() -> None:
+    shared = big_conversation(300, "shared-")
+    first = [*big_conversation(7, "a-"), *shared, *conversation(5, tag="end-a-")]
+    second = [*big_conversation(23, "b-"), *shared, *conversation(4, tag="end-b-")]
+
+    one, two = split_seed(first), split_seed(second)
+
+    common = {chunk_digest(c) for c in one} & {chunk_digest(c) for c in two}
+    common_bytes = sum(len(c) for c in two if chunk_digest(c) in common)
+    assert common_bytes >= 0.8 * sum(len(codec.encode(m)) for m in dump_contents(shared))
 
 
 def test_the_repaired_end_gets_its_own_chunk_so_siblings_share_everything_before_it() -> None:

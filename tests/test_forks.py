@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import redis
 
+from workers import codec
 from workers.errors import (
     ForkNotFound,
     InvalidApproval,
@@ -22,7 +23,15 @@ from workers.errors import (
 from workers.history.selection import ForkSeed, build_fork_seed
 from workers.history.snapshot import parse_parent_snapshot
 from workers.keys import Keys
-from workers.records.fork import BootstrapRecord, ChunkCache, ForkResult, Status, chunk_digest, split_seed
+from workers.records.fork import (
+    SEED_INDEX_MIN_CHUNKS,
+    BootstrapRecord,
+    ChunkCache,
+    ForkResult,
+    Status,
+    chunk_digest,
+    split_seed,
+)
 from workers.records.journal import JournalEntry
 from workers.records.parked import ParkedCall
 from workers.store.forks import ForkStore
@@ -95,6 +104,38 @@ def test_a_launch_writes_the_record_the_queued_state_and_the_first_event(store: 
     [event] = store.events("f-1")
     assert (event.type, event.data) == ("queued", {"kind": "fork", "digest": digest, "messages": record.message_count})
     assert store.result("f-1") is None
+
+
+def test_a_queued_forks_event_stream_holds_its_event_without_a_preallocated_node(
+    store: ForkStore, seed: ForkSeed
+) -> None:
+    # Given a fork launched and a worker's first events appended afterwards
+    launch(store, seed)
+    key = store.keys.events("f-1")
+    # Then the stream was written anew (Redis 7 allocates a new stream's first node at 4 KiB)
+    queued = store.client.memory_usage(key, samples=0)
+    assert queued is not None and queued < 1500, queued
+    assert 0 < store.client.ttl(key) <= TTL_S
+    # And it keeps taking events in order after it (a worker's claim and finish), ids still increasing
+    [first] = store.events("f-1")
+    finished(store, "f-1")
+    assert [e.type for e in store.events("f-1")] == ["queued", "started", "finished"]
+    assert [e.type for e in store.events("f-1", after=first.id)] == ["started", "finished"]
+
+
+@pytest.mark.parametrize("refused", ["DUMP", "RESTORE"])
+def test_a_launch_on_a_server_that_refuses_dump_or_restore_keeps_the_stream_xadd_wrote(
+    redis_executable: str, seed: ForkSeed, refused: str
+) -> None:
+    with RedisServer(extra_args=["--rename-command", refused, ""], executable=redis_executable) as server:
+        store = ForkStore(redis.Redis.from_url(server.url), Keys("t"), ttl_s=TTL_S)
+
+        _, digest = launch(store, seed)
+
+        [event] = store.events("f-1")
+        assert (event.type, event.data["digest"]) == ("queued", digest)
+        assert 0 < store.client.ttl(store.keys.events("f-1")) <= TTL_S
+        store.client.close()
 
 
 def test_launching_the_same_record_again_is_idempotent(store: ForkStore, seed: ForkSeed) -> None:
@@ -217,6 +258,80 @@ def test_with_a_chunk_cache_a_seed_read_before_is_not_read_from_redis_again(
     assert store.load_inputs("f-1", data, digest) == first == (record, seed)
     with pytest.raises(RecordIntegrityError):  # the record itself is still verified
         store.load_inputs("f-1", data.replace(b"Write the tests.", b"Write the testz."), digest)
+
+
+# ── seed index ────────────────────────────────────────────────────────────────────────────────
+
+
+@pytest.fixture
+def long_seed(parent: dict[str, Any]) -> ForkSeed:
+    """An `all` seed of some 400 messages: more chunks than a record names itself."""
+    turns = [
+        {"role": role, "parts": [{"text": f"{role} message {i}: " + "lorem ipsum " * (i % 40)}]}
+        for i in range(200)
+        for role in ("user", "model")
+    ]
+    history = parse_parent_snapshot({**parent, "history": [*turns, *parent["history"]]}).history
+    return build_fork_seed(history, fork_turns=None, directive="Write the tests.")
+
+
+def test_a_long_seed_is_named_by_one_index_chunk_that_sibling_records_share(
+    store: ForkStore, long_seed: ForkSeed
+) -> None:
+    # Given two forks of one long seed
+    record, digest = launch(store, long_seed, "f-1")
+    launch(store, long_seed, "f-2")
+    assert len(record.seed_chunks) >= SEED_INDEX_MIN_CHUNKS
+    # Then each record names the index, not the chunks, and the index is stored once under its digest
+    index = record.seed_index_blob()
+    assert index is not None
+    for fid in ("f-1", "f-2"):
+        stored = codec.decode(store.client.get(store.keys.bootstrap(fid)) or b"")
+        assert "seed_chunks" not in stored and stored["seed_index"] == chunk_digest(index)
+    assert store.client.get(store.keys.chunk("s-1", chunk_digest(index).hex())) == index
+    assert len(store.client.keys("t:{parent:s-1}:chunk:*")) == len(record.seed_chunks) + 2  # + context, index
+    # And a revived fork rebuilds byte-identical inputs, with and without a chunk cache
+    data = store.client.get(store.keys.bootstrap("f-1")) or b""
+    assert store.get_record("f-1", digest) == record
+    for reader in (store, ForkStore(store.client, store.keys, ttl_s=TTL_S, chunk_cache=ChunkCache(1 << 20))):
+        for _ in range(2):  # the second read is the cache's
+            got, seed = reader.load_inputs("f-1", data, digest)
+            assert got == record and seed.to_wire() == long_seed.to_wire()
+
+
+def test_a_short_seed_keeps_its_chunk_digests_in_the_record(store: ForkStore, seed: ForkSeed) -> None:
+    record, _ = launch(store, seed)
+
+    stored = codec.decode(store.client.get(store.keys.bootstrap("f-1")) or b"")
+    assert record.seed_index_blob() is None
+    assert stored["seed_chunks"] == record.seed_chunks and "seed_index" not in stored
+
+
+def test_a_missing_or_changed_seed_index_is_refused(store: ForkStore, long_seed: ForkSeed) -> None:
+    record, digest = launch(store, long_seed)
+    key = store.keys.chunk("s-1", chunk_digest(record.seed_index_blob() or b"").hex())
+    data = store.client.get(store.keys.bootstrap("f-1")) or b""
+
+    store.client.setrange(key, 40, b"X")
+    with pytest.raises(RecordIntegrityError, match="seed index"):
+        store.load_inputs("f-1", data, digest)
+    store.client.delete(key)
+    with pytest.raises(RecordIntegrityError, match="seed index"):
+        store.get_record("f-1", digest)
+
+
+def test_a_long_record_stored_with_its_chunk_digests_still_loads(store: ForkStore, long_seed: ForkSeed) -> None:
+    # Given a long seed's record as stored before seed indexes: its digests in the record itself
+    record, chunks = make_record(long_seed)
+    store.put_launch(record, *record.encode(), chunks)
+    fields = record.model_dump(exclude={"system_instruction", "tools_json"})
+    fields["context_chunk"] = chunk_digest(record.context_blob())
+    data, digest = codec.encode_with_digest(fields)
+    store.client.set(store.keys.bootstrap("f-1"), data)
+    # Then it reads back whole, and its seed is rebuilt
+    assert store.get_record("f-1", digest) == record
+    got, seed = store.load_inputs("f-1", data, digest)
+    assert got == record and seed.to_wire() == long_seed.to_wire()
 
 
 # ── retention ─────────────────────────────────────────────────────────────────────────────────

@@ -117,21 +117,30 @@ def test_argsrepr_names_the_fork_its_description_and_parent_session_and_sizes_ne
 # ── inline and Redis-read seeds ──────────────────────────────────────────────────────────────
 
 
-@pytest.mark.parametrize("inline_max", [256 * 1024, 0], ids=["inline", "from-redis"])
+LONG = [
+    {"role": r, "parts": [{"text": f"{r} {i} " + "words " * (i % 30)}]} for i in range(150) for r in ("user", "model")
+]
+
+
+@pytest.mark.parametrize(
+    "case", [(256 * 1024, []), (0, []), (256 * 1024, LONG)], ids=["inline", "from-redis", "seed-index-from-redis"]
+)
 def test_a_fork_runs_with_its_seed_inline_or_read_from_redis(
-    inline_max: int,
+    case: tuple[int, list[dict[str, Any]]],
     make_settings: Callable[..., Settings],
     start_live_worker: Callable[[Celery], WorkController],
     redis_client: redis.Redis,
     parent: dict[str, Any],
 ) -> None:
+    # a long seed's record names its chunks through a seed index chunk: its job never carries them
+    inline_max, prefix = case
     settings = make_settings(inline_seed_max_bytes=inline_max)
     app = make_app(settings)
     with ForkClient(settings, app=app) as client:
-        handle = client.launch(parent, {**FORK, "fork_turns": "all"})
+        handle = client.launch({**parent, "history": [*prefix, *parent["history"]]}, {**FORK, "fork_turns": "all"})
         [envelope] = envelopes(redis_client, settings.queue)
         chunks = body(envelope)[0][2]
-        assert (chunks is None) == (inline_max == 0)
+        assert (chunks is None) == (inline_max == 0 or bool(prefix))
 
         start_live_worker(app)
         result = handle.wait(timeout=15)

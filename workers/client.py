@@ -301,7 +301,8 @@ class ForkClient:
     def _enqueue_first(self, record: BootstrapRecord, record_bytes: bytes, digest: str, chunks: list[bytes]) -> None:
         """Send a launched fork's first job: a small one carries its chunks and record, a large one neither."""
         inline: list[bytes] | None = [record.context_blob(), *chunks]
-        if sum(map(len, inline or [])) > self.settings.inline_seed_max_bytes:
+        # a record that names its seed through an index chunk is read with its chunks from Redis
+        if sum(map(len, inline or [])) > self.settings.inline_seed_max_bytes or record.seed_index_blob() is not None:
             inline = None
         # a small job also carries the record: the worker then makes its first checkpoint with the claim
         enqueue_fork(

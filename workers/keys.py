@@ -50,8 +50,10 @@ Each key: type; content; TTL; writer → readers.
   with that name from the session (a name belongs to one live teammate at a time); retention, renewed
   by every named launch; launch (compare-and-set) → launch, send_to.
 - `{ns}:{parent:<session>}:chunk:<digest>`: string; a chunk named by the BLAKE2b-256 of its bytes:
-  canonical msgpack list of wire Contents (a seed chunk), or the parent's context (system instruction
-  and tool declarations); retention, renewed on reuse; launch → worker, inspect.
+  canonical msgpack list of wire Contents (a seed chunk), the parent's context (system instruction
+  and tool declarations), or a seed index (canonical msgpack list of a seed's chunk digests, in order;
+  named by a record's `seed_index` in place of its `seed_chunks` when the seed has 9 chunks or more,
+  and shared by the forks of one seed); retention, renewed on reuse; launch → worker, inspect.
 - `{ns}:{parent:<session>}:forks`: sorted set; the ids of the forks launched from one parent session,
   scored by launch time (Redis ms), entries older than the retention dropped at each launch; retention,
   renewed by every launch from the session; launch (with the record, atomically) → `forkq serve`'s

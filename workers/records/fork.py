@@ -8,7 +8,7 @@ import threading
 import zlib
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
@@ -18,14 +18,28 @@ from workers.history.messages import Content, dump_contents, load_contents
 from workers.history.params import ApprovalPolicy
 from workers.history.selection import ForkSeed
 from workers.history.snapshot import ApprovalMode
+from workers.records.allocation import fills_its_class
 from workers.records.parked import ParkedCall, decode_parked
 
 SCHEMA_VERSION: Final = 1
 CHUNK_MAX_MESSAGES: Final = 64
 CHUNK_MAX_BYTES: Final = 1 << 20
 CHUNK_BOUNDARY_MODULUS: Final = 16  # content-defined boundaries: about one message in 16 ends a chunk
+# a chunk of at least this many bytes also ends where it nearly fills its Redis allocation (`allocation`)
+CHUNK_FIT_MIN_BYTES: Final = 16 << 10
 CONTEXT_FIELDS: Final = ("system_instruction", "tools_json")  # stored once per parent, as a chunk
 TAIL_MESSAGES: Final = 3  # the repaired end (redacted calls, placeholders + directive, ack) gets its own chunk
+# a record naming more seed chunks names them through one seed index chunk, shared by the forks of one seed
+# (62 digests took 2.1 KB of every fork's 2.6 KB record of a 5 MB parent); a few are cheaper named inline
+SEED_INDEX_MIN_CHUNKS: Final = 9
+
+
+class ChunkRefs(NamedTuple):
+    """The chunks stored record bytes name: the context's, then the seed's, or the seed index's."""
+
+    parent_session: str
+    refs: list[bytes]  # [context, *seed chunks], or [context, seed index] when `indexed`
+    indexed: bool
 
 
 class Status(enum.StrEnum):
@@ -115,21 +129,35 @@ class BootstrapRecord(BaseModel):
         """The system instruction and tool declarations as one chunk, shared by the forks of a parent."""
         return codec.encode({"system_instruction": self.system_instruction, "tools_json": self.tools_json})
 
+    def seed_index_blob(self) -> bytes | None:
+        """The seed index chunk (the seed chunks' digests, in order), or None when the record names them itself."""
+        if len(self.seed_chunks) < SEED_INDEX_MIN_CHUNKS:
+            return None
+        return codec.encode(self.seed_chunks)
+
     def encode(self) -> tuple[bytes, str]:
-        """Stored bytes and their digest: the record, with its context replaced by the context chunk's digest."""
+        """Stored bytes and their digest: the record, with its context replaced by the context chunk's digest
+        and a long list of seed chunk digests by the seed index chunk's."""
         fields = self.model_dump(exclude=set(CONTEXT_FIELDS))
         fields["context_chunk"] = chunk_digest(self.context_blob())
+        index = self.seed_index_blob()
+        if index is not None:
+            del fields["seed_chunks"]
+            fields["seed_index"] = chunk_digest(index)
         return codec.encode_with_digest(fields)
 
     @staticmethod
-    def chunk_refs(data: bytes, *, fork_id: str) -> tuple[str, list[bytes]]:
-        """(parent session, [context chunk digest, *seed chunk digests]) named by stored record bytes."""
+    def chunk_refs(data: bytes, *, fork_id: str) -> ChunkRefs:
+        """The chunks stored record bytes name: context, then the seed chunks or the seed index."""
         raw = codec.decode(data, what=f"fork {fork_id}: bootstrap record")
         ref = raw.get("context_chunk") if isinstance(raw, dict) else None
-        seeds = raw.get("seed_chunks") if isinstance(raw, dict) else None
-        if not isinstance(ref, bytes) or not isinstance(raw.get("parent_session"), str) or not isinstance(seeds, list):
+        if not isinstance(ref, bytes) or not isinstance(raw.get("parent_session"), str):
             raise RecordDecodeError(f"fork {fork_id}: bootstrap record has no chunk references", fork_id=fork_id)
-        return raw["parent_session"], [ref, *(d for d in seeds if isinstance(d, bytes))]
+        if isinstance(index := raw.get("seed_index"), bytes):
+            return ChunkRefs(raw["parent_session"], [ref, index], indexed=True)
+        if not isinstance(seeds := raw.get("seed_chunks"), list):
+            raise RecordDecodeError(f"fork {fork_id}: bootstrap record has no chunk references", fork_id=fork_id)
+        return ChunkRefs(raw["parent_session"], [ref, *(d for d in seeds if isinstance(d, bytes))], indexed=False)
 
     @classmethod
     def decode(
@@ -140,15 +168,17 @@ class BootstrapRecord(BaseModel):
         context: bytes,
         expected_digest: str | None = None,
         cache: ChunkCache | HeldChunks | None = None,
+        index: bytes = b"",
     ) -> BootstrapRecord:
-        """Verify (when a digest is given) and decode stored bytes, with the context chunk they name.
+        """Verify (when a digest is given) and decode stored bytes, with the context chunk they name
+        (and the seed index chunk, when they name one).
 
-        With `cache`, a context chunk decoded before under the digest the record names is used
-        without `context` (which may then be empty), and a newly verified one is kept.
+        With `cache`, a context or index chunk decoded before under the digest the record names is used
+        without its bytes (which may then be empty), and a newly verified one is kept.
 
         Raises:
-            RecordIntegrityError: the bytes do not hash to `expected_digest`, or the context chunk
-                does not match the digest the record names.
+            RecordIntegrityError: the bytes do not hash to `expected_digest`, or the context or index
+                chunk does not match the digest the record names.
             RecordDecodeError: the bytes are not a bootstrap record.
         """
         actual = codec.digest(data)
@@ -179,12 +209,32 @@ class BootstrapRecord(BaseModel):
         if not isinstance(fields, dict):
             raise RecordDecodeError(f"fork {fork_id}: the context chunk is not a map", fork_id=fork_id)
         raw.update(fields)
+        if "seed_index" in raw:
+            raw["seed_chunks"] = _seed_index(fork_id, raw.pop("seed_index"), index, cache)
         try:
             return cls.model_validate(raw, strict=True)
         except ValueError as exc:
             raise RecordDecodeError(
                 f"fork {fork_id}: bootstrap record does not have the expected fields: {exc}", fork_id=fork_id, cause=exc
             ) from exc
+
+
+def _seed_index(fork_id: str, ref: Any, index: bytes, cache: ChunkCache | HeldChunks | None) -> list[bytes]:
+    """The seed chunk digests a record names through its seed index chunk, verified against `ref`."""
+    digests = cache.get(ref) if cache is not None and isinstance(ref, bytes) else None
+    if digests is None:
+        if not isinstance(ref, bytes) or ref != chunk_digest(index):
+            raise RecordIntegrityError(
+                f"fork {fork_id}: the seed index chunk does not match the digest the bootstrap record names; "
+                "it is missing or was modified after launch",
+                fork_id=fork_id,
+            )
+        digests = codec.decode_verified(index, what=f"fork {fork_id}: seed index chunk")
+        if not isinstance(digests, list) or not all(isinstance(d, bytes) for d in digests):
+            raise RecordDecodeError(f"fork {fork_id}: the seed index chunk is not a list of digests", fork_id=fork_id)
+        if cache is not None:
+            cache.put(ref, digests, len(index))
+    return list(digests)
 
 
 class Usage(BaseModel):
@@ -281,7 +331,9 @@ def split_wire(messages: Sequence[dict[str, Any]]) -> list[bytes]:
 
     A chunk ends after a message whose CRC-32 is 0 mod 16, at 64 messages or 1 MiB, and before the
     last three messages (the repaired end, which differs between sibling forks); so forks of one
-    parent produce the same chunks for the messages they share, even at different window offsets.
+    parent produce the same chunks for the messages they share, even at different window offsets
+    (from the first such boundary on). A chunk of 16 KiB or more also ends before a message that would
+    take its Redis allocation into the next size class while it fills its own but for 1/32 or less.
     """
     encoded = [codec.encode(m) for m in messages]
     tail_start = max(0, len(encoded) - TAIL_MESSAGES)
@@ -294,6 +346,9 @@ def split_body(encoded: Sequence[bytes]) -> list[bytes]:
     current: list[bytes] = []
     size = 0
     for item in encoded:
+        if size >= CHUNK_FIT_MIN_BYTES and fills_its_class(len(current), size, len(item)):
+            chunks.append(codec.encode_array(current))
+            current, size = [], 0
         current.append(item)
         size += len(item)
         boundary = zlib.crc32(item) % CHUNK_BOUNDARY_MODULUS == 0

@@ -48,6 +48,10 @@ log = logging.getLogger("forkq.store")
 
 # KEYS: bootstrap, state, events, the parent session's forks. ARGV: record bytes, ttl_s, kind, description, digest,
 # event data, fork id. The session index gets the fork with its record (the one key outside the fork's hash tag).
+# A new stream's first node is allocated at 4 KiB (Redis 7's XADD pre-allocates `stream-node-max-bytes`, at most
+# 4096), most of a queued fork's memory: written anew by DUMP and RESTORE, the stream keeps only what its
+# `queued` event needs (about 0.8 KB), and grows from there as the worker appends. Best effort: where a
+# server renames or refuses DUMP or RESTORE (some managed services do), the stream stays as XADD made it.
 _LAUNCH = lua_script(
     NOW,
     """
@@ -58,8 +62,17 @@ redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
 redis.call('HSET', KEYS[2], 'status', 'queued', 'kind', ARGV[3], 'description', ARGV[4], 'digest', ARGV[5],
            'attempt', 0, 'created_ms', now)
 redis.call('EXPIRE', KEYS[2], ARGV[2])
+local fresh = redis.call('EXISTS', KEYS[3]) == 0
 redis.call('XADD', KEYS[3], 'MAXLEN', '~', @MAXLEN@, '*', 'type', 'queued', 'data', ARGV[6])
-redis.call('EXPIRE', KEYS[3], ARGV[2])
+local restored = false
+if fresh then
+  local dumped = redis.pcall('DUMP', KEYS[3])
+  if type(dumped) == 'string' then
+    local reply = redis.pcall('RESTORE', KEYS[3], tonumber(ARGV[2]) * 1000, dumped, 'REPLACE')
+    restored = type(reply) == 'table' and reply.ok ~= nil
+  end
+end
+if not restored then redis.call('EXPIRE', KEYS[3], ARGV[2]) end
 redis.call('ZADD', KEYS[4], now, ARGV[7])
 redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now - tonumber(ARGV[2]) * 1000)
 redis.call('EXPIRE', KEYS[4], ARGV[2])
@@ -293,7 +306,8 @@ class ForkStore:
         session = record.parent_session
         data = json.dumps({"kind": record.kind, "digest": digest_hex, "messages": record.message_count})
         context = record.context_blob()
-        chunks = [context, *seed_chunks]
+        index = record.seed_index_blob() if seed_chunks else None
+        chunks = [context, *([index] if index is not None else []), *seed_chunks]
         if seed_chunks and len(seed_chunks) != len(record.seed_chunks):
             raise RecordIntegrityError(
                 f"fork {fid}: {len(seed_chunks)} seed chunks given, the record names {len(record.seed_chunks)}; "
@@ -301,7 +315,8 @@ class ForkStore:
                 fork_id=fid,
             )
         # the record names its seed chunks by their digests (`ForkClient.launch` built both): no second hash
-        digests = [chunk_digest(context), *(record.seed_chunks if seed_chunks else ())]
+        digests = [chunk_digest(context), *([chunk_digest(index)] if index is not None else [])]
+        digests += record.seed_chunks if seed_chunks else ()
         chunk_keys = [self.keys.chunk(session, d.hex()) for d in digests]
         sent = [b"" if self._known_chunk(key) else chunk for key, chunk in zip(chunk_keys, chunks, strict=True)]
         keys = [self.keys.bootstrap(fid), self.keys.state(fid), self.keys.events(fid), self.keys.session_forks(session)]
@@ -377,9 +392,11 @@ class ForkStore:
             RecordIntegrityError: the stored bytes do not match the digest.
         """
         data = self._record_bytes(fork_id)
-        session, refs = BootstrapRecord.chunk_refs(data, fork_id=fork_id)
-        (context,) = self._chunks(session, refs[:1])
-        return BootstrapRecord.decode(data, fork_id=fork_id, context=context, expected_digest=digest_hex)
+        named = BootstrapRecord.chunk_refs(data, fork_id=fork_id)
+        context, *index = self._chunks(named.parent_session, named.refs[: 2 if named.indexed else 1])
+        return BootstrapRecord.decode(
+            data, fork_id=fork_id, context=context, index=b"".join(index), expected_digest=digest_hex
+        )
 
     def read_inputs(self, fork_id: str, digest_hex: str | None) -> tuple[BootstrapRecord, ForkSeed]:
         """Record and seed of a fork, read from Redis and verified (two round trips)."""
@@ -392,26 +409,30 @@ class ForkStore:
         the seed's) or, without them, the chunks read from Redis in one round trip; all verified.
         Chunks the store's chunk cache holds are neither read nor decoded again.
         """
-        held = None
-        if not inline:
-            session, refs = BootstrapRecord.chunk_refs(data, fork_id=fork_id)
-            held = self.chunk_cache.hold(refs) if self.chunk_cache is not None else None
-            inline = self._uncached_chunks(session, refs, held)
-        cache = held if held is not None else self.chunk_cache
+        if inline:
+            record = BootstrapRecord.decode(
+                data, fork_id=fork_id, context=inline[0], expected_digest=digest_hex, cache=self.chunk_cache
+            )
+            return record, join_seed(record, inline[1:], self.chunk_cache)
+        named = BootstrapRecord.chunk_refs(data, fork_id=fork_id)
+        chunks, cache = self._uncached_chunks(named.parent_session, named.refs)
+        index = chunks[1] if named.indexed else b""
         record = BootstrapRecord.decode(
-            data, fork_id=fork_id, context=inline[0], expected_digest=digest_hex, cache=cache
+            data, fork_id=fork_id, context=chunks[0], index=index, expected_digest=digest_hex, cache=cache
         )
-        return record, join_seed(record, inline[1:], cache)
+        if named.indexed:  # the seed chunks are known now: a second read, of those the cache lacks
+            chunks, cache = self._uncached_chunks(named.parent_session, [b"", *record.seed_chunks])
+        return record, join_seed(record, chunks[1:], cache)
 
-    def _uncached_chunks(self, parent_session: str, refs: Sequence[bytes], held: HeldChunks | None) -> list[bytes]:
-        """The chunks named by `refs` from Redis in one MGET, except those `held` has (left empty)."""
-        if held is None:
-            return self._chunks(parent_session, refs)
-        missing = [i for i, ref in enumerate(refs) if ref not in held]
+    def _uncached_chunks(self, parent_session: str, refs: Sequence[bytes]) -> tuple[list[bytes], HeldChunks | None]:
+        """The chunks named by `refs` from Redis in one MGET, except those the chunk cache holds (left empty,
+        and held for this read), and what it holds. An empty ref stands for a chunk not wanted."""
+        held = self.chunk_cache.hold(refs) if self.chunk_cache is not None else None
+        missing = [i for i, ref in enumerate(refs) if ref and (held is None or ref not in held)]
         chunks = [b""] * len(refs)
         for i, chunk in zip(missing, self._chunks(parent_session, [refs[i] for i in missing]), strict=True):
             chunks[i] = chunk
-        return chunks
+        return chunks, held
 
     def load_seed(self, record: BootstrapRecord, chunks: Sequence[bytes] | None = None) -> ForkSeed:
         """The record's seed, from given chunks or from Redis, every chunk verified."""

@@ -108,9 +108,13 @@ class AsyncForkReader:
         data = cast(bytes | None, await self.client.get(self.keys.bootstrap(fork_id)))
         if data is None:
             raise not_found(fork_id)
-        session, refs = BootstrapRecord.chunk_refs(data, fork_id=fork_id)
-        context = cast(bytes | None, await self.client.get(self.keys.chunk(session, refs[0].hex())))
-        return BootstrapRecord.decode(data, fork_id=fork_id, context=context or b"", expected_digest=digest_hex)
+        named = BootstrapRecord.chunk_refs(data, fork_id=fork_id)
+        wanted = named.refs[: 2 if named.indexed else 1]  # the context, and the seed index when the record has one
+        found = cast(
+            list[bytes | None], await self.client.mget([self.keys.chunk(named.parent_session, d.hex()) for d in wanted])
+        )
+        context, index = found[0] or b"", (found[1] if named.indexed else None) or b""
+        return BootstrapRecord.decode(data, fork_id=fork_id, context=context, index=index, expected_digest=digest_hex)
 
     async def session_forks(self, parent_session: str, *, limit: int) -> list[SessionFork]:
         """The newest `limit` forks launched from a parent session that are still in Redis, newest first."""
