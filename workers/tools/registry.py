@@ -8,7 +8,8 @@ something the model reads, never an exception that ends the fork.
 
 Every call has a deadline: the tool's own time limit (`Tool.timeout_s`, else the registry's
 `default_timeout_s`, `FORKQ_TOOL_TIMEOUT_S` on a worker), never past the fork's wall-clock limit
-(`ToolContext.deadline`). The handler runs in a thread of its own that the caller waits on, so a
+(`ToolContext.deadline`). The handler runs in another thread (the registry's `HandlerThreads`: an idle
+one is reused, else a new one starts) that the caller waits on, so a
 handler blocked where Python cannot interrupt it (a FIFO, a hung network mount, a plugin's stuck
 call) costs its call an error response at the deadline, or at once when the fork is cancelled,
 and never the worker slot: the caller goes on, and the handler's thread is left to end by itself.
@@ -37,6 +38,7 @@ from jsonschema.validators import Draft202012Validator, validator_for
 
 from workers.errors import ConfigurationError, ForkqError
 from workers.history.messages import FunctionCall
+from workers.tools.threads import HandlerThreads
 
 log = logging.getLogger("forkq.tools")
 
@@ -208,6 +210,8 @@ class ToolRegistry:
     default_timeout_s: float = DEFAULT_TOOL_TIMEOUT_S  # the time limit of a tool that sets none
     # the validator of each registered tool, kept with the tool it was compiled for
     _validators: dict[str, tuple[Tool, Validator]] = field(default_factory=dict, init=False, repr=False, compare=False)
+    # the threads handlers run on: reused, since starting one per call costs the worker's one interpreter more
+    threads: HandlerThreads = field(default_factory=HandlerThreads, repr=False, compare=False)
 
     def register(self, tool: Tool) -> None:
         """Add (or replace) a tool, after checking its parameters are a valid JSON schema.
@@ -252,11 +256,11 @@ class ToolRegistry:
                 "service or file system). Continue without it, or try again later"
             }
         limit = tool.timeout_s if tool.timeout_s is not None else self.default_timeout_s
-        return HandlerCall(tool, args, ctx, limit).result()
+        return HandlerCall(tool, args, ctx, limit).result(self.threads)
 
 
 class HandlerCall:
-    """One handler run in a thread of its own, waited for until it answers, the deadline passes or the
+    """One handler run in another thread, waited for until it answers, the deadline passes or the
     fork is cancelled (see the module docstring)."""
 
     def __init__(self, tool: Tool, args: Mapping[str, Any], ctx: ToolContext, limit_s: float) -> None:
@@ -309,12 +313,11 @@ class HandlerCall:
                 return "deadline"
         return "done"
 
-    def result(self) -> dict[str, Any]:
+    def result(self, threads: HandlerThreads) -> dict[str, Any]:
         """The handler's response, or an error response at the deadline or on a cancel."""
         if self.limit_s <= 0:
             return {"error": f"tool {self.tool.name!r} was not run: the fork has no time left (wall-clock limit)"}
-        thread = threading.Thread(target=self._run, name=f"forkq-tool-{self.tool.name}", daemon=True)
-        thread.start()
+        threads.submit(self._run)
         ending = self._wait()
         if ending == "done":
             return self.response
