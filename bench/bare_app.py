@@ -34,7 +34,8 @@ BARE_QUEUE = "bench-bare"
 CONN_QUEUE = "bench-bare-conn"
 NOOP_TASK = "bench.noop"
 SLOW_TASK = "bench.slow"
-SLOW_STARTS, SLOW_ENDS = "bench:slow:started", "bench:slow:finished"  # lists of Unix ms
+# lists: the Unix ms of each task's start, and "start end" (Unix ms) of each task that ended
+SLOW_STARTS, SLOW_ENDS = "bench:slow:started", "bench:slow:finished"
 
 
 class _PrestartThreads(bootsteps.StartStopStep):
@@ -80,13 +81,14 @@ def make_bare_app(settings: Settings, *, forkq_connection: bool = False) -> Cele
     @app.task(name=SLOW_TASK, ignore_result=True, acks_late=True, reject_on_worker_lost=True)
     def slow(steps: int, delay_s: float, cwd: str) -> None:
         """A fork's shape without forkq: `steps` waits of `delay_s`, a listing and a Redis GET between them."""
-        runtime.redis.rpush(SLOW_STARTS, int(time.time() * 1000))
+        started = int(time.time() * 1000)
+        runtime.redis.rpush(SLOW_STARTS, started)
         for step in range(steps):
             time.sleep(delay_s)
             if step < steps - 1:
                 sorted(os.listdir(cwd))
                 runtime.redis.get(SLOW_STARTS + ":tool")
-        runtime.redis.rpush(SLOW_ENDS, int(time.time() * 1000))
+        runtime.redis.rpush(SLOW_ENDS, f"{started} {int(time.time() * 1000)}")
 
     app.steps["worker"].add(_PrestartThreads)
     return app

@@ -86,14 +86,15 @@ def run_bare(c: int, steps: int, model_s: float, *, cwd: Path, logdir: Path, tim
             time.sleep(POLL_S)
         run.rss_peak_mb = _hwm_mb(worker.process.pid)
         starts = sorted(int(x) for x in r.lrange(SLOW_STARTS, 0, -1))
-        ends = sorted(int(x) for x in r.lrange(SLOW_ENDS, 0, -1))
+        runs = [tuple(map(int, x.split())) for x in r.lrange(SLOW_ENDS, 0, -1)]
+        ends = sorted(end for _, end in runs)
         run.finished = len(ends)
         if run.finished < c:
             run.note = f"{c - run.finished} tasks unfinished after {timeout_s:.0f} s"
         if starts and ends:
             run.makespan_s = (ends[-1] - starts[0]) / 1000
             run.start_spread_s = (starts[-1] - starts[0]) / 1000
-            run.fork_s = [(e - s) / 1000 for s, e in zip(starts, ends, strict=False)]  # k-th start with k-th end
+            run.fork_s = [(end - start) / 1000 for start, end in runs]
         group.stop_all()
         r.close()
     return run

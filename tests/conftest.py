@@ -11,7 +11,7 @@ import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import pytest
 import redis
@@ -33,15 +33,21 @@ from workers.store.redis_server import RedisServer, find_redis_server
 pytest_plugins = ["tools_support", "api_support"]
 
 
+def missing_tool(name: str, message: str) -> NoReturn:
+    """A program the test needs is missing: skip the test, or fail it when the CI variable is set (CI must
+    provide everything, and a skipped test is no pass)."""
+    if os.environ.get("CI"):
+        pytest.fail(f"CI must provide {name}: {message}")
+    pytest.skip(message)
+
+
 @pytest.fixture(scope="session")
 def redis_executable() -> str:
     """The redis-server binary; skips the test when there is none, or fails it when the CI variable is set."""
     try:
         return find_redis_server()
     except ConfigurationError as exc:
-        if os.environ.get("CI"):
-            pytest.fail(f"CI must provide redis-server: {exc}")
-        pytest.skip(str(exc))
+        missing_tool("redis-server", str(exc))
 
 
 @pytest.fixture(scope="session")

@@ -21,6 +21,7 @@ import pytest
 from api_support import FORK, TOKEN, Api, wait_status
 from celery.worker import WorkController
 from cli_support import call, step
+from conftest import missing_tool
 from playwright.sync_api import Browser, Locator, Page, expect, sync_playwright
 
 from workers.api.ui import CONTENT_SECURITY_POLICY
@@ -44,10 +45,7 @@ def chromium_executable() -> str:
     """The chromium binary; skips the test when there is none, or fails it when the CI variable is set."""
     found = CHROMIUM if os.access(CHROMIUM, os.X_OK) else shutil.which("chromium")
     if found is None:
-        message = f"no chromium at {CHROMIUM} or on PATH: install Debian's (apt-get install chromium)"
-        if os.environ.get("CI"):
-            pytest.fail(f"CI must provide chromium: {message}")
-        pytest.skip(message)
+        missing_tool("chromium", f"no chromium at {CHROMIUM} or on PATH: install Debian's (apt-get install chromium)")
     return found
 
 

@@ -21,6 +21,7 @@ import pytest
 from api_support import TOKEN, Api
 from celery.worker import WorkController
 from cli_support import call, step
+from conftest import missing_tool
 
 CLIENT_DIR = Path(__file__).resolve().parents[1] / "clients" / "typescript"
 SCRIPT = [step(call("w1", "write_file", path="a.txt", content="written"), delay_s=0.3), step("all done")]
@@ -30,10 +31,7 @@ NODE_TIMEOUT_S = 150.0
 def _tool(name: str) -> str:
     path = shutil.which(name)
     if path is None:
-        message = f"the TypeScript client's tests need {name} (Node.js 18.20 or later) on PATH"
-        if os.environ.get("CI"):
-            pytest.fail(f"CI must provide {name}: {message}")
-        pytest.skip(message)
+        missing_tool(name, f"the TypeScript client's tests need {name} (Node.js 18.20 or later) on PATH")
     return path
 
 
