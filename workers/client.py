@@ -9,10 +9,11 @@ import secrets
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Final, Literal, cast
 
 import redis
 
+from broker_config.celery import RUN_FORK_TASK
 from broker_config.redis_client import redis_client as connect_redis
 from broker_config.settings import Settings
 from workers.errors import (
@@ -35,7 +36,7 @@ from workers.records.notification import render_task_notification
 from workers.records.seeds import SeedBuilder, SeedChunks
 from workers.store.forks import ForkEvent, ForkStore
 from workers.store.lease import Leases
-from workers.store.queue import enqueue_again, enqueue_fork, send_ended_event
+from workers.store.queue import enqueue_again, run_fork_call, send_call, send_ended_event
 from workers.subagents.capabilities import providers
 from workers.subagents.definitions import CatalogCache
 from workers.subagents.launch import (
@@ -48,6 +49,8 @@ from workers.subagents.launch import (
 
 if TYPE_CHECKING:  # a type only: the send-only app is built on the first launch (broker_config.sender)
     from celery import Celery
+
+    from broker_config.envelope import JobEnvelopes
 
 
 def parked_error(state: ForkState) -> ForkParked:
@@ -103,6 +106,9 @@ class Sent:
 NAME_ATTEMPTS = 5  # compare-and-set rounds when launches race for one teammate name
 NAME_LAUNCH_GRACE_MS = 60_000  # a name claimed by a launch whose fork is not written yet stays taken this long
 TERMINAL = tuple(s.value for s in Status if s.terminal)
+# a record this small rides in the first job even when its seed does not: the worker then folds its first
+# checkpoint into the claim (one round trip less); a job grows by 4/3 of it (base64), at most 2.7 KB
+RECORD_IN_JOB_MAX_BYTES: Final = 2048
 
 
 def message_problem(text: object) -> str | None:
@@ -181,6 +187,7 @@ class ForkClient:
         self.store = ForkStore(self.redis, Keys(self.settings.namespace), ttl_s=self.settings.record_ttl_s)
         self._app = app
         self._own_app = app is None  # a send-only app this client builds, and closes
+        self._job_envelopes: JobEnvelopes | Literal[False] | None = False  # False: not learned yet
         self._catalog = CatalogCache(self.settings.agents_dir)  # read again when a definition file changes
         self._seeds = SeedBuilder()  # sibling forks of one snapshot share their selection and chunks
         # the last snapshot's declarations: (snapshot, JSON, the JSON read back, to see an edited list)
@@ -281,8 +288,12 @@ class ForkClient:
         if agent.name:  # a teammate: its name is its own in the session while it lives
             self._claim_name(snapshot.session_id, agent.name, fid)
         record_bytes, digest = record.encode()
-        self.store.put_launch(record, record_bytes, digest, seed.chunks)
-        self._enqueue_first(record, record_bytes, digest, seed.chunks)
+        call = self._first_call(record, record_bytes, digest, seed.chunks)
+        envelopes = self._envelopes()
+        job = None if envelopes is None else envelopes.run_fork(RUN_FORK_TASK, *call)
+        # with the broker on this Redis, the launch script queues the job itself: one round trip for the launch
+        if not self.store.put_launch(record, record_bytes, digest, seed.chunks, job=job):
+            send_call(self.app, self.settings.queue, call)
         return ForkHandle(fork_id=fid, digest=digest, kind=record.kind, client=self)
 
     def agents(self) -> list[dict[str, Any]]:
@@ -298,24 +309,44 @@ class ForkClient:
         """The subagent providers (`spawn`, `fork`) with the capabilities each advertises."""
         return providers()
 
-    def _enqueue_first(self, record: BootstrapRecord, record_bytes: bytes, digest: str, chunks: list[bytes]) -> None:
-        """Send a launched fork's first job: a small one carries its chunks and record, a large one neither."""
+    def _first_call(
+        self, record: BootstrapRecord, record_bytes: bytes, digest: str, chunks: list[bytes]
+    ) -> tuple[str, list[Any], str]:
+        """A launched fork's first job: a small seed rides inline, and a small record rides in every job.
+
+        With its record in the job, the worker prepares the first model call before its claim, and the claim
+        makes the checkpoint before that call too (one round trip less for every first run).
+        """
         inline: list[bytes] | None = [record.context_blob(), *chunks]
+        indexed = record.seed_index_blob() is not None
         # a record that names its seed through an index chunk is read with its chunks from Redis
-        if sum(map(len, inline or [])) > self.settings.inline_seed_max_bytes or record.seed_index_blob() is not None:
+        if sum(map(len, inline or [])) > self.settings.inline_seed_max_bytes or indexed:
             inline = None
-        # a small job also carries the record: the worker then makes its first checkpoint with the claim
-        enqueue_fork(
-            self.app,
-            self.settings.queue,
+        # a large seed (named through an index) keeps its queued job as small as it can be: its forks wait in the
+        # broker by the thousand, and the round trip saved is small beside reading such a seed
+        carried = inline is not None or (not indexed and len(record_bytes) <= RECORD_IN_JOB_MAX_BYTES)
+        return run_fork_call(
             record.fork_id,
             digest,
             attempt=1,
             seed_chunks=inline,
-            record=None if inline is None else record_bytes,
+            record=record_bytes if carried else None,
             description=record.description,
             parent_session=record.parent_session,
         )
+
+    def _envelopes(self) -> JobEnvelopes | None:
+        """How this client's launch script queues jobs itself, or None where the broker is not this Redis.
+
+        Learned once: the broker must be the store's own server (`FORKQ_BROKER_URL` unset, no Sentinel),
+        reached by this client at the address the broker URL names.
+        """
+        if self._job_envelopes is False:
+            from broker_config.envelope import JobEnvelopes  # noqa: PLC0415  (kombu: only once a job is sent)
+
+            same = self.settings.broker_url is None and not self.settings.broker_uses_sentinel
+            self._job_envelopes = JobEnvelopes.for_app(self.app, self.settings.queue, self.redis) if same else None
+        return self._job_envelopes
 
     def _declarations_json(self, snapshot: ParentSnapshot, *, keep: bool = True) -> str:
         """The snapshot's tool declarations as the record keeps them (key order kept); sibling launches

@@ -37,8 +37,9 @@ from workers.records.journal import JournalEntry, journal_usage
 from workers.store import dead_letters
 from workers.store.script_parts import NOW, lua_script
 
-if TYPE_CHECKING:  # a type only: the store keeps dead letters without loading kombu or Celery
+if TYPE_CHECKING:  # types only: the store keeps dead letters and queues jobs without loading kombu or Celery
     from broker_config.connection import Rejected
+    from broker_config.envelope import QueuedJob
 
 WAIT_TIMEOUT_MS: Final = 1000
 KNOWN_CHUNKS_MAX: Final = 4096  # chunk keys a client remembers writing, so that it does not send them again
@@ -46,8 +47,12 @@ DECISION_GRACE_MS: Final = 30_000  # a decided fork's job not confirmed enqueued
 
 log = logging.getLogger("forkq.store")
 
-# KEYS: bootstrap, state, events, the parent session's forks. ARGV: record bytes, ttl_s, kind, description, digest,
-# event data, fork id. The session index gets the fork with its record (the one key outside the fork's hash tag).
+# KEYS: bootstrap, state, events, the parent session's forks, and with a job: the broker queue's list, then the chunk
+# keys the caller did not send again. ARGV: record bytes, ttl_s, kind, description, digest, event data, fork id, and
+# with a job: the queue item, the task-sent event's channel ('' for none) and message. Returns the outcome and
+# whether the job was queued. The session index gets the fork with its record (the one key outside the fork's hash
+# tag). The job goes onto the queue after the record (the order a worker needs), and only if every chunk it names
+# is there: a chunk gone since the caller wrote it is written again first, and the job then sent by the caller.
 # A new stream's first node is allocated at 4 KiB (Redis 7's XADD pre-allocates `stream-node-max-bytes`, at most
 # 4096), most of a queued fork's memory: written anew by DUMP and RESTORE, the stream keeps only what its
 # `queued` event needs (about 0.8 KB), and grows from there as the worker appends. Best effort: where a
@@ -55,9 +60,18 @@ log = logging.getLogger("forkq.store")
 _LAUNCH = lua_script(
     NOW,
     """
+local function send(outcome)
+  if ARGV[8] == nil or ARGV[8] == '' then return {outcome, 0} end
+  for i = 6, #KEYS do
+    if redis.call('EXISTS', KEYS[i]) == 0 then return {outcome, 0} end
+  end
+  redis.call('LPUSH', KEYS[5], ARGV[8])
+  if ARGV[9] ~= '' then redis.call('PUBLISH', ARGV[9], ARGV[10]) end
+  return {outcome, 1}
+end
 local existing = redis.call('GET', KEYS[1])
-if existing and existing ~= ARGV[1] then return 'conflict' end
-if redis.call('EXISTS', KEYS[2]) == 1 then return 'exists' end
+if existing and existing ~= ARGV[1] then return {'conflict', 0} end
+if redis.call('EXISTS', KEYS[2]) == 1 then return send('exists') end
 redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
 redis.call('HSET', KEYS[2], 'status', 'queued', 'kind', ARGV[3], 'description', ARGV[4], 'digest', ARGV[5],
            'attempt', 0, 'created_ms', now)
@@ -76,7 +90,7 @@ if not restored then redis.call('EXPIRE', KEYS[3], ARGV[2]) end
 redis.call('ZADD', KEYS[4], now, ARGV[7])
 redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now - tonumber(ARGV[2]) * 1000)
 redis.call('EXPIRE', KEYS[4], ARGV[2])
-return 'created'
+return send('created')
 """,
 )
 
@@ -289,10 +303,21 @@ class ForkStore:
                 self._known.popitem(last=False)
 
     def put_launch(
-        self, record: BootstrapRecord, record_bytes: bytes, digest_hex: str, seed_chunks: Sequence[bytes] = ()
-    ) -> None:
+        self,
+        record: BootstrapRecord,
+        record_bytes: bytes,
+        digest_hex: str,
+        seed_chunks: Sequence[bytes] = (),
+        *,
+        job: QueuedJob | None = None,
+    ) -> bool:
         """Write the chunks (context and seed), then atomically the record (write-once), the queued
-        state and the first event: one round trip (two when a chunk this store wrote before is gone).
+        state and the first event, and `job` onto the broker's queue: one round trip (two when a chunk this
+        store wrote before is gone). True if `job` was queued; without one, or when a chunk was gone, the
+        caller sends the job.
+
+        `job` goes to this store's Redis, so only a broker on the same server may pass one
+        (`broker_config.envelope`).
 
         A chunk this store wrote before is not sent again: its TTL is refreshed, and if it is gone
         (expired, deleted) it is written again, before the caller enqueues the job. `seed_chunks` are
@@ -320,8 +345,13 @@ class ForkStore:
         chunk_keys = [self.keys.chunk(session, d.hex()) for d in digests]
         sent = [b"" if self._known_chunk(key) else chunk for key, chunk in zip(chunk_keys, chunks, strict=True)]
         keys = [self.keys.bootstrap(fid), self.keys.state(fid), self.keys.events(fid), self.keys.session_forks(session)]
-        args = [record_bytes, self.ttl_s, record.kind, record.description, digest_hex, data, fid]
-        gone, outcome = self._scripts((self._put_chunks, chunk_keys, [self.ttl_s, *sent]), (self._launch, keys, args))
+        args: list[Any] = [record_bytes, self.ttl_s, record.kind, record.description, digest_hex, data, fid]
+        if job is not None:
+            keys += [job.queue_key, *(key for key, chunk in zip(chunk_keys, sent, strict=True) if not chunk)]
+            args += [job.item, job.event_channel, job.event]
+        gone, (outcome, queued) = self._scripts(
+            (self._put_chunks, chunk_keys, [self.ttl_s, *sent]), (self._launch, keys, args)
+        )
         if outcome == b"conflict":
             raise RecordExistsError(
                 f"fork {fid}: a different bootstrap record already exists; fork ids must be unique per launch",
@@ -333,6 +363,7 @@ class ForkStore:
             self._scripts((self._put_chunks, [chunk_keys[i] for i in again], [self.ttl_s, *(chunks[i] for i in again)]))
         self._remember_chunks(chunk_keys)
         self._wait_for_replicas(fid)
+        return bool(queued)
 
     def _scripts(self, *calls: tuple[Script, list[str], list[Any]]) -> list[Any]:
         """Run scripts in one pipelined round trip (EVALSHA; loaded first only if Redis lacks one)."""

@@ -63,14 +63,38 @@ def enqueue_fork(
     which then also makes the checkpoint before that call (`workers.store.lease.Leases.claim`).
     `description` and `parent_session` only name the job in Flower (`argsrepr`); the job is the same.
     """
-    app.send_task(
-        RUN_FORK_TASK,
-        args=[fork_id, digest, seed_chunks] if record is None else [fork_id, digest, seed_chunks, record],
-        queue=queue,
-        task_id=f"{fork_id}.{attempt}",
-        argsrepr=job_argsrepr(fork_id, digest, seed_chunks, description=description, parent_session=parent_session),
-        kwargsrepr="{}",
+    call = run_fork_call(
+        fork_id,
+        digest,
+        attempt=attempt,
+        seed_chunks=seed_chunks,
+        record=record,
+        description=description,
+        parent_session=parent_session,
     )
+    send_call(app, queue, call)
+
+
+def send_call(app: Celery, queue: str, call: tuple[str, list[Any], str]) -> None:
+    """Send one `run_fork` job made by `run_fork_call` through the app's producer."""
+    task_id, args, argsrepr = call
+    app.send_task(RUN_FORK_TASK, args=args, queue=queue, task_id=task_id, argsrepr=argsrepr, kwargsrepr="{}")
+
+
+def run_fork_call(
+    fork_id: str,
+    digest: str,
+    *,
+    attempt: int,
+    seed_chunks: list[bytes] | None = None,
+    record: bytes | None = None,
+    description: str | None = None,
+    parent_session: str | None = None,
+) -> tuple[str, list[Any], str]:
+    """A `run_fork` job's task id, arguments and Flower `argsrepr` (`enqueue_fork` says what each carries)."""
+    args: list[Any] = [fork_id, digest, seed_chunks] if record is None else [fork_id, digest, seed_chunks, record]
+    argsrepr = job_argsrepr(fork_id, digest, seed_chunks, description=description, parent_session=parent_session)
+    return f"{fork_id}.{attempt}", args, argsrepr
 
 
 def enqueue_again(
