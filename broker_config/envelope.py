@@ -136,7 +136,13 @@ class JobEnvelopes:
         item = json.dumps(envelope).encode()
         if not self.route.event_channel:
             return QueuedJob(self.route.queue_key, item, "", b"")
-        fields: dict[str, Any] = {"uuid": task_id, "root_id": root_id, "parent_id": parent_id, "name": name, "args": argsrepr}
+        fields: dict[str, Any] = {
+            "uuid": task_id,
+            "root_id": root_id,
+            "parent_id": parent_id,
+            "name": name,
+            "args": argsrepr,
+        }
         fields |= {"kwargs": "{}", "retries": 0, "eta": None, "expires": None, "queue": self.queue}
         fields |= {"exchange": "", "routing_key": self.queue}
         return QueuedJob(self.route.queue_key, item, self.route.event_channel, self._event(fields))

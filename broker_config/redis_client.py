@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any, Final
 from urllib.parse import unquote, urlsplit
 
@@ -15,6 +16,9 @@ from broker_config.settings import Settings, is_sentinel_url, sentinel_nodes
 
 # how long a command waits for a free connection of a sized pool before it fails (ConnectionError)
 POOL_TIMEOUT_S: Final = 30.0
+# a pooled connection idle longer than this is checked for a close by the server before it is used again; a busy
+# worker reuses its hot connections within milliseconds (its pool hands out the last one released first)
+QUIET_CHECK_S: Final = 0.05
 
 
 def redis_client(
@@ -39,6 +43,7 @@ def redis_client(
         pool = redis.BlockingConnectionPool.from_url(
             url, max_connections=max_connections, timeout=pool_timeout_s, **options
         )
+        pool.connection_class = quick_checked(pool.connection_class)
         return redis.Redis(connection_pool=pool)
     pool_options: dict[str, Any] = {}
     if max_connections is not None:
@@ -115,6 +120,84 @@ def _sentinel_options(settings: Settings, options: dict[str, Any]) -> tuple[dict
         "db": int(first.path.strip("/") or 0),
     }
     return sentinel_kwargs, credentials
+
+
+class _CountingPacker:
+    """The connection's command packer, counting the commands it packs: each is a reply the server will send."""
+
+    def __init__(self, packer: Any, connection: QuickCheck) -> None:
+        self.packer = packer
+        self.connection = connection
+
+    def pack(self, *args: Any) -> Any:
+        packed = self.packer.pack(*args)
+        self.connection.replies_due += 1
+        return packed
+
+
+class QuickCheck:
+    """A redis-py connection that knows when no reply can be waiting on it, so that handing it out costs no
+    system call.
+
+    redis-py's pool asks `can_read()` of every connection it hands out, to catch one released with a
+    reply still unread, or closed by the server: a non-blocking `recv` (and two socket mode changes) per
+    command. With a thousand forks in one worker that check was a sixth of the process's Python time
+    (docs/performance.md). This connection counts the commands it packed and the replies it read:
+    when every reply was read, no byte is buffered and the last reply came less than `QUIET_CHECK_S` ago,
+    nothing can be waiting, and the answer is no without asking the socket. Any other case (a reply
+    unread, a connection idle long enough that the server may have closed it) asks the socket as
+    redis-py does. A reply lost to an error disconnects the connection (redis-py does), which starts
+    the count again.
+    """
+
+    replies_due = 0
+    last_reply = 0.0
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._command_packer = _CountingPacker(getattr(self, "_command_packer"), self)  # noqa: B009  (untyped)
+
+    def disconnect(self, *args: Any, **kwargs: Any) -> None:
+        self.replies_due = 0
+        super().disconnect(*args, **kwargs)  # type: ignore[misc]
+
+    def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            response = super().read_response(*args, **kwargs)  # type: ignore[misc]
+        except redis.exceptions.ResponseError:  # an error reply is a reply
+            self._replied()
+            raise
+        self._replied()
+        return response
+
+    def _replied(self) -> None:
+        self.replies_due = max(0, self.replies_due - 1)
+        self.last_reply = time.monotonic()
+
+    def can_read(self, timeout: float = 0) -> bool:
+        buffer = getattr(getattr(self, "_parser", None), "_buffer", None)
+        if (
+            timeout == 0
+            and self.replies_due == 0
+            and getattr(self, "_sock", None) is not None
+            and buffer is not None
+            and not buffer.unread_bytes()
+            and time.monotonic() - self.last_reply < QUIET_CHECK_S
+        ):
+            return False
+        return bool(super().can_read(timeout))  # type: ignore[misc]
+
+
+def quick_checked(connection_class: type[Any]) -> type[Any]:
+    """`connection_class` with `QuickCheck`'s pool check (a class per connection class, made once)."""
+    if issubclass(connection_class, QuickCheck):
+        return connection_class
+    return _QUICK.setdefault(
+        connection_class, type(f"Quick{connection_class.__name__}", (QuickCheck, connection_class), {})
+    )
+
+
+_QUICK: dict[type[Any], type[Any]] = {}
 
 
 class BlockingSentinelConnectionPool(SentinelConnectionPool, redis.BlockingConnectionPool):

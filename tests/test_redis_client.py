@@ -20,7 +20,7 @@ from celery import Celery
 from celery.worker import WorkController
 from redis.sentinel import MasterNotFoundError
 
-from broker_config.redis_client import async_redis_client, close_async_client, redis_client
+from broker_config.redis_client import QUIET_CHECK_S, async_redis_client, close_async_client, redis_client
 from broker_config.settings import Settings
 from workers.app import make_app
 from workers.client import ForkClient
@@ -253,3 +253,84 @@ def test_a_fork_runs_end_to_end_on_redis_found_by_sentinel(
     assert record["fork_id"] == handle.fork_id
     with redis.Redis(port=redis_server.port) as primary:
         assert primary.exists(Keys(settings.namespace).bootstrap(handle.fork_id)) == 1
+
+
+class _CountedSocket:
+    """A real socket whose mode changes are counted (redis-py's check before each command changes it twice)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.mode_changes = 0
+
+    def settimeout(self, value: float | None) -> None:
+        self.mode_changes += 1
+        self.sock.settimeout(value)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.sock, name)
+
+
+def _counted(client: redis.Redis) -> _CountedSocket:
+    """The pool's one connection, its socket wrapped to count mode changes."""
+    client.ping()
+    [conn] = list(client.connection_pool._connections)  # type: ignore[attr-defined]
+    counted = _CountedSocket(conn._sock)
+    conn._sock = counted
+    conn._parser._buffer._sock = counted
+    return counted
+
+
+def test_a_sized_pool_hands_out_a_connection_whose_replies_were_all_read_without_asking_the_socket(
+    settings: Settings,
+) -> None:
+    client = redis_client(settings, max_connections=1)
+    counted = _counted(client)
+
+    for i in range(50):
+        client.set("k", i)
+        assert client.get("k") == str(i).encode()
+    with client.pipeline() as pipe:
+        pipe.set("k", "p").get("k")
+        assert pipe.execute() == [True, b"p"]
+
+    assert counted.mode_changes == 0  # redis-py's own check: two per command
+    plain = redis.BlockingConnectionPool.from_url(settings.redis_url, max_connections=1)
+    plain_counted = _counted(redis.Redis(connection_pool=plain))
+    redis.Redis(connection_pool=plain).get("k")
+    assert plain_counted.mode_changes == 2
+    client.close()
+
+
+def test_a_connection_with_a_reply_unread_still_asks_the_socket_and_says_so(settings: Settings) -> None:
+    # Given a pooled connection that sent a command and has not read its reply
+    client = redis_client(settings, max_connections=1)
+    client.set("k", "value")
+    conn = client.connection_pool.get_connection()
+    counted = _CountedSocket(conn._sock)
+    conn._sock = conn._parser._buffer._sock = counted
+    conn.send_command("GET", "k")
+    time.sleep(0.05)
+
+    # Then the check the pool makes asks the socket, and reports the reply waiting (as redis-py's own does)
+    assert conn.can_read() is True
+    assert counted.mode_changes == 2
+    assert conn.read_response() == b"value"
+    assert conn.can_read() is False  # every reply read: answered without the socket
+    assert counted.mode_changes == 2
+    client.connection_pool.release(conn)
+    client.close()
+
+
+def test_a_connection_the_server_closed_while_idle_is_opened_again(settings: Settings, redis_url: str) -> None:
+    admin = redis.Redis.from_url(redis_url)
+    # Given a sized pool's connection, idle past the quiet window, that the server closed
+    client = redis_client(settings, max_connections=1)
+    client.set("k", "v")
+    client.client_setname("quick-check-idle")
+    victim = [c["id"] for c in admin.client_list() if c.get("name") == "quick-check-idle"]
+    admin.client_kill_filter(_id=victim[0])
+    time.sleep(QUIET_CHECK_S + 0.1)
+
+    # Then the next command opens a new connection and succeeds (redis-py's check ran: the socket was asked)
+    assert client.get("k") == b"v"
+    client.close()
