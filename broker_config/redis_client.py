@@ -50,9 +50,9 @@ def redis_client(
         pool_options = {"connection_pool_class": BlockingSentinelConnectionPool, "timeout": pool_timeout_s}
         pool_options["max_connections"] = max_connections
     sentinel_kwargs, credentials = _sentinel_options(settings, options)
-    # redis-py leaves its Sentinel class without annotations
-    sentinel = Sentinel(sentinel_nodes(url), sentinel_kwargs=sentinel_kwargs)  # type: ignore[no-untyped-call]
-    client: redis.Redis = sentinel.master_for(  # type: ignore[no-untyped-call]
+    # older redis-py releases (the pin allows 5.0 on) leave the Sentinel classes unannotated; 8.2 annotates them
+    sentinel = Sentinel(sentinel_nodes(url), sentinel_kwargs=sentinel_kwargs)  # type: ignore[no-untyped-call, unused-ignore]
+    client: redis.Redis = sentinel.master_for(  # type: ignore[no-untyped-call, unused-ignore]
         settings.sentinel_master, redis_class=redis.Redis, **credentials, **options, **pool_options
     )
     return client
@@ -78,7 +78,7 @@ def async_redis_client(
         )
         return redis.asyncio.Redis.from_pool(pool)
     sentinel_kwargs, credentials = _sentinel_options(settings, options)
-    sentinel = AsyncSentinel(sentinel_nodes(url), sentinel_kwargs=sentinel_kwargs)  # type: ignore[no-untyped-call]
+    sentinel = AsyncSentinel(sentinel_nodes(url), sentinel_kwargs=sentinel_kwargs)  # type: ignore[no-untyped-call, unused-ignore]
     client: redis.asyncio.Redis = sentinel.master_for(
         settings.sentinel_master,
         redis_class=redis.asyncio.Redis,
