@@ -20,7 +20,7 @@ from workers.codec import encode
 from workers.errors import LeaseLost, RecordDecodeError
 from workers.history.messages import Content
 from workers.history.selection import ForkSeed
-from workers.loop.child import INTERRUPTED_ERROR, ChildLoop, Stopped
+from workers.loop.child import INTERRUPTED_ERROR, ChildLoop, PrimedCall, Stopped, first_model_call
 from workers.loop.replay import replay
 from workers.providers import ModelRequest, ModelResponse
 from workers.providers.scripted import Script, ScriptedProvider
@@ -490,6 +490,54 @@ def test_request_digests_cover_the_output_schema_encoded_once_per_loop() -> None
     assert with_schema == [whole(request(step, schema)) for step in range(3)]
     assert digests.digest(request(0, None)) == whole(request(0, None)) != with_schema[0]
     assert sum(1 for value, _ in digests._static.values() if value is schema) == 1
+
+
+def primed_for(run: Run, seed: ForkSeed) -> PrimedCall:
+    """The first call as a worker announces it in the claim, for `seed` and the run's record."""
+    loop = run.loop
+    return first_model_call(loop.record, seed, RequestDigests(), loop.declarations)
+
+
+def first_digests(run: Run) -> tuple[str | None, str]:
+    """(the journaled request digest of the first model call, the digest of the request the model got)."""
+    journaled = next(e.request_digest for e in run.journal.entries if e.kind == "model")
+    return journaled, run.provider.digests()[0]
+
+
+def test_a_primed_first_call_journals_the_digest_of_the_request_it_stands_for(tmp_path: Path) -> None:
+    # Given the loop of a first run, primed with its first call as the claim announced it
+    run = make_run(tmp_path)
+    primed = primed_for(run, SEED)
+    run.loop.primed = primed
+
+    run.loop.run()
+
+    # Then the first call's journaled digest is the primed one, and it is the digest of what the model got
+    journaled, sent = first_digests(run)
+    assert journaled == primed.digest == sent
+    assert ("model_call", {"step": 1, "request_digest": sent}) in run.events
+
+
+@pytest.mark.parametrize("differs", ["messages", "step", "declarations"])
+def test_a_primed_call_for_another_request_is_not_used(tmp_path: Path, differs: str) -> None:
+    # Given a primed call that does not stand for the loop's first request
+    run = make_run(tmp_path)
+    primed = primed_for(run, SEED)
+    other = ForkSeed(initial_messages=[user("Please fix the lexer."), model("On it.")], task_prompt="Begin.")
+    if differs == "messages":
+        primed = primed_for(run, other)
+    elif differs == "step":
+        primed = PrimedCall(primed.step + 1, primed.declarations, primed.messages, primed.digest)
+    else:
+        primed = PrimedCall(primed.step, [{"name": "effect"}], primed.messages, primed.digest)
+    run.loop.primed = PrimedCall(primed.step, primed.declarations, primed.messages, "0" * 64)
+
+    run.loop.run()
+
+    # Then every journaled digest is the digest of the request the model got, never the primed one
+    journaled, sent = first_digests(run)
+    assert journaled == sent != "0" * 64
+    assert all(e.request_digest != "0" * 64 for e in run.journal.entries)
 
 
 def test_journal_usage_counts_model_calls_tokens_and_tool_uses_and_skips_a_damaged_entry() -> None:

@@ -125,6 +125,7 @@ class ChildLoop:
     cancelled: Callable[[], bool] = never_cancelled  # a tool polls it (cancel, lost lease) while it runs
     digests: RequestDigests = field(default_factory=RequestDigests)  # a worker passes its own, shared by its forks
     tool_declarations: list[dict[str, Any]] | None = None  # `record.tools` parsed (a worker shares it)
+    primed: PrimedCall | None = None  # the first call's digest, computed for the claim from this record
     declarations: list[dict[str, Any]] = field(init=False)  # parsed once, sent with every request
     gate: Gate = field(init=False)
 
@@ -193,6 +194,13 @@ class ChildLoop:
             return Usage()
         return self._result(state, self._began, Status.FAILED, None, None).usage
 
+    def _primed_digest(self, request: ModelRequest) -> str | None:
+        """The primed call's digest if `request` is that call's (once: a later request is another's)."""
+        primed, self.primed = self.primed, None
+        if primed is not None and primed.matches(request.tools, request.step, request.messages):
+            return primed.digest
+        return None
+
     def _final(self, state: LoopState) -> tuple[str | None, str | None]:
         """(output, None) or (None, error) for the final answer; (None, None) after sending it back."""
         assert state.final is not None
@@ -240,7 +248,7 @@ class ChildLoop:
 
     def _model_step(self, state: LoopState) -> None:
         request = self._request(state.step, state.messages)
-        digest = self.digests.digest(request)  # what the model sees (the request without the directive)
+        digest = self._primed_digest(request) or self.digests.digest(request)  # what the model sees (no directive)
         self.io.emit("model_call", model_call_event(state.step, digest))
         self.io.checkpoint()
         response = self.provider.generate(request)
@@ -445,14 +453,37 @@ def model_call_event(step: int, digest: str) -> dict[str, Any]:
     return {"step": step + 1, "request_digest": digest}
 
 
+@dataclass(frozen=True, slots=True)
+class PrimedCall:
+    """A model call whose request digest is known before the loop builds the request: the first call of a
+    first run, which the claim announced (`first_model_call`). Its digest stands for a request of the same
+    record, declarations, step and messages; `ChildLoop` checks the last three and uses it once."""
+
+    step: int
+    declarations: list[dict[str, Any]]
+    messages: list[Content]
+    digest: str
+
+    def event(self) -> dict[str, Any]:
+        """The `model_call` event data of this call."""
+        return model_call_event(self.step, self.digest)
+
+    def matches(self, declarations: list[dict[str, Any]], step: int, messages: list[Content]) -> bool:
+        """Whether a request of these declarations, step and messages (and the record this call was made
+        for) is this call's. List equality compares each element by identity first, so this is cheap
+        when the messages are the ones this call was made from, and exact when they are not."""
+        return step == self.step and declarations == self.declarations and messages == self.messages
+
+
 def first_model_call(
     record: BootstrapRecord, seed: ForkSeed, digests: RequestDigests, declarations: list[dict[str, Any]]
-) -> dict[str, Any]:
-    """The `model_call` event data of a fork's first model call, which a run over an empty journal
-    (or one holding only the tool surface) makes before anything else: the request `ChildLoop` builds
-    (`declarations` being `record.tools`)."""
+) -> PrimedCall:
+    """The first model call of a fork, which a run over an empty journal (or one holding only the tool
+    surface) makes before anything else: the request `ChildLoop` builds (`declarations` being `record.tools`)."""
     state = replay(seed, [])
-    return model_call_event(state.step, digests.digest(model_request(record, declarations, state.step, state.messages)))
+    messages = list(state.messages)
+    digest = digests.digest(model_request(record, declarations, state.step, messages))
+    return PrimedCall(state.step, declarations, messages, digest)
 
 
 def approval_id(step: int, pending: PendingCall) -> str:

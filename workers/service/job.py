@@ -13,7 +13,7 @@ from workers import codec
 from workers.errors import RecordDecodeError, RecordIntegrityError
 from workers.history.selection import ForkSeed
 from workers.keys import FORK_ID_RE
-from workers.loop.child import first_model_call
+from workers.loop.child import PrimedCall, first_model_call
 from workers.records.fork import BootstrapRecord, Declarations
 from workers.records.journal import JournalEntry, RequestDigests
 from workers.store.claims import FirstWrite
@@ -64,6 +64,7 @@ class FirstStep:
     record: BootstrapRecord
     seed: ForkSeed
     write: FirstWrite  # the record bytes, the surface entry, the first `model_call` event's data
+    call: PrimedCall  # the first model call, whose digest the loop uses rather than computing it again
 
 
 def first_step(
@@ -81,8 +82,8 @@ def first_step(
         record, seed = load_inputs(store, job, job.record)
         declared = declarations.of(record)
         surface = JournalEntry(seq=0, step=0, kind="surface", tools=executable(tools, declared))
-        model_call = first_model_call(record, seed, digests, declared)
-        return FirstStep(record, seed, FirstWrite(job.record, surface, model_call))
+        call = first_model_call(record, seed, digests, declared)
+        return FirstStep(record, seed, FirstWrite(job.record, surface, call.event()), call)
     except Exception as exc:  # nothing is claimed yet: the usual path reports it (as the fork's failure)
         log.warning("fork %s: inputs not prepared before the claim (%s); reading them after it", job.fork_id, exc)
         return None

@@ -17,7 +17,7 @@ from workers.errors import ForkNotFound, ForkqError, LeaseLost, RecordIntegrityE
 from workers.history.selection import ForkSeed
 from workers.keys import Keys
 from workers.limits import INBOX_DELIVERY_BATCH
-from workers.loop.child import STOP_REASONS, ChildLoop, Parked, Spawner, Stopped, StopReason
+from workers.loop.child import STOP_REASONS, ChildLoop, Parked, PrimedCall, Spawner, Stopped, StopReason
 from workers.providers import ModelProvider
 from workers.providers.routing import ProviderRouter
 from workers.records.fork import BootstrapRecord, ChunkCache, Declarations, ForkResult, Status
@@ -327,6 +327,7 @@ class Prepared:
     missing: list[str]
     provider: ModelProvider
     spawner: Spawner | None
+    primed: PrimedCall | None = None  # the first call the claim announced, made from this record
 
 
 def _run_claimed(
@@ -371,8 +372,10 @@ def _prepare(
     first: FirstStep | None,
 ) -> Prepared:
     """The run's inputs (the job's, when they are the stored record's bytes), journal, channel and tools."""
+    primed = None
     if first is not None and claim.record == first.write.record:
         record, seed = first.record, first.seed
+        primed = first.call if claim.primed else None
     else:  # reads ride out a Redis outage like the fenced writes, while the lease certainly holds
         record, seed = ride_out(
             lambda: load_inputs(runtime.store, job, claim.record),
@@ -389,7 +392,7 @@ def _prepare(
     spawner = runtime.spawner
     # the nested-subagent wait rides out an outage like the claim's writes, until the same deadline
     bound = None if spawner is None else spawner.under(claim.clock.deadline)
-    return Prepared(record, seed, entries, channel, declared, missing, runtime.provider, bound)
+    return Prepared(record, seed, entries, channel, declared, missing, runtime.provider, bound, primed)
 
 
 def _run_loop(runtime: WorkerRuntime, job: RunForkJob, claim: Claim, lost: threading.Event, run: Prepared) -> Outcome:
@@ -411,6 +414,7 @@ def _run_loop(runtime: WorkerRuntime, job: RunForkJob, claim: Claim, lost: threa
         spawner=run.spawner,
         cancelled=lost.is_set,
         digests=runtime.digests,
+        primed=run.primed,
     )
     try:
         result = loop.run()

@@ -66,8 +66,8 @@ def owner_token(presence: str) -> str:
     The pid is this process's own: a prefork pool child shares its main process's presence token (the
     runtime was made before the fork), and its claims still name the child that runs them.
     """
-    mark = presence.rsplit(":", 1)[-1]
-    return f"{socket.gethostname()}:{os.getpid()}:{threading.get_ident()}:{mark}.{uuid.uuid4().hex[:12]}"
+    host, _, mark = presence.rsplit(":", 2)  # the host named once, as the presence token was made (no uname per claim)
+    return f"{host}:{os.getpid()}:{threading.get_ident()}:{mark}.{uuid.uuid4().hex[:12]}"
 
 
 def owner_mark(owner: str) -> str | None:
