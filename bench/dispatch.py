@@ -16,6 +16,8 @@ processes on it: two forkq workers (`celery -A workers.app`), two bare-Celery wo
 4. the inline-seed trade-off behind FORKQ_INLINE_SEED_MAX_BYTES (inline vs read from Redis).
 
 `--memory` measures only the two memory figures (no workers; they do not depend on the machine's load).
+`--cost` measures only what a job costs in CPU (caller, worker, Redis), forks against bare no-ops, with one
+worker of each kind and larger bursts than the throughput figure's: the figure to compare two trees by.
 """
 
 from __future__ import annotations
@@ -706,12 +708,61 @@ def run_memory(plan: Plan) -> None:
         print_memory(mems)
 
 
+def run_cost(n: int, rounds: int) -> None:
+    """Only the CPU per job: one forkq worker and one bare-Celery worker, `rounds` alternating bursts of `n`."""
+    with ExitStack() as stack:
+        server = stack.enter_context(RedisServer())
+        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="forkq-bench-")))
+        script = tmp / "script.json"
+        step = {"delay_s": 0, "content": {"role": "model", "parts": [{"text": "Done."}]}}
+        script.write_text(json.dumps({"steps": [step]}))
+        env = worker_env(server.url, script)
+        fork_group = stack.enter_context(
+            workers("workers.app", FORK_QUEUE, ["fork1"], env, tmp, concurrency=CONCURRENCY)
+        )
+        bare_group = stack.enter_context(
+            workers("bench.bare_app", BARE_QUEUE, ["bare1"], env, tmp, concurrency=CONCURRENCY)
+        )
+        r = stack.enter_context(redis.Redis.from_url(server.url))
+        settings = Settings(redis_url=server.url, queue=FORK_QUEUE)
+        bare_app = make_bare_app(settings)
+        fork_client = ForkClient(settings, redis_client=r)
+        wait_ready(bare_app, [*fork_group, *bare_group])
+        parent = parse_parent_snapshot(json.loads(EXAMPLE_PARENT.read_text()))
+        fork_burst(fork_client, parent, 50, fork_group)
+        bare_burst(bare_app, r, 50, bare_group)
+        forks: list[Burst] = []
+        bare: list[Burst] = []
+        for _ in range(rounds):
+            forks.append(fork_burst(fork_client, parent, n, fork_group))
+            bare.append(bare_burst(bare_app, r, n, bare_group))
+        print(f"\nforkq dispatch cost: {os.cpu_count()} CPUs, Python {platform.python_version()}, ", end="")
+        print(f"redis-py {redis.__version__}; 1 forkq + 1 bare-Celery worker, threads pool, concurrency {CONCURRENCY}")
+        print(f"{rounds} rounds of {n:,} jobs each kind, launched while the worker consumes; CPU per job (ms)")
+        print(f"{'':<24}{'caller':>10}{'worker':>10}{'Redis':>10}{'commands':>10}{'jobs/s':>10}")
+        for name, bursts in (("forks", forks), ("bare no-ops", bare)):
+            for i, x in enumerate(bursts, 1):
+                print(
+                    f"{name + f' {i}':<24}{x.caller_cpu_ms:>10.3f}{x.worker_cpu_ms:>10.3f}{x.redis_cpu_ms:>10.3f}"
+                    f"{x.redis_cmds:>10.1f}{x.rate:>10.0f}"
+                )
+        med = statistics.median
+        fork_w, bare_w = med(x.worker_cpu_ms for x in forks), med(x.worker_cpu_ms for x in bare)
+        print(f"median worker CPU per job: forks {fork_w:.3f} ms, bare {bare_w:.3f} ms, {fork_w / bare_w:.2f}×")
+        print("(Redis CPU includes the wait: EXISTS over every job's done key every 5 ms, for both kinds)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer samples (under a minute)")
     parser.add_argument("--memory", action="store_true", help="only the memory figures (no workers)")
+    parser.add_argument("--cost", action="store_true", help="only the CPU per job, one worker of each kind")
+    parser.add_argument("--n", type=int, default=2000, help="jobs per burst with --cost (default 2,000)")
+    parser.add_argument("--rounds", type=int, default=3, help="bursts of each kind with --cost (default 3)")
     args = parser.parse_args()
-    if args.memory:
+    if args.cost:
+        run_cost(args.n, args.rounds)
+    elif args.memory:
         run_memory(QUICK if args.quick else FULL)
     else:
         run(QUICK if args.quick else FULL)
