@@ -83,10 +83,13 @@ async function cuttingProxy(target) {
       outgoing.writeHead(answer.statusCode, answer.headers);
       if (!first) return void answer.pipe(outgoing);
       let seen = Buffer.alloc(0);
+      let cut = false;
       answer.on("data", (chunk) => {
+        if (cut) return; // a chunk already read when the upstream was destroyed: the cut is made once
         seen = Buffer.concat([seen, chunk]);
         const end = seen.indexOf("\n\n");
         if (end < 0 || seen.length < end + 2 + 5) return;
+        cut = true;
         answer.destroy();
         // mid-message, once the bytes are out: the client must drop the partial event and resume
         outgoing.write(seen.subarray(0, end + 2 + 5), () => outgoing.socket.destroy());
