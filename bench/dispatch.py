@@ -654,16 +654,21 @@ def timed(name: str, phase: Callable[[Bench], T], b: Bench) -> T:
     return result
 
 
+def one_step_setup(stack: ExitStack) -> tuple[RedisServer, Path, dict[str, str]]:
+    """A private Redis, a temp dir, and the workers' environment with a one-step script (answer at once)."""
+    server = stack.enter_context(RedisServer())
+    tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="forkq-bench-")))
+    script = tmp / "script.json"
+    step = {"delay_s": 0, "content": {"role": "model", "parts": [{"text": "Done."}]}}
+    script.write_text(json.dumps({"steps": [step]}))
+    return server, tmp, worker_env(server.url, script)
+
+
 def run(plan: Plan) -> None:
     """Start Redis and the workers, measure, print, stop everything."""
     started = time.monotonic()
     with ExitStack() as stack:
-        server = stack.enter_context(RedisServer())
-        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="forkq-bench-")))
-        script = tmp / "script.json"
-        step = {"delay_s": 0, "content": {"role": "model", "parts": [{"text": "Done."}]}}
-        script.write_text(json.dumps({"steps": [step]}))
-        env = worker_env(server.url, script)
+        server, tmp, env = one_step_setup(stack)
         fork_group = stack.enter_context(
             workers("workers.app", FORK_QUEUE, ["fork1", "fork2"], env, tmp, concurrency=CONCURRENCY)
         )
@@ -711,12 +716,7 @@ def run_memory(plan: Plan) -> None:
 def run_cost(n: int, rounds: int) -> None:
     """Only the CPU per job: one forkq worker and one bare-Celery worker, `rounds` alternating bursts of `n`."""
     with ExitStack() as stack:
-        server = stack.enter_context(RedisServer())
-        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="forkq-bench-")))
-        script = tmp / "script.json"
-        step = {"delay_s": 0, "content": {"role": "model", "parts": [{"text": "Done."}]}}
-        script.write_text(json.dumps({"steps": [step]}))
-        env = worker_env(server.url, script)
+        server, tmp, env = one_step_setup(stack)
         fork_group = stack.enter_context(
             workers("workers.app", FORK_QUEUE, ["fork1"], env, tmp, concurrency=CONCURRENCY)
         )
