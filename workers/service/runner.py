@@ -375,7 +375,7 @@ def _prepare(
     primed = None
     if first is not None and claim.record == first.write.record:
         record, seed = first.record, first.seed
-        primed = first.call if claim.primed else None
+        primed = first.call if claim.primed else None  # a primed claim holds the job's record: this branch
     else:  # reads ride out a Redis outage like the fenced writes, while the lease certainly holds
         record, seed = ride_out(
             lambda: load_inputs(runtime.store, job, claim.record),
@@ -385,8 +385,8 @@ def _prepare(
         )
     entries = [JournalEntry.decode(raw, fork_id=job.fork_id) for raw in claim.journal]
     channel = FencedChannel(runtime.leases, claim, lost, runtime.stopping, observe=observe, mail=claim.mail > 0)
-    if claim.primed and first is not None:
-        channel.published = [("model_call", first.write.model_call)]
+    if primed is not None:  # the claim published the first call's `model_call`: its checkpoint costs no round trip
+        channel.published = [("model_call", primed.event())]
     declared = runtime.declarations.of(record)
     missing = _check_tool_surface(runtime, declared, entries, channel)
     spawner = runtime.spawner
