@@ -188,6 +188,11 @@ class Burst:
         """Jobs per second, first enqueue to last completion."""
         return self.n / self.total_s
 
+    @property
+    def cpu_ms(self) -> float:
+        """CPU per job of the caller, the workers and Redis together (ms)."""
+        return self.caller_cpu_ms + self.worker_cpu_ms + self.redis_cpu_ms
+
 
 def settle(seconds: float = SETTLE_S) -> None:
     """Let the previous burst's tail (acks, event flushes) end and collect the caller's garbage, so that
@@ -627,6 +632,21 @@ def print_details(latency: tuple[list[float], list[ForkSample]], tp: Throughput)
             f"caller CPU {x.caller_cpu_ms:.2f} ms, worker CPU {x.worker_cpu_ms:.2f} ms, "
             f"Redis CPU {x.redis_cpu_ms:.2f} ms, {x.redis_cmds:.1f} Redis commands"
         )
+    print_budget(tp.median(tp.bare), tp.median(tp.forks))
+
+
+def print_budget(bare: Burst, forks: Burst) -> None:
+    """The CPU a job costs in all (caller, worker, Redis) and what the throughput target asks of a fork.
+
+    With every CPU of the machine busy (the caller, the workers and Redis share them), jobs/s is about
+    the CPUs over the CPU a job costs, so the ratio of the two kinds' costs predicts the throughput ratio.
+    """
+    bare_ms, fork_ms = bare.cpu_ms, forks.cpu_ms
+    busy = fork_ms * forks.rate / 1e3
+    print(f"CPU per job in all: forks {fork_ms:.2f} ms, bare {bare_ms:.2f} ms; predicted throughput ratio ", end="")
+    print(f"{bare_ms / fork_ms:.2f}× (these median rounds: {forks.rate / bare.rate:.2f}×); ", end="")
+    print(f"forks kept {busy:.1f} of {os.cpu_count()} CPUs busy; ", end="")
+    print(f"≥0.8× asks a fork to cost ≤ {bare_ms / 0.8:.2f} ms in all")
 
 
 def print_memory(mems: Sequence[Memory]) -> None:
