@@ -781,7 +781,7 @@ def run_cost(n: int, rounds: int) -> None:
         med = statistics.median
         fork_w, bare_w = med(x.worker_cpu_ms for x in forks), med(x.worker_cpu_ms for x in bare)
         print(f"median worker CPU per job: forks {fork_w:.3f} ms, bare {bare_w:.3f} ms, {fork_w / bare_w:.2f}×")
-        print("(Redis CPU includes the wait: EXISTS over the next 32 done keys every 2 ms, for both kinds)")
+        print(f"(Redis CPU includes the wait: EXISTS over the next {WAIT_BLOCK} done keys every 2 ms, for both kinds)")
 
 
 def main() -> None:
