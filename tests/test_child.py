@@ -335,7 +335,7 @@ def test_a_final_answer_failing_the_schema_goes_back_to_the_model_until_it_valid
     assert json.loads(result.output or "") == json.loads(VALID)
     feedbacks = [e for e in run.entries if e.kind == "feedback"]
     assert len(feedbacks) == 2
-    texts = [e.content["parts"][0]["text"] for e in feedbacks if e.content]
+    texts = [e.content.parts[0].text for e in feedbacks if e.content]
     assert "the answer is not JSON" in texts[0]
     assert "at fixed: 'yes' is not of type 'boolean'" in texts[1]
     # the model read each error: the feedback is the last message of the next request

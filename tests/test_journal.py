@@ -227,7 +227,7 @@ def test_replay_of_a_started_but_unfinished_call_leaves_it_pending_and_marked_st
 
     state = replay(SEED, entries)
 
-    assert (state.step, state.next_seq, state.tool_uses, state.input_tokens) == (1, 4, 1, 5)
+    assert (state.step, state.next_seq, state.usage.tool_uses, state.usage.input_tokens) == (1, 4, 1, 5)
     assert [(p.index, p.call.id, p.started) for p in state.pending] == [(1, "c2", True)]
     assert list(state.answers) == [0]
     assert state.messages[-1] == step0  # no partial answer joins the messages
@@ -250,7 +250,7 @@ def test_replay_of_a_finished_run_has_the_final_answer(tmp_path: Path) -> None:
     state = replay(SEED, run.journal.entries)
 
     assert state.final is not None and state.pending == []
-    assert state.step == 3 and state.tool_uses == 3
+    assert state.step == 3 and state.usage.tool_uses == 3
     assert result.output == "All done."
     assert state.messages[-1] == SCRIPT.steps[2].content
 
@@ -541,7 +541,7 @@ def test_a_primed_call_for_another_request_is_not_used(tmp_path: Path, differs: 
 
 
 def test_journal_usage_counts_model_calls_tokens_and_tool_uses_and_skips_a_damaged_entry() -> None:
-    from workers.records.journal import journal_usage
+    from workers.records.conversation import journal_usage
 
     model = {"role": "model", "parts": [{"functionCall": {"id": "c1", "name": "t", "args": {}}}]}
     entries = [
@@ -561,7 +561,7 @@ def test_journal_usage_counts_model_calls_tokens_and_tool_uses_and_skips_a_damag
 
 
 def test_cached_input_tokens_are_summed_and_an_entry_without_them_keeps_its_bytes() -> None:
-    from workers.records.journal import journal_usage
+    from workers.records.conversation import journal_usage
 
     model = {"role": "model", "parts": [{"text": "done"}]}
     plain = JournalEntry(seq=0, step=0, kind="model", content=model, input_tokens=100, output_tokens=7)

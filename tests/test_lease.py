@@ -169,7 +169,7 @@ def test_journal_appends_under_the_claim_are_kept_in_order_and_checked_by_seq(
     with pytest.raises(LeaseLost, match=r"refused \(seq\)"):
         leases.append(claim, model_entry(5, text="gap"))
 
-    assert [e.content for e in leases.journal(fid)] == [
+    assert [e.content.to_wire() for e in leases.journal(fid) if e.content] == [
         {"role": "model", "parts": [{"text": "a"}]},
         {"role": "model", "parts": [{"text": "b"}]},
     ]
@@ -262,7 +262,7 @@ def test_a_stale_worker_is_refused_after_its_fork_was_revived_and_claimed_again(
     leases.finish(new, ForkResult(fork_id=fid, status=Status.SUCCEEDED, output="B's answer"))
 
     # Then only B's writes are there
-    assert [e.content["parts"][0]["text"] for e in leases.journal(fid) if e.content] == ["from A", "from B"]
+    assert [e.content.parts[0].text for e in leases.journal(fid) if e.content] == ["from A", "from B"]
     result = fork_store.result(fid)
     assert result is not None and result.output == "B's answer"
     assert event_types(fork_store, fid) == ["queued", "started", "revived", "started", "finished"]

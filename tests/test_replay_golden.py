@@ -185,7 +185,13 @@ def test_replay_of_the_whole_journal_rebuilds_the_old_history_and_usage() -> Non
     state = replay(seed, entries)
 
     assert [m.to_wire() for m in state.messages] == MESSAGES
-    assert (state.step, state.tool_uses, state.input_tokens, state.output_tokens, state.feedbacks) == (
+    assert (
+        state.step,
+        state.usage.tool_uses,
+        state.usage.input_tokens,
+        state.usage.output_tokens,
+        state.feedbacks,
+    ) == (
         USAGE["model_calls"],
         USAGE["tool_uses"],
         USAGE["input_tokens"],

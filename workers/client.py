@@ -30,8 +30,8 @@ from workers.history.params import AgentParams, ApprovalPolicy, SeedMode, revali
 from workers.history.snapshot import ParentSnapshot, parse_parent_snapshot
 from workers.keys import Keys
 from workers.limits import MAX_INBOX_MESSAGES, MAX_MESSAGE_BYTES, shown, text_problem
+from workers.records.conversation import exchanges
 from workers.records.fork import BootstrapRecord, ForkResult, ForkState, Status
-from workers.records.journal import exchanges
 from workers.records.notification import render_task_notification
 from workers.records.seeds import SeedBuilder, SeedChunks
 from workers.store.forks import ForkEvent, ForkStore

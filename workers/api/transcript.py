@@ -1,20 +1,30 @@
 """A fork's transcript: a summary of its seed, then every journaled step, for a person to read.
 
-The steps come from the journal (`workers.records.journal`): model responses (their text and the calls
-they made, with arguments), tool results (cut to a limit), people's decisions on parked calls, and the
-feedback sent back when a final answer failed the output schema. Entries that only matter to a revival
-(`surface`, `tool_started`) are left out. Nothing here reads settings: no API key can reach a transcript.
+The steps are those of the journal's fold (`workers.records.conversation`), mapped one to one: model
+responses (their text and the calls they made, with arguments), tool results (cut to a limit), people's
+decisions on parked calls, the feedback sent back when a final answer failed the output schema, and the
+messages `send` gave the fork, as they were delivered. Entries that only matter to a revival (`surface`,
+`tool_started`) have no step. Nothing here reads settings: no API key can reach a transcript.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any, Literal, assert_never
 
 from pydantic import BaseModel, Field
 
-from workers.history.messages import Content
+from workers.records.conversation import (
+    Approval,
+    Delivered,
+    Feedback,
+    ModelTurn,
+    ReadStep,
+    ToolResult,
+    fold,
+    visible_text,
+)
 from workers.records.fork import BootstrapRecord, ForkState
 from workers.records.journal import JournalEntry
 from workers.subagents.launch import launch_settings
@@ -50,8 +60,10 @@ class Step(BaseModel):
 
     seq: int
     step: int
-    kind: Literal["model", "tool_result", "approval", "feedback"]
-    text: str | None = Field(None, description="model: its text; feedback: the message sent back.")
+    kind: Literal["model", "tool_result", "approval", "feedback", "message"]
+    text: str | None = Field(
+        None, description="model: its text; feedback: the message sent back; message: the message delivered."
+    )
     calls: list[Call] | None = Field(None, description="model: the tool calls it made.")
     input_tokens: int | None = None
     output_tokens: int | None = None
@@ -94,54 +106,51 @@ def build_transcript(
         tools=[str(tool.get("name")) for tool in record.tools],
         settings=launch_settings(record),
     )
-    steps = [step for entry in entries if (step := _step(entry, max_chars)) is not None]
+    steps = [_step(step, max_chars) for step in fold(entries, fork_id=state.fork_id).steps]
     return Transcript(
         fork_id=state.fork_id, status=state.status.value, description=state.description, seed=seed, steps=steps
     )
 
 
-def _step(entry: JournalEntry, max_chars: int) -> Step | None:
-    common: dict[str, Any] = {"seq": entry.seq, "step": entry.step}
-    if entry.kind == "model":
-        content = Content.model_validate(entry.content or {"role": "model"})
-        calls = [
-            Call(call_id=p.function_call.id, name=p.function_call.name, args=p.function_call.args or {})
-            for p in content.parts
-            if p.function_call is not None
-        ]
-        return Step(
-            **common,
-            kind="model",
-            text=_text(content),
-            calls=calls,
-            input_tokens=entry.input_tokens,
-            output_tokens=entry.output_tokens,
-            finish_reason=entry.finish_reason,
-        )
-    if entry.kind == "tool_result":
-        return Step(**common, kind="tool_result", call_id=entry.call_id, name=entry.name, **_result(entry, max_chars))
-    if entry.kind == "approval":
-        return Step(
-            **common,
-            kind="approval",
-            call_id=entry.call_id,
-            name=entry.name,
-            decision=entry.decision,
-            reason=entry.reason,
-        )
-    if entry.kind == "feedback":
-        return Step(**common, kind="feedback", text=_text(Content.model_validate(entry.content or {"role": "user"})))
-    return None
+def _step(step: ReadStep, max_chars: int) -> Step:
+    match step:
+        case ModelTurn():
+            calls = [Call(call_id=c.id, name=c.name, args=c.args or {}) for _, c in step.calls]
+            return Step(
+                seq=step.seq,
+                step=step.step,
+                kind="model",
+                text=visible_text(step.content),
+                calls=calls,
+                input_tokens=step.input_tokens,
+                output_tokens=step.output_tokens,
+                finish_reason=step.finish_reason,
+            )
+        case ToolResult():
+            result = _result(step.response, max_chars)
+            return Step(
+                seq=step.seq, step=step.step, kind="tool_result", call_id=step.call_id, name=step.name, **result
+            )
+        case Approval():
+            return Step(
+                seq=step.seq,
+                step=step.step,
+                kind="approval",
+                call_id=step.call_id,
+                name=step.name,
+                decision=step.decision,
+                reason=step.reason,
+            )
+        case Feedback():
+            return Step(seq=step.seq, step=step.step, kind="feedback", text=visible_text(step.content))
+        case Delivered():
+            return Step(seq=step.seq, step=step.step, kind="message", text=visible_text(step.content))
+        case _:
+            assert_never(step)
 
 
-def _text(content: Content) -> str:
-    """The text a message shows (its thoughts left out)."""
-    return "".join(part.text for part in content.parts if part.text is not None and not part.thought)
-
-
-def _result(entry: JournalEntry, max_chars: int) -> dict[str, Any]:
+def _result(response: dict[str, Any], max_chars: int) -> dict[str, Any]:
     """A tool result's `output` or `error`, as text cut to `max_chars`, with its whole length."""
-    response = entry.response or {}
     field = "error" if "error" in response and "output" not in response else "output"
     value = response.get(field)
     text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)

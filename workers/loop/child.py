@@ -25,10 +25,11 @@ from workers.loop.policy import (
     needs_approval,
     undeclared_error,
 )
-from workers.loop.replay import LoopState, PendingCall, calls_of, replay
+from workers.loop.replay import LoopState, replay
 from workers.providers import ModelProvider, ModelRequest
+from workers.records.conversation import PendingCall, calls_of, visible_text
 from workers.records.fork import BootstrapRecord, ForkResult, Status, Usage
-from workers.records.journal import JournalEntry, RequestDigests
+from workers.records.journal import EntryKind, JournalEntry, RequestDigests
 from workers.records.notification import NO_OUTPUT
 from workers.records.parked import ParkedCall
 from workers.tools.registry import Tool, ToolContext, ToolRegistry, never_cancelled
@@ -216,7 +217,7 @@ class ChildLoop:
             tries = state.feedbacks + 1
             return None, f"output_schema: the final answer did not match the schema after {tries} tries: {problem}"
         content = Content(role="user", parts=[Part(text=feedback_text(problem))])
-        self._write(state, step=state.step, kind="feedback", content=content.to_wire())
+        self._write(state, step=state.step, kind=EntryKind.FEEDBACK, content=content)
         self.io.emit("feedback", {"step": state.step, "error": problem[:500]})
         return None, None
 
@@ -229,8 +230,8 @@ class ChildLoop:
             JournalEntry(
                 seq=state.next_seq + i,
                 step=state.step,
-                kind="message",
-                content=Content(role="user", parts=[Part(text=text)]).to_wire(),
+                kind=EntryKind.MESSAGE,
+                content=Content(role="user", parts=[Part(text=text)]),
             )
             for i, text in enumerate(texts)
         ]
@@ -267,8 +268,8 @@ class ChildLoop:
         self._write(
             state,
             step=state.step,
-            kind="model",
-            content=content.to_wire(),
+            kind=EntryKind.MODEL,
+            content=content,
             request_digest=digest,
             input_tokens=response.usage.input_tokens,
             output_tokens=response.usage.output_tokens,
@@ -289,7 +290,7 @@ class ChildLoop:
             self._write(
                 state,
                 step=step,
-                kind="tool_result",
+                kind=EntryKind.TOOL_RESULT,
                 call_index=pending.index,
                 call_id=call.id,
                 name=call.name,
@@ -342,7 +343,7 @@ class ChildLoop:
             state,
             boundary=True,
             step=step,
-            kind="tool_started",
+            kind=EntryKind.TOOL_STARTED,
             call_index=pending.index,
             call_id=call.id,
             name=call.name,
@@ -401,26 +402,10 @@ class ChildLoop:
         self, state: LoopState, started: float, status: Status, output: str | None, error: str | None
     ) -> ForkResult:
         duration_ms = int((time.monotonic() - started + self.running_s) * 1000)  # since the exchange's first start
-        usage = Usage(
-            input_tokens=state.input_tokens,
-            output_tokens=state.output_tokens,
-            total_tokens=state.input_tokens + state.output_tokens,
-            tool_uses=state.tool_uses,
-            model_calls=state.step,
-            duration_ms=duration_ms,
-            cached_input_tokens=state.cached_input_tokens,
-        )
+        usage = state.usage.model_copy(update={"duration_ms": duration_ms})
         run_usage = None
         if state.exchange_step > 0:  # a continuation: the usage above is the whole conversation's
-            run_usage = Usage(
-                input_tokens=state.exchange_input_tokens,
-                output_tokens=state.exchange_output_tokens,
-                total_tokens=state.exchange_input_tokens + state.exchange_output_tokens,
-                tool_uses=state.exchange_tool_uses,
-                model_calls=state.step - state.exchange_step,
-                duration_ms=duration_ms,
-                cached_input_tokens=state.exchange_cached_input_tokens,
-            )
+            run_usage = state.exchange.usage.model_copy(update={"duration_ms": duration_ms})
         return ForkResult(
             fork_id=self.record.fork_id, status=status, output=output, usage=usage, error=error, run_usage=run_usage
         )
@@ -493,5 +478,5 @@ def approval_id(step: int, pending: PendingCall) -> str:
 
 def final_text(content: Content) -> str:
     """The model-visible text of a final answer (thoughts excluded)."""
-    text = "".join(p.text for p in content.parts if p.text is not None and not p.thought)
+    text = visible_text(content)
     return text if text.strip() else NO_OUTPUT

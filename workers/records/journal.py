@@ -6,16 +6,17 @@ entry per model response, and for each tool call one `tool_started` before it ru
 client while the fork is parked); a final answer that failed the output schema is followed by a
 `feedback` entry, the user message that sent it back. A message `send` gave the fork becomes a
 `message` entry (a user Content) when the worker delivers it: before a model call, or instead of
-ending the fork, whose next exchange then starts. Replaying the entries over the seed
-(`workers.loop.replay`) rebuilds the exact messages the original run had, so a revived fork's next
-model request is identical to the one the dead worker made.
+ending the fork, whose next exchange then starts. `EntryKind` names the kinds; what a journal means
+(its messages, usage, exchanges and the steps a person reads) is given by one fold of its entries,
+`workers.records.conversation`: replaying the entries over the seed rebuilds the exact messages the
+original run had, so a revived fork's next model request is identical to the one the dead worker made.
 """
 
 from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Sequence
+from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict
@@ -24,10 +25,21 @@ from pydantic_core import to_jsonable_python
 from workers import codec
 from workers.errors import RecordDecodeError
 from workers.history.messages import Content
-from workers.records.fork import Usage
 
 if TYPE_CHECKING:  # a type only: the records a launcher reads load no provider code
     from workers.providers import ModelRequest
+
+
+class EntryKind(StrEnum):
+    """What a journal entry records; stored as its value (the same words entries always had)."""
+
+    SURFACE = "surface"  # the declared tools the first worker could execute
+    MODEL = "model"  # a model response
+    TOOL_STARTED = "tool_started"  # a call about to run (it may take effect)
+    TOOL_RESULT = "tool_result"  # a call's result
+    APPROVAL = "approval"  # a person's decision on a parked call
+    FEEDBACK = "feedback"  # a final answer sent back for failing the output schema
+    MESSAGE = "message"  # a message `send` gave the fork, delivered
 
 
 class JournalEntry(BaseModel):
@@ -38,8 +50,10 @@ class JournalEntry(BaseModel):
     schema_version: int = 1
     seq: int
     step: int
-    kind: Literal["surface", "model", "tool_started", "tool_result", "approval", "feedback", "message"]
-    content: dict[str, Any] | None = None  # model: the response Content; feedback, message: the user Content
+    kind: EntryKind
+    # model: the response Content; feedback, message: the user Content. Parsed when the entry is decoded (the one
+    # place journal content is read), dumped in its wire form: the bytes are those of the wire dict it was before
+    content: Content | None = None
     request_digest: str | None = None  # model: digest of the request that produced it
     invalid_calls: dict[str, str] | None = None  # model: call id → error, for calls the provider garbled
     finish_reason: str | None = None  # model: why it stopped, when not `stop`/`tool_calls`
@@ -129,51 +143,3 @@ class RequestDigests:
         entry = self._encoded.get(key)
         if entry is not None and entry[0]() is None:  # not an entry made since for a new object at this id
             self._encoded.pop(key, None)
-
-
-def journal_usage(journal: Sequence[bytes], fork_id: str) -> Usage:
-    """Tokens and model calls (the model entries) and tool uses (the tool results) of stored journal entries.
-
-    A damaged entry is skipped, not raised: this tallies what a cancelled fork used, and a cancel must not fail.
-    """
-    usage = Usage()
-    for raw in journal:
-        try:
-            entry = JournalEntry.decode(raw, fork_id=fork_id)
-        except RecordDecodeError:
-            continue
-        if entry.kind == "model":
-            usage.model_calls += 1
-            usage.input_tokens += entry.input_tokens
-            usage.output_tokens += entry.output_tokens
-            usage.cached_input_tokens += entry.cached_input_tokens or 0
-        elif entry.kind == "tool_result":
-            usage.tool_uses += 1
-    usage.total_tokens = usage.input_tokens + usage.output_tokens
-    return usage
-
-
-def exchanges(directive: str, entries: Sequence[JournalEntry]) -> list[dict[str, Any]]:
-    """A fork's conversation as `inspect` lists it: each exchange's message (the directive first), the messages
-    delivered while it ran (`during`), and its final answer (None while it has none)."""
-    current: dict[str, Any] = {"message": directive, "during": [], "answer": None}
-    found = [current]
-    for entry in entries:
-        if entry.kind == "model":
-            parts = (entry.content or {}).get("parts") or []
-            calls = any(isinstance(p, dict) and "functionCall" in p for p in parts)
-            texts = [p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str)]
-            thoughts = [
-                p.get("thought") is True for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str)
-            ]
-            answer = "".join(t for t, thought in zip(texts, thoughts, strict=True) if not thought)
-            current["answer"] = None if calls else answer
-        elif entry.kind == "message":
-            parts = (entry.content or {}).get("parts") or []
-            text = "".join(p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str))
-            if current["answer"] is None:
-                current["during"].append(text)
-            else:
-                current = {"message": text, "during": [], "answer": None}
-                found.append(current)
-    return found

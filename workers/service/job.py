@@ -15,7 +15,7 @@ from workers.history.selection import ForkSeed
 from workers.keys import FORK_ID_RE
 from workers.loop.child import PrimedCall, first_model_call
 from workers.records.fork import BootstrapRecord, Declarations
-from workers.records.journal import JournalEntry, RequestDigests
+from workers.records.journal import EntryKind, JournalEntry, RequestDigests
 from workers.store.claims import FirstWrite
 from workers.store.forks import ForkStore
 from workers.tools.registry import ToolRegistry
@@ -81,7 +81,7 @@ def first_step(
     try:
         record, seed = load_inputs(store, job, job.record)
         declared = declarations.of(record)
-        surface = JournalEntry(seq=0, step=0, kind="surface", tools=executable(tools, declared))
+        surface = JournalEntry(seq=0, step=0, kind=EntryKind.SURFACE, tools=executable(tools, declared))
         call = first_model_call(record, seed, digests, declared)
         return FirstStep(record, seed, FirstWrite(job.record, surface, call.event()), call)
     except Exception as exc:  # nothing is claimed yet: the usual path reports it (as the fork's failure)

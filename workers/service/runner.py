@@ -20,8 +20,9 @@ from workers.limits import INBOX_DELIVERY_BATCH
 from workers.loop.child import STOP_REASONS, ChildLoop, Parked, PrimedCall, Spawner, Stopped, StopReason
 from workers.providers import ModelProvider
 from workers.providers.routing import ProviderRouter
+from workers.records.conversation import fold, is_final_answer
 from workers.records.fork import BootstrapRecord, ChunkCache, Declarations, ForkResult, Status
-from workers.records.journal import JournalEntry, RequestDigests
+from workers.records.journal import EntryKind, JournalEntry, RequestDigests
 from workers.service.job import FirstStep, RunForkJob, executable, first_step, load_inputs
 from workers.service.metrics import Metrics
 from workers.service.outcome import Outcome, RunOutcome
@@ -221,7 +222,7 @@ class FencedChannel:
         if boundary:
             self._stop_if_asked()
         entries, self.pending_entries = [*self.pending_entries, entry], []
-        if not boundary and _is_final_answer(entry):
+        if not boundary and is_final_answer(entry):
             self.pending_entries = entries
             return
         self.mail = self.leases.append(self.claim, *entries, events=self._take_events())
@@ -246,14 +247,6 @@ class FencedChannel:
         messages arrived meanwhile and the fork was queued again instead (see `Leases.finish`)."""
         entries, self.pending_entries = self.pending_entries, []
         return self.leases.finish(self.claim, result, *entries, events=self._take_events())
-
-
-def _is_final_answer(entry: JournalEntry) -> bool:
-    """A model response without calls that ended normally (not malformed, cut or filtered): the loop ends on it."""
-    if entry.kind != "model" or entry.finish_reason is not None:
-        return False
-    parts = (entry.content or {}).get("parts") or []
-    return not any(isinstance(p, dict) and "functionCall" in p for p in parts)
 
 
 def run_fork_job(
@@ -442,9 +435,9 @@ def _check_tool_surface(
     """Record the executable tool surface on the first run (with the first append); on a revival,
     the tools of the recorded surface this worker lacks."""
     surface = executable(runtime.tools, declared)
-    recorded = next((e.tools for e in entries if e.kind == "surface"), None)
+    recorded = fold(entries).surface
     if recorded is None:
-        entry = JournalEntry(seq=len(entries), step=0, kind="surface", tools=surface)
+        entry = JournalEntry(seq=len(entries), step=0, kind=EntryKind.SURFACE, tools=surface)
         channel.pending_entries.append(entry)
         entries.append(entry)
         return []

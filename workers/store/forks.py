@@ -23,6 +23,7 @@ from redis.commands.core import Script
 from workers.errors import ForkNotFound, InvalidApproval, RecordExistsError, RecordIntegrityError
 from workers.history.selection import ForkSeed
 from workers.keys import Keys
+from workers.records.conversation import journal_usage
 from workers.records.fork import (
     BootstrapRecord,
     ChunkCache,
@@ -33,7 +34,7 @@ from workers.records.fork import (
     chunk_digest,
     join_seed,
 )
-from workers.records.journal import JournalEntry, journal_usage
+from workers.records.journal import EntryKind, JournalEntry
 from workers.store import dead_letters
 from workers.store.script_parts import NOW, lua_script
 
@@ -531,7 +532,7 @@ class ForkStore:
             entry = JournalEntry(
                 seq=seq,
                 step=call.step,
-                kind="approval",
+                kind=EntryKind.APPROVAL,
                 call_index=call.index,
                 call_id=call_id,
                 name=call.name,
