@@ -1,8 +1,10 @@
-"""ForkStore (workers/store/forks.py) on a real Redis: write-once records, verified seeds, events, cancel, retention."""
+"""ForkStore (workers/store/forks.py) on a real Redis: write-once records, verified seeds, events, cancel (its
+script's usage tally is the journal's fold), retention."""
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import threading
 import time
@@ -10,6 +12,10 @@ from typing import Any
 
 import pytest
 import redis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_replay import cases as replay_cases
+from test_replay import drive, first_entries
 
 from workers import codec
 from workers.errors import (
@@ -20,9 +26,11 @@ from workers.errors import (
     RecordExistsError,
     RecordIntegrityError,
 )
+from workers.history.messages import Content
 from workers.history.selection import ForkSeed, build_fork_seed
 from workers.history.snapshot import parse_parent_snapshot
 from workers.keys import Keys
+from workers.records.conversation import fold, journal_usage
 from workers.records.fork import (
     SEED_INDEX_MIN_CHUNKS,
     BootstrapRecord,
@@ -32,7 +40,7 @@ from workers.records.fork import (
     chunk_digest,
     split_seed,
 )
-from workers.records.journal import JournalEntry
+from workers.records.journal import EntryKind, JournalEntry
 from workers.records.parked import ParkedCall
 from workers.store.forks import ForkStore
 from workers.store.lease import Claim, Leases
@@ -626,3 +634,124 @@ def test_with_a_replica_a_launch_is_acknowledged_only_after_the_replica_has_the_
         primary.close()
         follower.close()
         replica.stop()
+
+
+# ── the cancel script's own tally is the journal's fold ───────────────────────────────────────
+# The script tallies, atomically, the entries appended after the journal the client read; whatever the split,
+# the usage must be the fold's (`journal_usage`): for a journal of every entry kind, for generated journals of
+# any kinds and fields, and for the journals real loop runs write.
+
+TALLIED = itertools.count()
+_TOKENS = st.integers(0, 10**7)
+
+
+def cancelled_usage(store: ForkStore, seed: ForkSeed, journal: list[bytes], read: int) -> dict[str, Any]:
+    """The usage of a queued fork with `journal` cancelled after the client read its first `read` entries."""
+    fork_id = f"f-tally-{next(TALLIED)}"
+    launch(store, seed, fork_id)
+    if journal:
+        store.client.rpush(store.keys.journal(fork_id), *journal)
+    assert store._cancel_tallied(fork_id, journal[:read]) is Status.CANCELLED
+    result = store.result(fork_id)
+    assert result is not None
+    return result.usage.model_dump()
+
+
+def assert_script_tallies_the_fold(store: ForkStore, seed: ForkSeed, journal: list[bytes]) -> None:
+    entries = []
+    for raw in journal:
+        with contextlib.suppress(RecordDecodeError):  # an entry that does not decode is skipped by both
+            entries.append(JournalEntry.decode(raw, fork_id="f-tally"))
+    folded = fold(entries).usage.model_dump()
+    assert journal_usage(journal, "f-tally").model_dump() == folded
+    assert cancelled_usage(store, seed, journal, 0) == folded  # the script tallies every entry
+    assert cancelled_usage(store, seed, journal, len(journal) // 2) == folded  # half each
+
+
+def every_kind() -> list[JournalEntry]:
+    """One journal holding each entry kind, tokens cached and not, and a delivered message."""
+    model = Content.model_validate({"role": "model", "parts": [{"functionCall": {"id": "c1", "name": "t"}}]})
+    answer = Content.model_validate({"role": "model", "parts": [{"text": "done"}]})
+    user = Content.model_validate({"role": "user", "parts": [{"text": "more"}]})
+    entries = {
+        EntryKind.SURFACE: JournalEntry(seq=0, step=0, kind=EntryKind.SURFACE, tools=["t"]),
+        EntryKind.MODEL: JournalEntry(
+            seq=1,
+            step=0,
+            kind=EntryKind.MODEL,
+            content=model,
+            input_tokens=100,
+            output_tokens=9,
+            cached_input_tokens=64,
+        ),
+        EntryKind.APPROVAL: JournalEntry(seq=2, step=0, kind=EntryKind.APPROVAL, call_index=0, decision="approve"),
+        EntryKind.TOOL_STARTED: JournalEntry(seq=3, step=0, kind=EntryKind.TOOL_STARTED, call_index=0),
+        EntryKind.TOOL_RESULT: JournalEntry(
+            seq=4, step=0, kind=EntryKind.TOOL_RESULT, call_index=0, response={"output": "ok"}
+        ),
+        EntryKind.FEEDBACK: JournalEntry(seq=6, step=1, kind=EntryKind.FEEDBACK, content=user),
+        EntryKind.MESSAGE: JournalEntry(seq=8, step=2, kind=EntryKind.MESSAGE, content=user),
+    }
+    assert set(entries) == set(EntryKind), "add the new entry kind to this journal"
+    first = JournalEntry(seq=5, step=1, kind=EntryKind.MODEL, content=answer, input_tokens=120, output_tokens=4)
+    last = JournalEntry(seq=7, step=2, kind=EntryKind.MODEL, content=answer, input_tokens=150, output_tokens=2)
+    return sorted([*entries.values(), first, last], key=lambda e: e.seq)
+
+
+def test_the_cancel_script_tallies_a_journal_of_every_entry_kind_as_the_fold_does(
+    store: ForkStore, seed: ForkSeed
+) -> None:
+    journal = [entry.encode() for entry in every_kind()]
+
+    assert_script_tallies_the_fold(store, seed, journal)
+    assert cancelled_usage(store, seed, journal, 0)["model_calls"] == 3
+
+
+@st.composite
+def any_journal(draw: st.DrawFn) -> list[bytes]:
+    """Entries of any kinds in any order, with any token counts (cached or not), and now and then a damaged one."""
+    journal = []
+    for seq in range(draw(st.integers(0, 12))):
+        kind = draw(st.sampled_from(list(EntryKind)))
+        fields: dict[str, Any] = {}
+        if kind is EntryKind.MODEL:
+            parts = [{"text": "t"}] + [{"functionCall": {"id": f"c{i}"}} for i in range(draw(st.integers(0, 2)))]
+            fields = {
+                "content": {"role": "model", "parts": parts},
+                "input_tokens": draw(_TOKENS),
+                "output_tokens": draw(_TOKENS),
+                "cached_input_tokens": draw(st.none() | _TOKENS),
+            }
+        elif kind in (EntryKind.FEEDBACK, EntryKind.MESSAGE):
+            fields = {"content": {"role": "user", "parts": [{"text": "m"}]}}
+        elif kind is not EntryKind.SURFACE:
+            fields = {"call_index": draw(st.integers(0, 2))}
+            if kind is EntryKind.TOOL_RESULT:
+                fields["response"] = {"output": "ok"}
+        journal.append(JournalEntry(seq=seq, step=draw(st.integers(0, 4)), kind=kind, **fields).encode())
+        if draw(st.integers(0, 9)) == 0:
+            journal.append(b"\xc1 not msgpack")
+    return journal
+
+
+TALLY_PROPERTY = settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
+
+
+@TALLY_PROPERTY
+@given(journal=any_journal())
+def test_the_cancel_script_tallies_any_journal_as_the_fold_does(
+    store: ForkStore, seed: ForkSeed, journal: list[bytes]
+) -> None:
+    assert_script_tallies_the_fold(store, seed, journal)
+
+
+@TALLY_PROPERTY
+@given(case=replay_cases())
+def test_the_cancel_script_tallies_the_journal_of_a_loop_run_as_the_fold_does(
+    store: ForkStore, seed: ForkSeed, case: Any
+) -> None:
+    journal = drive(case, first_entries(case)).journal.entries
+
+    assert_script_tallies_the_fold(store, seed, [entry.encode() for entry in journal])

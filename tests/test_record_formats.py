@@ -1,5 +1,5 @@
-"""Stored formats kept byte for byte: bootstrap records (typed options, approval mode) and parked calls; and
-results written before a usage counter was added still read.
+"""Stored formats kept byte for byte: bootstrap records (typed options, approval mode), parked calls and journal
+entries (typed content, entry kinds); and results written before a usage counter was added still read.
 
 The literals below were written by the code before `ForkOptions`, `ApprovalMode` and `ParkedCall`
 typed these fields (when options were a plain map and parked calls plain JSON objects): records and
@@ -19,8 +19,10 @@ from conftest import TEST_NAMESPACE
 
 from workers import codec
 from workers.errors import RecordDecodeError
+from workers.history.messages import Content
 from workers.keys import Keys
 from workers.records.fork import BootstrapRecord, ForkOptions, ForkResult, ForkState, Status, chunk_digest
+from workers.records.journal import EntryKind, JournalEntry
 from workers.records.parked import ParkedCall, decode_parked, encode_parked
 from workers.store.forks import ForkStore
 from workers.store.lease import Claim, Leases
@@ -206,3 +208,53 @@ def test_a_result_written_before_cached_tokens_were_counted_reads_them_as_zero()
         "duration_ms": 1234,
         "cached_input_tokens": 0,
     }
+
+
+# journal entries as the code before `JournalEntry.content` was a typed Content wrote them (a wire dict): a model
+# response with thoughts, signatures, a call whose arguments hold nulls, media, unknown keys, cached tokens, a
+# garbled call and a finish reason; a delivered message (UTF-8); a feedback; a tool result holding a null
+OLD_ENTRIES = [
+    "i7NjYWNoZWRfaW5wdXRfdG9rZW5zzQQAp2NvbnRlbnSDpXBhcnRzlIOkdGV4dKh0aGlua2luZ6d0aG91Z2h0w7B0aG91Z2h0U2lnbmF0dXJl"
+    "pXNpZy0xgaR0ZXh0qENhbGxpbmcugqxmdW5jdGlvbkNhbGyDpGFyZ3ODpGRlZXCBoXiTAcDLQAQAAAAAAAClbGltaXTApHBhdGikYS5weaJp"
+    "ZKJjMaRuYW1lqXJlYWRfZmlsZbB0aG91Z2h0U2lnbmF0dXJlpXNpZy0ygqppbmxpbmVEYXRhgqRkYXRhrGlWQk9SdzBLR2dvPahtaW1lVHlw"
+    "ZalpbWFnZS9wbmemeFRyYWNlgaFhwKxwcm92aWRlck1ldGGka2VwdKRyb2xlpW1vZGVsrWZpbmlzaF9yZWFzb26mbGVuZ3RorGlucHV0X3Rv"
+    "a2Vuc80EsK1pbnZhbGlkX2NhbGxzgaJjOadnYXJibGVkpGtpbmSlbW9kZWytb3V0cHV0X3Rva2VucyKucmVxdWVzdF9kaWdlc3TZQGFiYWJh"
+    "YmFiYWJhYmFiYWJhYmFiYWJhYmFiYWJhYmFiYWJhYmFiYWJhYmFiYWJhYmFiYWJhYmFiYWJhYmFiYWKuc2NoZW1hX3ZlcnNpb24Bo3NlcQGk"
+    "c3RlcAA=",
+    "h6djb250ZW50gqVwYXJ0c5GBpHRleHS+QWxzbyBjaGVjayBiLnB5LCDDvG7Dr2NvZGUg4pyTpHJvbGWkdXNlcqxpbnB1dF90b2tlbnMApGtp"
+    "bmSnbWVzc2FnZa1vdXRwdXRfdG9rZW5zAK5zY2hlbWFfdmVyc2lvbgGjc2VxAqRzdGVwAA==",
+    "h6djb250ZW50gqVwYXJ0c5GBpHRleHSpTm90IEpTT04upHJvbGWkdXNlcqxpbnB1dF90b2tlbnMApGtpbmSoZmVlZGJhY2utb3V0cHV0X3Rv"
+    "a2VucwCuc2NoZW1hX3ZlcnNpb24Bo3NlcQOkc3RlcAA=",
+    "iqdjYWxsX2lkomMxqmNhbGxfaW5kZXgArGlucHV0X3Rva2VucwCka2luZKt0b29sX3Jlc3VsdKRuYW1lqXJlYWRfZmlsZa1vdXRwdXRfdG9r"
+    "ZW5zAKhyZXNwb25zZYGmb3V0cHV0gaVsaW5lc5KheMCuc2NoZW1hX3ZlcnNpb24Bo3NlcQSkc3RlcAA=",
+]
+
+
+@pytest.mark.parametrize("stored", OLD_ENTRIES)
+def test_a_journal_entry_written_before_its_content_was_typed_decodes_and_encodes_to_the_same_bytes(
+    stored: str,
+) -> None:
+    data = base64.b64decode(stored)
+
+    entry = JournalEntry.decode(data, fork_id="f-1")
+
+    assert entry.encode() == data
+    assert entry.content is None or isinstance(entry.content, Content)
+    # the same entry built anew from its wire dict gives the same bytes too
+    raw = codec.decode(data)
+    assert JournalEntry.model_validate(raw).encode() == data
+
+
+def test_an_old_model_entry_reads_its_content_typed_keeping_nulls_in_arguments_and_unknown_keys() -> None:
+    entry = JournalEntry.decode(base64.b64decode(OLD_ENTRIES[0]), fork_id="f-1")
+
+    assert entry.kind is EntryKind.MODEL and entry.content is not None
+    thought, text, call, media = entry.content.parts
+    assert (thought.thought, thought.thought_signature, text.text) == (True, "sig-1", "Calling.")
+    assert call.function_call is not None and call.function_call.args == {
+        "path": "a.py",
+        "limit": None,
+        "deep": {"x": [1, None, 2.5]},
+    }
+    assert media.inline_data is not None and media.model_extra == {"xTrace": {"a": None}}
+    assert entry.content.model_extra == {"providerMeta": "kept"}
