@@ -639,6 +639,26 @@ def test_a_message_continues_a_succeeded_fork_over_http_and_an_ended_one_is_409(
     error_of(http.post("/v1/forks/f-nope/messages", json={"text": "x"}), 404)
 
 
+def test_the_transcript_shows_the_message_that_continued_a_fork_between_its_answers(
+    http: httpx.Client, scripted_worker: Callable[..., WorkController], parent: dict[str, Any]
+) -> None:
+    # Given a fork that answered, was sent a message, and answered again
+    scripted_worker([step("first answer"), step("second answer")])
+    fork_id = launch(http, parent)
+    assert http.get(f"/v1/forks/{fork_id}/result", params={"wait": 20}).json()["output"] == "first answer"
+    assert http.post(f"/v1/forks/{fork_id}/messages", json={"text": "And then?"}).status_code == 202
+    assert http.get(f"/v1/forks/{fork_id}/result", params={"wait": 20}).json()["output"] == "second answer"
+
+    # When its transcript is read
+    transcript = http.get(f"/v1/forks/{fork_id}/transcript").json()
+
+    # Then the delivered message stands between the two answers, as a step of its own
+    steps = [(s["kind"], s["step"], s.get("text")) for s in transcript["steps"]]
+    assert steps == [("model", 0, "first answer"), ("message", 1, "And then?"), ("model", 1, "second answer")]
+    message = transcript["steps"][1]
+    assert set(message) == {"seq", "step", "kind", "text"}
+
+
 def test_agents_and_providers_are_listed_over_http(http: httpx.Client) -> None:
     agents = http.get("/v1/agents")
     providers = http.get("/v1/providers")

@@ -2,7 +2,7 @@
 `make_api`, a live worker with a scripted model, and the private Redis.
 
 Signing in (a wrong token refused, the right one kept for the tab), a fork followed from queued to succeeded with
-its transcript and usage, a parked call approved and denied from the page, a cancel, fork text shown as text
+its transcript and usage, a continued fork's delivered message, a parked call approved and denied from the page, a cancel, fork text shown as text
 only; and, without a browser, what `/ui` serves (no token, a Content-Security-Policy, no inline script).
 """
 
@@ -272,6 +272,28 @@ def test_fork_text_is_shown_as_text_never_as_markup(
     expect(page.locator(f'#forks li[data-fork-id="{fork_id}"] .description')).to_have_text(markup)
     assert page.locator("main img, main b, main script").count() == 0
     assert page.evaluate("window.pwned") is None
+
+
+def test_a_continued_forks_transcript_shows_the_message_it_was_given_between_its_answers(
+    http: httpx.Client, web: Web, scripted_worker: Callable[..., WorkController], parent: dict[str, Any]
+) -> None:
+    page, api = web.page, web.api
+    # Given a fork that answered, was sent a message, and answered again
+    scripted_worker([step("first answer"), step("second answer")])
+    fork_id = launch(http, parent)
+    assert http.get(f"/v1/forks/{fork_id}/result", params={"wait": 20}).json()["output"] == "first answer"
+    assert http.post(f"/v1/forks/{fork_id}/messages", json={"text": "And then?"}).status_code == 202
+    assert http.get(f"/v1/forks/{fork_id}/result", params={"wait": 20}).json()["output"] == "second answer"
+
+    # When its page is opened
+    sign_in(page, api, session=parent["session_id"])
+    open_fork(page, fork_id)
+
+    # Then the message stands between the two answers, as text
+    expect(page.locator("#steps .step")).to_have_count(3)
+    assert steps_shown(page)[1] == "Step 2 · message delivered to the fork"
+    expect(page.locator("#steps .step.message pre")).to_have_text("And then?")
+    expect(page.locator("#output")).to_have_text("second answer")
 
 
 # ── acting on a fork ──────────────────────────────────────────────────────────────────────────

@@ -446,7 +446,7 @@
       if (step.truncated) item.append(span("hint", "cut: the first " + TRANSCRIPT_CHARS + " of " + step.chars + " characters"));
     } else if (step.kind === "approval" && step.reason) {
       item.append(pre(step.reason, "reason"));
-    } else if (step.kind === "feedback") {
+    } else if (step.kind === "feedback" || step.kind === "message") {
       item.append(pre(step.text, "text"));
     }
     return item;
@@ -459,6 +459,7 @@
     }
     if (step.kind === "tool_result") return (step.error != null ? "error of " : "result of ") + step.name + " (" + step.call_id + ")";
     if (step.kind === "approval") return (step.decision === "approve" ? "approved " : "denied ") + step.name + " (" + step.call_id + ")";
+    if (step.kind === "message") return "message delivered to the fork";
     return "feedback: the answer did not match the output schema";
   }
 
