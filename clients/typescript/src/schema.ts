@@ -175,7 +175,7 @@ export type Status = "queued" | "running" | "succeeded" | "failed" | "cancelled"
 export interface Step {
   seq: number;
   step: number;
-  kind: "model" | "tool_result" | "approval" | "feedback";
+  kind: "model" | "tool_result" | "approval" | "feedback" | "message";
   text?: string | null;
   calls?: Call[] | null;
   input_tokens?: number | null;
