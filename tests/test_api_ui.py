@@ -2,8 +2,9 @@
 `make_api`, a live worker with a scripted model, and the private Redis.
 
 Signing in (a wrong token refused, the right one kept for the tab), a fork followed from queued to succeeded with
-its transcript and usage, a continued fork's delivered message, a parked call approved and denied from the page, a cancel, fork text shown as text
-only; and, without a browser, what `/ui` serves (no token, a Content-Security-Policy, no inline script).
+its transcript and usage, a continued fork's delivered message, a parked call approved and denied from the page,
+a cancel, fork text shown as text only; and, without a browser, what `/ui` serves (no token, a
+Content-Security-Policy, no inline script).
 """
 
 from __future__ import annotations

@@ -24,7 +24,8 @@ Each key: type; content; TTL; writer → readers.
   renewed by the worker's heartbeat, deleted by Lua compare-and-set only; worker → worker, sweeper.
 - `{ns}:{<fork_id>}:journal`: list; canonical msgpack `JournalEntry` per model response and tool
   call/result, appended only under the current epoch (and, while the fork is parked and has no
-  owner, a person's `approval` entries); retention; worker, approve/deny → worker (replay), inspect.
+  owner, a person's `approval` entries); retention; worker, approve/deny → worker (replay), cancel,
+  inspect, transcript: each reads it through the journal's fold (`workers.records.conversation`).
   A `message` entry is a user message `send` gave the fork, moved there from its inbox by the worker.
 - `{ns}:{<fork_id>}:inbox`: list; UTF-8 texts of messages `send` gave the fork, oldest first, at most
   `workers.limits.MAX_INBOX_MESSAGES`; retention; send → worker (which moves them, under its epoch, into

@@ -19,13 +19,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final, Literal, TypedDict, assert_never
+from typing import TYPE_CHECKING, Any, Final, Literal, NamedTuple, TypedDict, assert_never
 
 from workers.errors import RecordDecodeError
 from workers.history.messages import Content, FunctionCall, FunctionResponse, Part
-from workers.history.selection import ForkSeed
 from workers.records.fork import Usage
 from workers.records.journal import EntryKind, JournalEntry
+
+if TYPE_CHECKING:  # a type only: inspect and a cancel fold a journal without loading history selection
+    from workers.history.selection import ForkSeed
 
 MALFORMED_CALL: Final = "malformed_function_call"  # Gemini's finish reason for a call it could not emit
 
@@ -75,8 +77,7 @@ class PendingCall:
     invalid: str | None = None  # the provider returned this call unusable: answer with this error, run nothing
 
 
-@dataclass(frozen=True, slots=True)
-class Decision:
+class Decision(NamedTuple):
     """A person's answer to a parked call."""
 
     decision: Literal["approve", "deny"]
@@ -84,10 +85,10 @@ class Decision:
 
 
 # ── the steps a person reads ─────────────────────────────────────────────────────────────────
+# (named tuples: immutable records, and cheap to define, which a launcher importing the client pays for)
 
 
-@dataclass(frozen=True, slots=True)
-class ModelTurn:
+class ModelTurn(NamedTuple):
     """A model response: its Content (text, thoughts, calls), tokens, and why it stopped when not normally."""
 
     seq: int
@@ -99,8 +100,7 @@ class ModelTurn:
     finish_reason: str | None
 
 
-@dataclass(frozen=True, slots=True)
-class ToolResult:
+class ToolResult(NamedTuple):
     """A tool call's result: `{"output": ...}` or `{"error": ...}`."""
 
     seq: int
@@ -110,8 +110,7 @@ class ToolResult:
     response: dict[str, Any]
 
 
-@dataclass(frozen=True, slots=True)
-class Approval:
+class Approval(NamedTuple):
     """A person's decision on a parked call."""
 
     seq: int
@@ -122,8 +121,7 @@ class Approval:
     reason: str | None
 
 
-@dataclass(frozen=True, slots=True)
-class Feedback:
+class Feedback(NamedTuple):
     """The user message that sent back a final answer failing the output schema."""
 
     seq: int
@@ -131,8 +129,7 @@ class Feedback:
     content: Content
 
 
-@dataclass(frozen=True, slots=True)
-class Delivered:
+class Delivered(NamedTuple):
     """A message `send` gave the fork, as the worker delivered it (a user Content)."""
 
     seq: int
