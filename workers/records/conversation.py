@@ -172,9 +172,8 @@ class Exchange:
 class Conversation:
     """Where a fork stands after the journal entries applied so far (the state of the fold)."""
 
-    messages: list[Content] = field(
-        default_factory=list
-    )  # the seed's and the task's (when started), then the journal's
+    # the seed's and the task prompt (a state `start`ed from a seed), then the journal's
+    messages: list[Content] = field(default_factory=list)
     step: int = 0  # index of the next model call
     next_seq: int = 0
     calls: list[tuple[int, FunctionCall]] = field(default_factory=list)  # of the last model Content
