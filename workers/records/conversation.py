@@ -140,6 +140,29 @@ class Delivered(NamedTuple):
 ReadStep = ModelTurn | ToolResult | Approval | Feedback | Delivered  # the entries a person reads, in journal order
 
 
+@dataclass(slots=True)
+class Tally:
+    """Counts of model calls, tokens and tool uses (plain ints: the fold adds to them at every entry)."""
+
+    model_calls: int = 0
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cached_input_tokens: int = 0
+    tool_uses: int = 0
+
+    @property
+    def usage(self) -> Usage:
+        """As the records' `Usage` (no duration: the journal has none)."""
+        return Usage(
+            input_tokens=self.input_tokens,
+            output_tokens=self.output_tokens,
+            total_tokens=self.input_tokens + self.output_tokens,
+            tool_uses=self.tool_uses,
+            model_calls=self.model_calls,
+            cached_input_tokens=self.cached_input_tokens,
+        )
+
+
 class ExchangeSummary(TypedDict):
     """An exchange as `forkq inspect` lists it: texts only."""
 
@@ -157,7 +180,12 @@ class Exchange:
     during: list[Content] = field(default_factory=list)
     answer: Content | None = None  # its final answer; None while it has none (calls wait, or it was sent back)
     feedbacks: int = 0  # final answers sent back for failing the output schema
-    usage: Usage = field(default_factory=Usage)  # of this exchange alone (no duration: the journal has none)
+    tally: Tally = field(default_factory=Tally)  # of this exchange alone
+
+    @property
+    def usage(self) -> Usage:
+        """This exchange's own usage."""
+        return self.tally.usage
 
     def summary(self, directive: str) -> ExchangeSummary:
         """Its texts; `directive` stands for the launch's task."""
@@ -181,7 +209,7 @@ class Conversation:
     answers: dict[int, Part] = field(default_factory=dict)  # results recorded for the last model Content
     decisions: dict[int, Decision] = field(default_factory=dict)  # approvals for the last model Content's calls
     finish_reason: str = "stop"  # of the last model response (`stop` also for `tool_calls`)
-    usage: Usage = field(default_factory=Usage)  # the whole conversation's (no duration: the journal has none)
+    tally: Tally = field(default_factory=Tally)  # the whole conversation's
     surface: list[str] | None = None  # the tools the first worker could execute, once recorded
     exchanges: list[Exchange] = field(default_factory=lambda: [Exchange(message=None, step=0)])
     steps: list[ReadStep] = field(default_factory=list)
@@ -193,6 +221,11 @@ class Conversation:
         """The state before any entry of a fork run from `seed`: the seed's messages and the task prompt (strict)."""
         messages = [*seed.initial_messages, Content(role="user", parts=[Part(text=seed.task_prompt)])]
         return cls(messages=messages, fork_id=fork_id)
+
+    @property
+    def usage(self) -> Usage:
+        """The whole conversation's usage."""
+        return self.tally.usage
 
     @property
     def exchange(self) -> Exchange:
@@ -256,14 +289,13 @@ class Conversation:
             )
 
     def _count(self, *, model: JournalEntry | None = None, tool_uses: int = 0) -> None:
-        for usage in (self.usage, self.exchange.usage):
-            usage.tool_uses += tool_uses
+        for tally in (self.tally, self.exchange.tally):
+            tally.tool_uses += tool_uses
             if model is not None:
-                usage.model_calls += 1
-                usage.input_tokens += model.input_tokens
-                usage.output_tokens += model.output_tokens
-                usage.total_tokens = usage.input_tokens + usage.output_tokens
-                usage.cached_input_tokens += model.cached_input_tokens or 0
+                tally.model_calls += 1
+                tally.input_tokens += model.input_tokens
+                tally.output_tokens += model.output_tokens
+                tally.cached_input_tokens += model.cached_input_tokens or 0
 
     def _model(self, entry: JournalEntry) -> None:
         if self.pending:
