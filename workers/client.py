@@ -9,7 +9,7 @@ import secrets
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final, Literal, cast
+from typing import TYPE_CHECKING, Any, Final, Literal
 
 import redis
 
@@ -37,6 +37,7 @@ from workers.records.seeds import SeedBuilder, SeedChunks
 from workers.store.forks import ForkEvent, ForkStore
 from workers.store.lease import Leases
 from workers.store.queue import enqueue_again, run_fork_call, send_call, send_ended_event
+from workers.store.reads import PARKED
 from workers.subagents.capabilities import providers
 from workers.subagents.definitions import CatalogCache
 from workers.subagents.launch import (
@@ -408,29 +409,19 @@ class ForkClient:
             ForkNotFound: the fork does not exist.
         """
         check_timeout(timeout)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        after = "0-0"
-        while True:
-            result = self.store.result(fork_id)
-            if result is not None:
-                return result
-            state = self.store.state(fork_id)  # ForkNotFound for a fork that does not exist
-            if state.status in (Status.AWAITING_APPROVAL, Status.PAUSED):
-                raise parked_error(state)
-            # at most a second per read, computed in seconds first: a timeout of 1e308 s must not overflow
-            left_ms = 1000 if deadline is None else int(min(deadline - time.monotonic(), 1.0) * 1000)
-            if left_ms <= 0:
-                hint = (
-                    "check that a worker consumes the queue (forkq check --worker / Flower)"
-                    if state.status is Status.QUEUED
-                    else f"`forkq events {fork_id} --follow` shows its progress"
-                )
-                raise ForkTimeout(
-                    f"fork {fork_id}: still {state.status.value} after {timeout} s; wait longer, or {hint}",
-                    fork_id=fork_id,
-                )
-            for event in self.store.events(fork_id, after=after, block_ms=max(1, min(left_ms, 1000))):
-                after = event.id
+        outcome = self.store.ended(fork_id, deadline=None if timeout is None else time.monotonic() + timeout)
+        if isinstance(outcome, ForkResult):
+            return outcome
+        if outcome.status in PARKED:
+            raise parked_error(outcome)
+        hint = (
+            "check that a worker consumes the queue (forkq check --worker / Flower)"
+            if outcome.status is Status.QUEUED
+            else f"`forkq events {fork_id} --follow` shows its progress"
+        )
+        raise ForkTimeout(
+            f"fork {fork_id}: still {outcome.status.value} after {timeout} s; wait longer, or {hint}", fork_id=fork_id
+        )
 
     def events(self, fork_id: str, *, follow: bool = False) -> Iterator[ForkEvent]:
         """The fork's events so far, or (`follow`) until its terminal event."""
@@ -545,24 +536,7 @@ class ForkClient:
     def list(self, session: str, *, limit: int = 1000) -> list[dict[str, Any]]:
         """The forks launched from parent session `session` still in Redis, newest first: `fork_id`, `kind`,
         `name`, `description`, `status`, `created_ms`, `updated_ms`."""
-        from workers.store.reader import session_fork  # noqa: PLC0415  (its module loads redis.asyncio)
-
-        ids = [
-            m.decode()
-            for m in cast(list[bytes], self.redis.zrevrange(self.store.keys.session_forks(session), 0, limit - 1))
-        ]
-        pipe = self.redis.pipeline(transaction=False)
-        for fid in ids:
-            pipe.hgetall(self.store.keys.state(fid))
-            pipe.get(self.store.keys.bootstrap(fid))
-            pipe.xrevrange(self.store.keys.events(fid), count=1)
-        replies = pipe.execute()
-        listed = []
-        for i, fid in enumerate(ids):
-            state, record, newest = replies[3 * i : 3 * i + 3]
-            if state:  # past its retention: the index keeps it until a later launch trims it
-                listed.append(dataclasses.asdict(session_fork(fid, state, record, newest)))
-        return listed
+        return [dataclasses.asdict(fork) for fork in self.store.session_forks(session, limit=limit)]
 
     def send_to(self, session: str, name: str, text: str) -> Sent:
         """`send` to the teammate launched as `name` from parent session `session`.
