@@ -26,7 +26,7 @@ from workers.errors import (
     InvalidApproval,
     MessageRefused,
 )
-from workers.history.params import AgentParams, ApprovalPolicy, SeedMode, revalidate, validate_agent_params
+from workers.history.params import AgentParams, ApprovalPolicy, SeedMode, validate_agent_params
 from workers.history.snapshot import ParentSnapshot, parse_parent_snapshot
 from workers.keys import Keys
 from workers.limits import MAX_INBOX_MESSAGES, MAX_MESSAGE_BYTES, shown, text_problem
@@ -40,13 +40,7 @@ from workers.store.queue import enqueue_again, run_fork_call, send_call, send_en
 from workers.store.reads import PARKED
 from workers.subagents.capabilities import providers
 from workers.subagents.definitions import CatalogCache
-from workers.subagents.launch import (
-    LaunchAsks,
-    LaunchPlan,
-    check_fork_id,
-    launch_settings,
-    plan_launch,
-)
+from workers.subagents.launch import LaunchOptions, LaunchPlan, launch_settings, plan_launch
 
 if TYPE_CHECKING:  # a type only: the send-only app is built on the first launch (broker_config.sender)
     from celery import Celery
@@ -261,29 +255,50 @@ class ForkClient:
             InvalidParentSnapshot: the parent snapshot is malformed.
             InvalidAgentDefinition: a file of FORKQ_AGENTS_DIR is malformed.
         """
-        # a pre-built AgentParams is checked like an Agent call: building one directly skips the rules
-        agent = revalidate(params) if isinstance(params, AgentParams) else validate_agent_params(params)
-        check_fork_id(fork_id)
-        snapshot = parent if isinstance(parent, ParentSnapshot) else parse_parent_snapshot(dict(parent))
-        reused = snapshot is parent  # one parsed here from a dict cannot be passed again: keep nothing of it
-        asks = LaunchAsks(
-            approval_policy, output_schema, max_wall_s, max_turns, seed_mode, persona, tool_filter, max_depth
+        # an AgentParams passed the contract when it was built: it is not checked again
+        agent = params if isinstance(params, AgentParams) else validate_agent_params(params)
+        options = LaunchOptions(
+            fork_id=fork_id,
+            seed_mode=seed_mode,
+            persona=persona,
+            tool_filter=tool_filter,
+            max_depth=max_depth,
+            approval_policy=approval_policy,
+            output_schema=output_schema,
+            max_wall_s=max_wall_s,
+            max_turns=max_turns,
         )
+        snapshot = parent if isinstance(parent, ParentSnapshot) else parse_parent_snapshot(dict(parent))
+        # one parsed here from a dict cannot be passed again: keep nothing of it
+        return self.launch_checked(snapshot, agent, options, keep=snapshot is parent)
+
+    def launch_checked(
+        self, snapshot: ParentSnapshot, agent: AgentParams, options: LaunchOptions, *, keep: bool = True
+    ) -> ForkHandle:
+        """`launch` with its arguments already checked models (as the HTTP API's request holds them).
+
+        `keep=False` for a snapshot nobody passes again (one parsed from a request): its history selection
+        and declarations are not kept for sibling launches.
+
+        Raises:
+            InvalidAgentParams: the options ask for what the provider or seed mode lacks, or break a nesting or
+                name rule (`.field` names which).
+            InvalidAgentDefinition: a file of FORKQ_AGENTS_DIR is malformed.
+        """
         plan = plan_launch(
             agent,
             snapshot,
-            asks,
-            tools_json=self._declarations_json(snapshot, keep=reused),
+            options,
+            tools_json=self._declarations_json(snapshot, keep=keep),
             catalog=self._catalog.get,
             depth_limit=self.settings.max_subagent_depth,
         )
-        fid = fork_id or new_fork_id()
+        fid = options.fork_id or new_fork_id()
         if not agent.is_fork:  # regular subagents and named teammates inherit no history
             seed = SeedChunks(chunks=[], digests=[], count=0, task_prompt=agent.prompt)
         else:
-            fork_turns = agent.fork_turns if plan.seed_mode == "fork_turns" else None
             seed = self._seeds.build(
-                snapshot, fork_turns=fork_turns, directive=agent.prompt, keep=reused, seed_mode=plan.seed_mode
+                snapshot, directive=agent.prompt, turns=agent.turns, seed_mode=plan.seed_mode, keep=keep
             )
         record = self._record(fid, snapshot, agent, seed, plan)
         if agent.name:  # a teammate: its name is its own in the session while it lives
