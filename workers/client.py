@@ -40,7 +40,7 @@ from workers.store.queue import enqueue_again, run_fork_call, send_call, send_en
 from workers.store.reads import PARKED
 from workers.subagents.capabilities import providers
 from workers.subagents.definitions import CatalogCache
-from workers.subagents.launch import LaunchOptions, LaunchPlan, launch_settings, plan_launch
+from workers.subagents.launch import LaunchOptions, launch_settings, plan_launch
 
 if TYPE_CHECKING:  # a type only: the send-only app is built on the first launch (broker_config.sender)
     from celery import Celery
@@ -300,7 +300,9 @@ class ForkClient:
             seed = self._seeds.build(
                 snapshot, directive=agent.prompt, turns=agent.turns, seed_mode=plan.seed_mode, keep=keep
             )
-        record = self._record(fid, snapshot, agent, seed, plan)
+        record = plan.record(
+            fid, snapshot, agent, seed_chunks=seed.digests, message_count=seed.count, task_prompt=seed.task_prompt
+        )
         if agent.name:  # a teammate: its name is its own in the session while it lives
             self._claim_name(snapshot.session_id, agent.name, fid)
         record_bytes, digest = record.encode()
@@ -374,31 +376,6 @@ class ForkClient:
         if keep:
             self._tools_json = (snapshot, text, json.loads(text))
         return text
-
-    @staticmethod
-    def _record(
-        fid: str, parent: ParentSnapshot, agent: AgentParams, seed: SeedChunks, plan: LaunchPlan
-    ) -> BootstrapRecord:
-        return BootstrapRecord(
-            fork_id=fid,
-            parent_session=parent.session_id,
-            kind="fork" if plan.kind == "fork" else "spawn",
-            seed_chunks=seed.digests,
-            message_count=seed.count,
-            task_prompt=seed.task_prompt,
-            directive=agent.prompt,
-            description=agent.description,
-            subagent_type=agent.subagent_type,
-            name=agent.name,
-            system_instruction=plan.scope.system_instruction,
-            tools_json=plan.scope.tools_json,
-            model=plan.scope.model,
-            approval_mode=plan.approval_mode,
-            cwd=parent.cwd,
-            depth=parent.depth + 1,
-            fork_turns=agent.fork_turns,
-            options=plan.options,
-        )
 
     # ── following a fork ──────────────────────────────────────────────────────────────────────
 

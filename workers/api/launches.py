@@ -10,7 +10,6 @@ A refused launch gives its claim up, so nothing of it stays in Redis.
 from __future__ import annotations
 
 import hashlib
-import json
 import time
 from dataclasses import dataclass
 from typing import Final
@@ -32,12 +31,6 @@ class Outcome:
     fork_id: str
     status: str
     created: bool
-
-
-def body_digest(body: LaunchRequest) -> str:
-    """SHA-256 of the request's canonical JSON (keys sorted): equal bodies, however spaced or ordered, match."""
-    text = json.dumps(body.model_dump(mode="json"), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def key_digest(token_id: str, key: str) -> str:
@@ -62,7 +55,7 @@ class Launcher:
         if key is None:
             return self._launch(body, body.options)
         digest = key_digest(token_id, key)
-        claim = Claim(body=body_digest(body), fork_id=body.options.fork_id or new_fork_id())
+        claim = Claim(body=body.digest, fork_id=body.options.fork_id or new_fork_id())
         deadline = time.monotonic() + IN_FLIGHT_WAIT_S
         while time.monotonic() < deadline:
             held = self.keys.claim(digest, claim)

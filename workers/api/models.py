@@ -6,10 +6,20 @@ checked by the same code, with the same messages, as a launch from Python, and i
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Mapping
 from typing import Annotated, Any, Final, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ModelWrapValidatorHandler,
+    PrivateAttr,
+    model_validator,
+)
 
 from workers.history.params import AgentParams, validate_agent_params
 from workers.history.snapshot import ParentSnapshot, parse_parent_snapshot
@@ -52,6 +62,38 @@ class LaunchRequest(BaseModel):
         description="The parent snapshot: session_id, system_instruction, tools, model, approval_mode, cwd, "
         "history (the parent's raw Contents, ending with the model Content holding the Agent call), depth."
     )
+    _digest: str = PrivateAttr("")
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _with_digest(cls, data: Any, handler: ModelWrapValidatorHandler[LaunchRequest]) -> LaunchRequest:
+        request = handler(data)
+        if isinstance(data, Mapping):
+            request._digest = body_digest(data)
+        return request
+
+    @property
+    def digest(self) -> str:
+        """SHA-256 of the body's canonical JSON (keys sorted, options filled in), as the client sent it: equal
+        bodies, however spaced or ordered, match (an Idempotency-Key's claim keeps it)."""
+        return self._digest
+
+
+def body_digest(data: Mapping[str, Any]) -> str:
+    """The digest of a valid launch body as sent: the parts as given, every option named (null when left out).
+
+    The same JSON as the request's dump was before its parts were models, so an Idempotency-Key claimed by an
+    earlier server matches a request sent again to this one; and no parsed snapshot is dumped to compute it.
+    """
+    options = data.get("options") or {}
+    canonical = {
+        "schema_version": 1,
+        "parent": data["parent"],
+        "agent": data["agent"],
+        "options": {name: options.get(name) for name in LaunchOptions.model_fields},
+    }
+    text = json.dumps(canonical, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 class Launched(BaseModel):

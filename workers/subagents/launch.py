@@ -231,6 +231,38 @@ class LaunchPlan:
     approval_mode: ApprovalMode
     options: ForkOptions
 
+    def record(
+        self,
+        fork_id: str,
+        parent: ParentSnapshot,
+        agent: AgentParams,
+        *,
+        seed_chunks: list[bytes],
+        message_count: int,
+        task_prompt: str,
+    ) -> BootstrapRecord:
+        """The bootstrap record of this launch, with its seed's chunk digests, message count and task prompt."""
+        return BootstrapRecord(
+            fork_id=fork_id,
+            parent_session=parent.session_id,
+            kind="fork" if self.kind == "fork" else "spawn",
+            seed_chunks=seed_chunks,
+            message_count=message_count,
+            task_prompt=task_prompt,
+            directive=agent.prompt,
+            description=agent.description,
+            subagent_type=agent.subagent_type,
+            name=agent.name,
+            system_instruction=self.scope.system_instruction,
+            tools_json=self.scope.tools_json,
+            model=self.scope.model,
+            approval_mode=self.approval_mode,
+            cwd=parent.cwd,
+            depth=parent.depth + 1,
+            fork_turns=agent.fork_turns,
+            options=self.options,
+        )
+
 
 def plan_launch(
     agent: AgentParams,
