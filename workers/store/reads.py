@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Generator, Mapping
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final, TypeVar, cast
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Final, NamedTuple, TypeVar, cast
 
 import redis
 
@@ -31,15 +32,15 @@ T = TypeVar("T")
 
 BLOCK_MAX_MS: Final = 1000  # a wait re-reads the result at least this often (a result with no event cannot hide)
 PARKED: Final = (Status.AWAITING_APPROVAL, Status.PAUSED)
+EMPTY: Final[Mapping[str, object]] = MappingProxyType({})  # no keyword arguments (read-only: shared by commands)
 
 
-@dataclass(frozen=True, slots=True)
-class Command:
+class Command(NamedTuple):
     """One Redis command as a redis-py method call: the same on both clients and on their pipelines."""
 
     method: str
     args: tuple[object, ...] = ()
-    kwargs: Mapping[str, object] = field(default_factory=dict)
+    kwargs: Mapping[str, object] = EMPTY
 
 
 # an event as the stream holds it: its id and fields (`workers.store.forks.decode_event` gives its meaning)

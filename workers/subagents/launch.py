@@ -144,7 +144,8 @@ class LaunchOptions(BaseModel):
     `seed_mode` accepts the CLI spellings (`completed-turns`) and holds the mode's own name.
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    # built on first use: a process that only follows forks (`forkq status`) never validates one
+    model_config = ConfigDict(frozen=True, extra="forbid", defer_build=True)
 
     fork_id: Annotated[
         Annotated[str, Field(pattern=FORK_ID_PATTERN)] | SkipJsonSchema[None], BeforeValidator(_fork_id)
