@@ -497,21 +497,21 @@ def test_a_launch_past_its_bounds_raises_invalid_agent_params_naming_the_field_a
 
 
 @pytest.mark.parametrize(
-    ("params", "message"),
+    ("fields", "message"),
     [
-        (AgentParams(description="d", prompt=""), 'Parameter "prompt" is required'),
-        (AgentParams(description="d", prompt="p", subagent_type="general", fork_turns="3"), MSG_FORK_TURNS_NOT_FORK),
-        (AgentParams(description="d", prompt="p", subagent_type="fork", model="m"), MSG_MODEL_FORK),
-        (AgentParams(description="d", prompt="p", subagent_type="fork", fork_turns="0"), MSG_FORK_TURNS_VALUE),
-        (AgentParams.model_construct(description="d", prompt=5), 'Parameter "prompt" is required'),
+        ({"description": "d", "prompt": ""}, 'Parameter "prompt" is required'),
+        ({"description": "d", "prompt": "p", "subagent_type": "general", "fork_turns": "3"}, MSG_FORK_TURNS_NOT_FORK),
+        ({"description": "d", "prompt": "p", "subagent_type": "fork", "model": "m"}, MSG_MODEL_FORK),
+        ({"description": "d", "prompt": "p", "subagent_type": "fork", "fork_turns": "0"}, MSG_FORK_TURNS_VALUE),
     ],
-    ids=["empty-prompt", "fork-turns-not-fork", "model-fork", "fork-turns-zero", "constructed-wrong-type"],
+    ids=["empty-prompt", "fork-turns-not-fork", "model-fork", "fork-turns-zero"],
 )
-def test_a_prebuilt_agent_params_is_validated_like_an_agent_call(
-    params: AgentParams, message: str, client: ForkClient, redis_client: redis.Redis, parent: dict[str, Any]
+def test_an_agent_params_is_held_to_the_agent_calls_rules_before_it_can_be_launched(
+    fields: dict[str, Any], message: str, client: ForkClient, redis_client: redis.Redis, parent: dict[str, Any]
 ) -> None:
+    # building one checks the contract, once: a launch trusts the AgentParams it is given
     with pytest.raises(InvalidAgentParams, match=re.escape(message)):
-        client.launch(parent, params)
+        client.launch(parent, AgentParams(**fields))
 
     assert nothing_reached_redis(redis_client, client.settings.queue)
 

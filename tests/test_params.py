@@ -19,7 +19,6 @@ from workers.history.params import (
     agent_tool_schema,
     check_seed_mode,
     normalize_seed_mode,
-    revalidate,
     validate_agent_params,
 )
 
@@ -259,17 +258,18 @@ def test_an_unknown_parameter_with_a_huge_name_is_named_briefly() -> None:
 
 
 @pytest.mark.parametrize(
-    ("agent", "message"),
+    ("fields", "message"),
     [
-        (AgentParams(description="d", prompt=" "), 'Parameter "prompt" is required'),
-        (AgentParams(description="d", prompt="p", fork_turns="3"), NOT_FORK),
-        (AgentParams(description="d", prompt="p", subagent_type="fork", name="bob", fork_turns="3"), TEAMMATE),
-        (AgentParams(description="d", prompt="p", subagent_type="fork", model="m"), MODEL),
+        ({"description": "d", "prompt": " "}, 'Parameter "prompt" is required'),
+        ({"description": "d", "prompt": "p", "fork_turns": "3"}, NOT_FORK),
+        ({"description": "d", "prompt": "p", "subagent_type": "fork", "name": "bob", "fork_turns": "3"}, TEAMMATE),
+        ({"description": "d", "prompt": "p", "subagent_type": "fork", "model": "m"}, MODEL),
+        ({"description": "d", "prompt": "p", "turns": 3}, 'Unknown parameter "turns"'),
     ],
 )
-def test_revalidate_applies_every_rule_to_an_agent_params_built_directly(agent: AgentParams, message: str) -> None:
+def test_an_agent_params_built_directly_is_held_to_every_rule(fields: dict[str, Any], message: str) -> None:
     with pytest.raises(InvalidAgentParams) as caught:
-        revalidate(agent)
+        AgentParams(**fields)
 
     assert str(caught.value).startswith(message)
 
@@ -278,10 +278,29 @@ def test_revalidate_applies_every_rule_to_an_agent_params_built_directly(agent: 
     "raw",
     [params(), params(fork_turns="3", fork_tools=["read_file"]), params(subagent_type="x", name="", model="m")],
 )
-def test_revalidate_keeps_a_validated_agent_params_as_it_was(raw: dict[str, Any]) -> None:
+def test_an_agent_params_built_from_a_validated_ones_fields_equals_it(raw: dict[str, Any]) -> None:
     agent = validate_agent_params(raw)
 
-    assert revalidate(agent) == agent
+    fields = {name: getattr(agent, name) for name in raw}
+    assert AgentParams(**fields) == agent
+
+
+def test_none_is_a_keyword_left_out_when_built_directly_and_a_given_null_in_an_agent_call() -> None:
+    assert AgentParams(description="d", prompt="p", fork_turns=None, name=None).fork_turns is None
+    assert AgentParams(description="d", prompt="p", name=None).name is None
+    assert validate_agent_params(params(name=None)).name == ""
+    with pytest.raises(InvalidAgentParams, match="fork_turns"):
+        validate_agent_params(params(fork_turns=None))
+
+
+def test_fork_turns_is_normalized_once_as_the_call_is_validated() -> None:
+    assert validate_agent_params(params(subagent_type="fork", fork_turns="12")).turns == 12
+    assert validate_agent_params(params(subagent_type="fork")).turns == "all"
+    assert "turns" not in validate_agent_params(params(subagent_type="fork", fork_turns="2")).model_dump()
+
+
+def test_the_agent_params_schema_is_the_agent_tools_own() -> None:
+    assert AgentParams.model_json_schema() == agent_tool_schema()
 
 
 @pytest.mark.parametrize("field", ["description", "prompt", "subagent_type", "name", "model"])

@@ -6,15 +6,13 @@ import json
 from pathlib import Path
 from typing import Any
 
-import pytest
 from factories import model, user
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from strategies import FORK_TURNS, GeneratedHistory, parent_histories
 
-from workers.errors import InvalidAgentParams
 from workers.history.completed import build_completed_seed_wire
-from workers.history.params import MSG_SEED_MODE_FORK_TURNS
+from workers.history.params import normalize_fork_turns
 from workers.history.selection import build_fork_seed_wire
 from workers.history.snapshot import ParentSnapshot, parse_parent_snapshot
 from workers.records.fork import chunk_digest, split_wire
@@ -44,7 +42,7 @@ def test_sibling_forks_get_exactly_the_chunks_of_the_history_pipeline(
     snapshot = snapshot_of(history.raw)
     for directive in [*directives, directives[0]]:
         # When the builder makes the seed (the first launch fills its cache, the later ones use it)
-        seed = builder.build(snapshot, fork_turns=fork_turns, directive=directive)
+        seed = builder.build(snapshot, turns=normalize_fork_turns(fork_turns), directive=directive)
 
         # Then it is byte for byte what split_wire(build_fork_seed_wire(...)) gives, digests included
         chunks, count, task_prompt = expected(snapshot, fork_turns, directive)
@@ -59,8 +57,8 @@ def test_siblings_share_the_body_chunks_and_differ_only_in_the_repaired_end() ->
     builder = SeedBuilder()
 
     # When two forks with different directives are built
-    one = builder.build(snapshot, fork_turns="all", directive="Review the lease code.")
-    two = builder.build(snapshot, fork_turns="all", directive="Write the docs.")
+    one = builder.build(snapshot, directive="Review the lease code.")
+    two = builder.build(snapshot, directive="Write the docs.")
 
     # Then the body chunks are the very same objects (built once), and only the last chunk differs
     assert len(one.chunks) == len(two.chunks) > 1
@@ -76,17 +74,11 @@ def test_a_new_snapshot_with_a_reused_id_is_not_served_from_the_cache() -> None:
     second = snapshot_of([{"role": "user", "parts": [{"text": "second task"}]}], session="s-2")
 
     # When each is built (the second evicts the first), and the first again
-    seeds = [builder.build(s, fork_turns="all", directive="go") for s in (first, second, first)]
+    seeds = [builder.build(s, directive="go") for s in (first, second, first)]
 
     # Then each seed is its own snapshot's
     assert [s.chunks for s in seeds] == [expected(s, "all", "go")[0] for s in (first, second, first)]
     assert len(builder._selections) == 1
-
-
-def test_an_invalid_fork_turns_is_refused_with_the_history_pipelines_error() -> None:
-    snapshot = snapshot_of([{"role": "user", "parts": [{"text": "task"}]}])
-    with pytest.raises(InvalidAgentParams, match="fork_turns"):
-        SeedBuilder().build(snapshot, fork_turns="0", directive="go")
 
 
 def test_body_chunks_are_reused_only_for_the_selections_own_messages() -> None:
@@ -110,16 +102,16 @@ def test_a_snapshot_whose_history_list_changed_is_selected_again() -> None:
     # Given the example parent's snapshot, launched from once
     snapshot = parse_parent_snapshot(json.loads(EXAMPLE.read_text()))
     builder = SeedBuilder()
-    builder.build(snapshot, fork_turns="all", directive="first")
+    builder.build(snapshot, directive="first")
 
     # When its history list gets a message inserted, the seed is built again from the list as it is
     snapshot.history.insert(1, user("an extra turn"))
-    inserted = builder.build(snapshot, fork_turns="all", directive="second")
+    inserted = builder.build(snapshot, directive="second")
     assert inserted.chunks == expected(snapshot, "all", "second")[0]
 
     # and when a message is replaced by another object, again
     snapshot.history[2] = user("a replaced turn")
-    replaced = builder.build(snapshot, fork_turns="all", directive="third")
+    replaced = builder.build(snapshot, directive="third")
     assert replaced.chunks == expected(snapshot, "all", "third")[0]
 
 
@@ -127,7 +119,7 @@ def test_a_snapshot_built_with_keep_false_leaves_nothing_in_the_builder() -> Non
     snapshot = parse_parent_snapshot(json.loads(EXAMPLE.read_text()))
     builder = SeedBuilder()
 
-    seed = builder.build(snapshot, fork_turns="all", directive="go", keep=False)
+    seed = builder.build(snapshot, directive="go", keep=False)
 
     assert seed.chunks == expected(snapshot, "all", "go")[0]
     assert len(builder._selections) == 0
@@ -151,8 +143,8 @@ def test_completed_turn_forks_get_exactly_the_chunks_of_the_completed_seed(
     snapshot = snapshot_of(history.raw)
     for directive in [*directives, directives[0]]:
         # When the builder makes a completed-turn seed (and a fork_turns seed of the same snapshot between them)
-        seed = builder.build(snapshot, fork_turns=None, directive=directive, seed_mode="completed_turns")
-        builder.build(snapshot, fork_turns=fork_turns, directive=directive)
+        seed = builder.build(snapshot, directive=directive, seed_mode="completed_turns")
+        builder.build(snapshot, turns=normalize_fork_turns(fork_turns), directive=directive)
 
         # Then it is byte for byte what split_wire(build_completed_seed_wire(...)) gives, digests included
         chunks, count, task_prompt = expected_completed(snapshot, directive)
@@ -173,9 +165,9 @@ def test_completed_turn_siblings_share_every_chunk_and_differ_only_in_the_task_p
     )
     builder = SeedBuilder()
 
-    # When two completed-turn forks are built (the CLI spelling of the mode is accepted)
-    one = builder.build(snapshot, fork_turns=None, directive="Review.", seed_mode="completed_turns")
-    two = builder.build(snapshot, fork_turns=None, directive="Document.", seed_mode="completed-turns")
+    # When two completed-turn forks are built
+    one = builder.build(snapshot, directive="Review.", seed_mode="completed_turns")
+    two = builder.build(snapshot, directive="Document.", seed_mode="completed_turns")
 
     # Then their chunks are equal and only the task prompts differ
     assert one.chunks == two.chunks == expected_completed(snapshot, "Review.")[0]
@@ -186,24 +178,6 @@ def test_completed_turn_siblings_share_every_chunk_and_differ_only_in_the_task_p
 def test_a_first_turn_completed_fork_has_no_chunks_and_the_bare_directive() -> None:
     snapshot = snapshot_of([{"role": "user", "parts": [{"text": "task"}]}])
 
-    seed = SeedBuilder().build(snapshot, fork_turns=None, directive="go", seed_mode="completed_turns")
+    seed = SeedBuilder().build(snapshot, directive="go", seed_mode="completed_turns")
 
     assert (seed.chunks, seed.digests, seed.count, seed.task_prompt) == ([], [], 0, "go")
-
-
-def test_fork_turns_with_a_completed_turn_fork_is_refused() -> None:
-    snapshot = snapshot_of([{"role": "user", "parts": [{"text": "task"}]}])
-
-    with pytest.raises(InvalidAgentParams) as caught:
-        SeedBuilder().build(snapshot, fork_turns="all", directive="go", seed_mode="completed_turns")
-
-    assert (caught.value.message, caught.value.field) == (MSG_SEED_MODE_FORK_TURNS, "fork_turns")
-
-
-def test_an_unknown_seed_mode_is_refused() -> None:
-    snapshot = snapshot_of([{"role": "user", "parts": [{"text": "task"}]}])
-
-    with pytest.raises(InvalidAgentParams, match='"completed_turns"') as caught:
-        SeedBuilder().build(snapshot, fork_turns=None, directive="go", seed_mode="completed")
-
-    assert caught.value.field == "seed_mode"

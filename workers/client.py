@@ -9,7 +9,7 @@ import secrets
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final, Literal, cast
+from typing import TYPE_CHECKING, Any, Final, Literal
 
 import redis
 
@@ -26,7 +26,7 @@ from workers.errors import (
     InvalidApproval,
     MessageRefused,
 )
-from workers.history.params import AgentParams, ApprovalPolicy, SeedMode, revalidate, validate_agent_params
+from workers.history.params import AgentParams, ApprovalPolicy, SeedMode, validate_agent_params
 from workers.history.snapshot import ParentSnapshot, parse_parent_snapshot
 from workers.keys import Keys
 from workers.limits import MAX_INBOX_MESSAGES, MAX_MESSAGE_BYTES, shown, text_problem
@@ -37,15 +37,10 @@ from workers.records.seeds import SeedBuilder, SeedChunks
 from workers.store.forks import ForkEvent, ForkStore
 from workers.store.lease import Leases
 from workers.store.queue import enqueue_again, run_fork_call, send_call, send_ended_event
+from workers.store.reads import PARKED
 from workers.subagents.capabilities import providers
 from workers.subagents.definitions import CatalogCache
-from workers.subagents.launch import (
-    LaunchAsks,
-    LaunchPlan,
-    check_fork_id,
-    launch_settings,
-    plan_launch,
-)
+from workers.subagents.launch import LaunchOptions, launch_settings, plan_launch
 
 if TYPE_CHECKING:  # a type only: the send-only app is built on the first launch (broker_config.sender)
     from celery import Celery
@@ -260,31 +255,54 @@ class ForkClient:
             InvalidParentSnapshot: the parent snapshot is malformed.
             InvalidAgentDefinition: a file of FORKQ_AGENTS_DIR is malformed.
         """
-        # a pre-built AgentParams is checked like an Agent call: building one directly skips the rules
-        agent = revalidate(params) if isinstance(params, AgentParams) else validate_agent_params(params)
-        check_fork_id(fork_id)
-        snapshot = parent if isinstance(parent, ParentSnapshot) else parse_parent_snapshot(dict(parent))
-        reused = snapshot is parent  # one parsed here from a dict cannot be passed again: keep nothing of it
-        asks = LaunchAsks(
-            approval_policy, output_schema, max_wall_s, max_turns, seed_mode, persona, tool_filter, max_depth
+        # an AgentParams passed the contract when it was built: it is not checked again
+        agent = params if isinstance(params, AgentParams) else validate_agent_params(params)
+        options = LaunchOptions(
+            fork_id=fork_id,
+            seed_mode=seed_mode,
+            persona=persona,
+            tool_filter=tool_filter,
+            max_depth=max_depth,
+            approval_policy=approval_policy,
+            output_schema=output_schema,
+            max_wall_s=max_wall_s,
+            max_turns=max_turns,
         )
+        snapshot = parent if isinstance(parent, ParentSnapshot) else parse_parent_snapshot(dict(parent))
+        # one parsed here from a dict cannot be passed again: keep nothing of it
+        return self.launch_checked(snapshot, agent, options, keep=snapshot is parent)
+
+    def launch_checked(
+        self, snapshot: ParentSnapshot, agent: AgentParams, options: LaunchOptions, *, keep: bool = True
+    ) -> ForkHandle:
+        """`launch` with its arguments already checked models (as the HTTP API's request holds them).
+
+        `keep=False` for a snapshot nobody passes again (one parsed from a request): its history selection
+        and declarations are not kept for sibling launches.
+
+        Raises:
+            InvalidAgentParams: the options ask for what the provider or seed mode lacks, or break a nesting or
+                name rule (`.field` names which).
+            InvalidAgentDefinition: a file of FORKQ_AGENTS_DIR is malformed.
+        """
         plan = plan_launch(
             agent,
             snapshot,
-            asks,
-            tools_json=self._declarations_json(snapshot, keep=reused),
+            options,
+            tools_json=self._declarations_json(snapshot, keep=keep),
             catalog=self._catalog.get,
             depth_limit=self.settings.max_subagent_depth,
         )
-        fid = fork_id or new_fork_id()
+        fid = options.fork_id or new_fork_id()
         if not agent.is_fork:  # regular subagents and named teammates inherit no history
             seed = SeedChunks(chunks=[], digests=[], count=0, task_prompt=agent.prompt)
         else:
-            fork_turns = agent.fork_turns if plan.seed_mode == "fork_turns" else None
             seed = self._seeds.build(
-                snapshot, fork_turns=fork_turns, directive=agent.prompt, keep=reused, seed_mode=plan.seed_mode
+                snapshot, directive=agent.prompt, turns=agent.turns, seed_mode=plan.seed_mode, keep=keep
             )
-        record = self._record(fid, snapshot, agent, seed, plan)
+        record = plan.record(
+            fid, snapshot, agent, seed_chunks=seed.digests, message_count=seed.count, task_prompt=seed.task_prompt
+        )
         if agent.name:  # a teammate: its name is its own in the session while it lives
             self._claim_name(snapshot.session_id, agent.name, fid)
         record_bytes, digest = record.encode()
@@ -359,31 +377,6 @@ class ForkClient:
             self._tools_json = (snapshot, text, json.loads(text))
         return text
 
-    @staticmethod
-    def _record(
-        fid: str, parent: ParentSnapshot, agent: AgentParams, seed: SeedChunks, plan: LaunchPlan
-    ) -> BootstrapRecord:
-        return BootstrapRecord(
-            fork_id=fid,
-            parent_session=parent.session_id,
-            kind="fork" if plan.kind == "fork" else "spawn",
-            seed_chunks=seed.digests,
-            message_count=seed.count,
-            task_prompt=seed.task_prompt,
-            directive=agent.prompt,
-            description=agent.description,
-            subagent_type=agent.subagent_type,
-            name=agent.name,
-            system_instruction=plan.scope.system_instruction,
-            tools_json=plan.scope.tools_json,
-            model=plan.scope.model,
-            approval_mode=plan.approval_mode,
-            cwd=parent.cwd,
-            depth=parent.depth + 1,
-            fork_turns=agent.fork_turns,
-            options=plan.options,
-        )
-
     # ── following a fork ──────────────────────────────────────────────────────────────────────
 
     def status(self, fork_id: str) -> ForkState:
@@ -408,29 +401,19 @@ class ForkClient:
             ForkNotFound: the fork does not exist.
         """
         check_timeout(timeout)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        after = "0-0"
-        while True:
-            result = self.store.result(fork_id)
-            if result is not None:
-                return result
-            state = self.store.state(fork_id)  # ForkNotFound for a fork that does not exist
-            if state.status in (Status.AWAITING_APPROVAL, Status.PAUSED):
-                raise parked_error(state)
-            # at most a second per read, computed in seconds first: a timeout of 1e308 s must not overflow
-            left_ms = 1000 if deadline is None else int(min(deadline - time.monotonic(), 1.0) * 1000)
-            if left_ms <= 0:
-                hint = (
-                    "check that a worker consumes the queue (forkq check --worker / Flower)"
-                    if state.status is Status.QUEUED
-                    else f"`forkq events {fork_id} --follow` shows its progress"
-                )
-                raise ForkTimeout(
-                    f"fork {fork_id}: still {state.status.value} after {timeout} s; wait longer, or {hint}",
-                    fork_id=fork_id,
-                )
-            for event in self.store.events(fork_id, after=after, block_ms=max(1, min(left_ms, 1000))):
-                after = event.id
+        outcome = self.store.ended(fork_id, deadline=None if timeout is None else time.monotonic() + timeout)
+        if isinstance(outcome, ForkResult):
+            return outcome
+        if outcome.status in PARKED:
+            raise parked_error(outcome)
+        hint = (
+            "check that a worker consumes the queue (forkq check --worker / Flower)"
+            if outcome.status is Status.QUEUED
+            else f"`forkq events {fork_id} --follow` shows its progress"
+        )
+        raise ForkTimeout(
+            f"fork {fork_id}: still {outcome.status.value} after {timeout} s; wait longer, or {hint}", fork_id=fork_id
+        )
 
     def events(self, fork_id: str, *, follow: bool = False) -> Iterator[ForkEvent]:
         """The fork's events so far, or (`follow`) until its terminal event."""
@@ -545,24 +528,7 @@ class ForkClient:
     def list(self, session: str, *, limit: int = 1000) -> list[dict[str, Any]]:
         """The forks launched from parent session `session` still in Redis, newest first: `fork_id`, `kind`,
         `name`, `description`, `status`, `created_ms`, `updated_ms`."""
-        from workers.store.reader import session_fork  # noqa: PLC0415  (its module loads redis.asyncio)
-
-        ids = [
-            m.decode()
-            for m in cast(list[bytes], self.redis.zrevrange(self.store.keys.session_forks(session), 0, limit - 1))
-        ]
-        pipe = self.redis.pipeline(transaction=False)
-        for fid in ids:
-            pipe.hgetall(self.store.keys.state(fid))
-            pipe.get(self.store.keys.bootstrap(fid))
-            pipe.xrevrange(self.store.keys.events(fid), count=1)
-        replies = pipe.execute()
-        listed = []
-        for i, fid in enumerate(ids):
-            state, record, newest = replies[3 * i : 3 * i + 3]
-            if state:  # past its retention: the index keeps it until a later launch trims it
-                listed.append(dataclasses.asdict(session_fork(fid, state, record, newest)))
-        return listed
+        return [dataclasses.asdict(fork) for fork in self.store.session_forks(session, limit=limit)]
 
     def send_to(self, session: str, name: str, text: str) -> Sent:
         """`send` to the teammate launched as `name` from parent session `session`.

@@ -1,5 +1,5 @@
-"""Launches over HTTP: through `ForkClient.launch` (the same checks and history selection as from Python),
-once per `Idempotency-Key`.
+"""Launches over HTTP: through `ForkClient.launch_checked` (the request's models were checked as a launch from
+Python checks them; the same plan and history selection), once per `Idempotency-Key`.
 
 The key (scoped by the caller's token) is claimed in Redis before the launch with the digest of the
 request's canonical body and the fork id the launch will use: the same key with the same body gets that
@@ -10,16 +10,15 @@ A refused launch gives its claim up, so nothing of it stays in Redis.
 from __future__ import annotations
 
 import hashlib
-import inspect
-import json
 import time
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Final
 
 from workers.api.models import LaunchRequest
 from workers.client import ForkClient, new_fork_id
 from workers.errors import ForkNotFound, IdempotencyConflict
 from workers.store.idempotency import Claim, IdempotencyKeys
+from workers.subagents.launch import LaunchOptions
 
 IN_FLIGHT_WAIT_S: Final = 10.0  # how long a repeat waits for the first launch with its key to write its fork
 IN_FLIGHT_POLL_S: Final = 0.05
@@ -34,18 +33,6 @@ class Outcome:
     created: bool
 
 
-def launch_parameters() -> frozenset[str]:
-    """The keyword arguments `ForkClient.launch` takes (the options a launch may set)."""
-    parameters = inspect.signature(ForkClient.launch).parameters.values()
-    return frozenset(p.name for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY)
-
-
-def body_digest(body: LaunchRequest) -> str:
-    """SHA-256 of the request's canonical JSON (keys sorted): equal bodies, however spaced or ordered, match."""
-    text = json.dumps(body.model_dump(mode="json"), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
-
-
 def key_digest(token_id: str, key: str) -> str:
     """SHA-256 of the caller's token id and the Idempotency-Key: a bounded Redis key, one per caller."""
     return hashlib.sha256(f"{token_id}\n{key}".encode()).hexdigest()
@@ -57,7 +44,6 @@ class Launcher:
     def __init__(self, client: ForkClient, keys: IdempotencyKeys) -> None:
         self.client = client
         self.keys = keys
-        self.parameters = launch_parameters()
 
     def launch(self, body: LaunchRequest, *, key: str | None = None, token_id: str = "") -> Outcome:
         """Launch the fork the request describes, or, for a key seen before with the same body, find it.
@@ -66,17 +52,16 @@ class Launcher:
             InvalidAgentParams, InvalidParentSnapshot: as `ForkClient.launch` (nothing is written).
             IdempotencyConflict: the key was used with another body, or its first launch is still under way.
         """
-        options = body.options.launch_kwargs(self.parameters)
         if key is None:
-            return self._launch(body, options)
+            return self._launch(body, body.options)
         digest = key_digest(token_id, key)
-        claim = Claim(body=body_digest(body), fork_id=options.pop("fork_id", None) or new_fork_id())
+        claim = Claim(body=body.digest, fork_id=body.options.fork_id or new_fork_id())
         deadline = time.monotonic() + IN_FLIGHT_WAIT_S
         while time.monotonic() < deadline:
             held = self.keys.claim(digest, claim)
             if held is None:  # ours: launch, and give the key up if the launch is refused
                 try:
-                    return self._launch(body, {**options, "fork_id": claim.fork_id})
+                    return self._launch(body, body.options.model_copy(update={"fork_id": claim.fork_id}))
                 except BaseException:
                     self.keys.release(digest, claim)
                     raise
@@ -96,6 +81,7 @@ class Launcher:
             field="Idempotency-Key",
         )
 
-    def _launch(self, body: LaunchRequest, options: dict[str, Any]) -> Outcome:
-        handle = self.client.launch(body.parent, body.agent, **options)
+    def _launch(self, body: LaunchRequest, options: LaunchOptions) -> Outcome:
+        # the snapshot came with this request alone: nothing of it is kept for sibling launches
+        handle = self.client.launch_checked(body.parent, body.agent, options, keep=False)
         return Outcome(handle.fork_id, self.client.status(handle.fork_id).status.value, created=True)

@@ -1,88 +1,99 @@
 """The API's request and response bodies (pydantic models: they are its process boundary and its OpenAPI schema).
 
-The launch options are passed through to `ForkClient.launch` as they come: each is checked there, by the
-same code and with the same messages as a launch from Python. Their declared JSON schemas document them.
+A launch request is made of the domain's models (`AgentParams`, `LaunchOptions`, `ParentSnapshot`): each is
+checked by the same code, with the same messages, as a launch from Python, and its schema is theirs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
+import hashlib
+import json
+from collections.abc import Mapping
 from typing import Annotated, Any, Final, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ModelWrapValidatorHandler,
+    PrivateAttr,
+    model_validator,
+)
 
-from workers.errors import InvalidAgentParams
-from workers.keys import FORK_ID_RE
+from workers.history.params import AgentParams, validate_agent_params
+from workers.history.snapshot import ParentSnapshot, parse_parent_snapshot
 from workers.records.fork import Usage
+from workers.subagents.launch import LaunchOptions
 
 MAX_WAIT_S: Final = 60.0  # a long poll holds a connection, never a thread; under proxies' usual idle timeouts
 
 
-class LaunchOptions(BaseModel):
-    """The launch's options; one left out (or null) takes its default. An unknown option is refused (422)."""
+def _agent_call(value: object) -> object:
+    """An Agent call's arguments checked by the contract (its messages and field); anything else to pydantic."""
+    return validate_agent_params(value) if isinstance(value, Mapping) else value
 
-    model_config = ConfigDict(extra="forbid")
 
-    approval_policy: Annotated[Any, WithJsonSchema({"type": "string", "enum": ["deny", "park"]})] = Field(
-        None, description="A call that needs approval: `deny` it (default), or `park` the fork until approve/deny."
-    )
-    output_schema: Annotated[Any, WithJsonSchema({"type": "object"})] = Field(
-        None, description="JSON schema the final answer must match."
-    )
-    max_turns: Annotated[Any, WithJsonSchema({"type": "integer", "minimum": 1})] = Field(
-        None, description="Model calls at most (below the workers' own limit)."
-    )
-    max_wall_s: Annotated[Any, WithJsonSchema({"type": "number", "exclusiveMinimum": 0})] = Field(
-        None, description="Wall-clock limit in seconds (below the workers' own limit)."
-    )
-    seed_mode: Annotated[Any, WithJsonSchema({"type": "string"})] = Field(
-        None, description="How a fork's seed is taken from the parent's history (`fork_turns`, `completed_turns`)."
-    )
-    persona: Annotated[Any, WithJsonSchema({"type": "string"})] = Field(
-        None, description="Persona text of the child's fresh scope."
-    )
-    tool_filter: Annotated[Any, WithJsonSchema({"type": "array", "items": {"type": "string"}})] = Field(
-        None, description="Names of the tools the child may use."
-    )
-    max_depth: Annotated[Any, WithJsonSchema({"type": "integer", "minimum": 1})] = Field(
-        None, description="Deepest nesting of the child's own subagents."
-    )
-    fork_id: Annotated[Any, WithJsonSchema({"type": "string", "pattern": f"^{FORK_ID_RE.pattern}$"})] = Field(
-        None, description="The fork's id, chosen by the caller (default: a fresh one)."
-    )
-
-    def launch_kwargs(self, supported: Collection[str]) -> dict[str, Any]:
-        """The options that are set, as keyword arguments of `ForkClient.launch`.
-
-        Raises:
-            InvalidAgentParams: an option is set that this version's `ForkClient.launch` does not take.
-        """
-        given = {name: value for name in type(self).model_fields if (value := getattr(self, name)) is not None}
-        for name in given:
-            if name not in supported:
-                raise InvalidAgentParams(
-                    f"option {name!r} is not supported by this server's forkq version; leave it out or upgrade the "
-                    "server",
-                    field=name,
-                )
-        return given
+def _parent_snapshot(value: object) -> object:
+    """A parent snapshot checked as `forkq launch --parent` checks its file; anything else to pydantic."""
+    return parse_parent_snapshot(value) if isinstance(value, dict) else value
 
 
 class LaunchRequest(BaseModel):
-    """`POST /v1/forks`: the parent snapshot, the Agent tool call's arguments, and the launch options."""
+    """`POST /v1/forks`: the Agent tool call's arguments, the launch options, and the parent snapshot.
+
+    Each part is the domain's own model, checked by its own code as it is read: a broken rule is a 422 with
+    the message and field a launch from Python gets (`InvalidAgentParams`, `InvalidParentSnapshot`). The
+    parts are read in the order `ForkClient.launch` checks them.
+    """
 
     model_config = ConfigDict(extra="forbid")
 
     schema_version: Literal[1] = 1
-    parent: dict[str, Any] = Field(
-        description="The parent snapshot: session_id, system_instruction, tools, model, approval_mode, cwd, "
-        "history (the parent's raw Contents, ending with the model Content holding the Agent call), depth."
-    )
-    agent: dict[str, Any] = Field(
+    agent: Annotated[AgentParams, BeforeValidator(_agent_call)] = Field(
         description="The Agent tool call's arguments: description, prompt, subagent_type, fork_turns, name, model, "
         "fork_tools."
     )
-    options: LaunchOptions = Field(default_factory=LaunchOptions)
+    options: LaunchOptions = Field(
+        default_factory=LaunchOptions,
+        description="The launch's options; one left out (or null) takes its default. An unknown option is refused.",
+    )
+    parent: Annotated[ParentSnapshot, BeforeValidator(_parent_snapshot)] = Field(
+        description="The parent snapshot: session_id, system_instruction, tools, model, approval_mode, cwd, "
+        "history (the parent's raw Contents, ending with the model Content holding the Agent call), depth."
+    )
+    _digest: str = PrivateAttr("")
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _with_digest(cls, data: Any, handler: ModelWrapValidatorHandler[LaunchRequest]) -> LaunchRequest:
+        request = handler(data)
+        if isinstance(data, Mapping):
+            request._digest = body_digest(data)
+        return request
+
+    @property
+    def digest(self) -> str:
+        """SHA-256 of the body's canonical JSON (keys sorted, options filled in), as the client sent it: equal
+        bodies, however spaced or ordered, match (an Idempotency-Key's claim keeps it)."""
+        return self._digest
+
+
+def body_digest(data: Mapping[str, Any]) -> str:
+    """The digest of a valid launch body as sent: the parts as given, every option named (null when left out).
+
+    The same JSON as the request's dump was before its parts were models, so an Idempotency-Key claimed by an
+    earlier server matches a request sent again to this one; and no parsed snapshot is dumped to compute it.
+    """
+    options = data.get("options") or {}
+    canonical = {
+        "schema_version": 1,
+        "parent": data["parent"],
+        "agent": data["agent"],
+        "options": {name: options.get(name) for name in LaunchOptions.model_fields},
+    }
+    text = json.dumps(canonical, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 class Launched(BaseModel):

@@ -21,7 +21,6 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 from starlette.types import Send
 
-from workers.api.models import LaunchOptions
 from workers.errors import (
     ForkNotEnded,
     ForkNotFound,
@@ -37,6 +36,7 @@ from workers.errors import (
     RecordExistsError,
     RequestRefused,
 )
+from workers.subagents.launch import LaunchOptions
 
 log = logging.getLogger("forkq.api")
 LAUNCH_OPTIONS: Final = tuple(LaunchOptions.model_fields)

@@ -7,6 +7,7 @@ waiting on a fork holds a connection, never a thread.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Annotated, Any, Final, cast
@@ -191,7 +192,7 @@ async def session_forks(
 ) -> SessionForks:
     """The forks launched from a parent session that are still in Redis, newest first."""
     forks = await svc.reader.session_forks(session_id, limit=limit)
-    return SessionForks(session_id=session_id, forks=[SessionFork(**vars_of(f)) for f in forks])
+    return SessionForks(session_id=session_id, forks=[SessionFork(**dataclasses.asdict(f)) for f in forks])
 
 
 def send_message(fork_id: ForkId, body: MessageRequest, svc: Svc) -> MessageSent:
@@ -209,11 +210,6 @@ def list_agents(svc: Svc) -> Listing:
 def list_providers(svc: Svc) -> Listing:
     """The subagent providers and their capabilities (`forkq providers --json`)."""
     return Listing(items=svc.client.providers())
-
-
-def vars_of(value: Any) -> dict[str, Any]:
-    """A slotted dataclass's fields as a dict."""
-    return {name: getattr(value, name) for name in value.__slots__}
 
 
 def healthz(svc: Svc) -> JSONResponse:

@@ -6,7 +6,17 @@ import re
 from collections.abc import Mapping
 from typing import Any, Final, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    GetJsonSchemaHandler,
+    ModelWrapValidatorHandler,
+    ValidationInfo,
+    model_validator,
+)
+from pydantic.json_schema import JsonSchemaValue
+from pydantic_core import CoreSchema
 
 from workers.errors import InvalidAgentParams
 from workers.limits import shown, text_problem
@@ -65,10 +75,19 @@ KNOWN_PARAMS: Final = (
 )
 
 ForkTurns = Literal["all"] | int
+AGENT_CALL: Final = "agent_call"  # validation context: the data is an Agent call's arguments, where null is given
+AGENT_CALL_CONTEXT: Final = {AGENT_CALL: True}
 
 
 class AgentParams(BaseModel):
-    """A validated Agent tool call. `fork_turns` is kept as given (None: omitted)."""
+    """A valid Agent tool call: every instance has passed the contract (docs/fork-history.md §4), once.
+
+    `validate_agent_params(raw)` checks an Agent call's arguments as the parent's model sent them (a key
+    given as null counts as given); `AgentParams(**fields)` checks the same rules with None meaning omitted.
+    Either raises `InvalidAgentParams` naming the first rule broken. `fork_turns` is kept as given (None:
+    omitted), and `turns` is its normalized value. Its JSON schema is the Agent tool's own
+    (`agent_tool_schema`). `model_construct` skips the contract: use it only for values that passed it.
+    """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -81,16 +100,26 @@ class AgentParams(BaseModel):
     fork_tools: tuple[str, ...] | None = None  # execution allowlist (forks only); () means no tool may run
     model: str | None = None
     run_in_background: bool | None = None
+    # `fork_turns` normalized by the contract's check: "all" or the positive number of turns (never dumped)
+    turns: ForkTurns = Field("all", exclude=True)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _contract(cls, data: Any, handler: ModelWrapValidatorHandler[AgentParams], info: ValidationInfo) -> AgentParams:
+        if isinstance(data, AgentParams) or not isinstance(data, Mapping):  # not a call: pydantic's own type error
+            return handler(data)
+        if not (info.context or {}).get(AGENT_CALL):  # Python's keywords: None is a keyword left out
+            data = {name: value for name, value in data.items() if value is not None}
+        return handler(_checked_fields(data))
+
+    @classmethod
+    def __get_pydantic_json_schema__(cls, core_schema: CoreSchema, handler: GetJsonSchemaHandler) -> JsonSchemaValue:
+        return agent_tool_schema()
 
     @property
     def is_fork(self) -> bool:
         """A fork inherits history; a named teammate never does, whatever its type."""
         return _is_fork_type(self.subagent_type) and self.name is None
-
-    @property
-    def turns(self) -> ForkTurns:
-        """`fork_turns` normalized: `"all"` or the positive number of turns."""
-        return normalize_fork_turns(self.fork_turns)
 
 
 def _is_fork_type(subagent_type: object) -> bool:
@@ -137,16 +166,18 @@ def _check_length(field: str, value: str) -> None:
         raise InvalidAgentParams(f"{problem}.", field=field)
 
 
-def _check_fork_turns(raw: Mapping[str, Any]) -> None:
+def _check_fork_turns(raw: Mapping[str, Any]) -> ForkTurns:
+    """`fork_turns` normalized (`"all"` when omitted), once it is known to be valid for this call."""
     if "fork_turns" not in raw:
-        return
+        return "all"
     if raw["fork_turns"] is None:  # present counts as given: null is not "omitted"
         raise InvalidAgentParams(MSG_FORK_TURNS_VALUE, field="fork_turns")
-    normalize_fork_turns(raw["fork_turns"])
+    turns = normalize_fork_turns(raw["fork_turns"])
     if not _is_fork_type(raw.get("subagent_type")):
         raise InvalidAgentParams(MSG_FORK_TURNS_NOT_FORK, field="fork_turns")
     if "name" in raw:
         raise InvalidAgentParams(MSG_FORK_TURNS_TEAMMATE, field="fork_turns")
+    return turns
 
 
 def is_valid_tool_pattern(name: str) -> bool:
@@ -230,7 +261,7 @@ def _check_types(raw: Mapping[str, Any]) -> None:
 
 
 def validate_agent_params(raw: Mapping[str, Any]) -> AgentParams:
-    """Validate an Agent tool call's parameters, in the order of docs/fork-history.md §4.
+    """Validate an Agent tool call's parameters, in the order of docs/fork-history.md §4 (`AgentParams.model_validate`).
 
     description and prompt first, then the three `fork_turns` checks (value, fork only, not with a
     teammate name), the `fork_tools` checks (fork only, not with a teammate name, a list of exact names or
@@ -243,36 +274,33 @@ def validate_agent_params(raw: Mapping[str, Any]) -> AgentParams:
         raise InvalidAgentParams(
             f"The Agent tool's parameters must be an object, got {type(raw).__name__}.", field=None
         )
+    return AgentParams.model_validate(raw, context=AGENT_CALL_CONTEXT)
+
+
+def _checked_fields(raw: Mapping[str, Any]) -> dict[str, Any]:
+    """The fields of an `AgentParams` for the Agent call `raw`, once it keeps every rule of the contract.
+
+    Raises:
+        InvalidAgentParams: the first rule broken (see `validate_agent_params`).
+    """
     description = _require_text(raw, "description")
     prompt = _require_text(raw, "prompt")
-    _check_fork_turns(raw)
+    turns = _check_fork_turns(raw)
     fork_tools = _check_fork_tools(raw)
     if "model" in raw and _is_fork_type(raw.get("subagent_type")):
         raise InvalidAgentParams(MSG_MODEL_FORK, field="model")
     _check_types(raw)
-    return AgentParams(
-        description=description,
-        prompt=prompt,
-        subagent_type=raw.get("subagent_type"),
-        name=raw["name"] if "name" in raw and raw["name"] is not None else ("" if "name" in raw else None),
-        fork_turns=raw.get("fork_turns"),
-        fork_tools=fork_tools,
-        model=raw.get("model"),
-        run_in_background=raw.get("run_in_background"),
-    )
-
-
-def revalidate(agent: AgentParams) -> AgentParams:
-    """Validate an `AgentParams` built without `validate_agent_params` (directly, or with model_construct).
-
-    The fields it holds are checked as the Agent call they stand for (None is an omitted key, an
-    empty `name` a given one), so every launch path enforces the same rules.
-
-    Raises:
-        InvalidAgentParams: the first rule broken, as `validate_agent_params` reports it.
-    """
-    raw = {field: value for field, value in agent if value is not None and field != "schema_version"}
-    return validate_agent_params(raw)
+    return {
+        "description": description,
+        "prompt": prompt,
+        "subagent_type": raw.get("subagent_type"),
+        "name": raw["name"] if "name" in raw and raw["name"] is not None else ("" if "name" in raw else None),
+        "fork_turns": raw.get("fork_turns"),
+        "fork_tools": fork_tools,
+        "model": raw.get("model"),
+        "run_in_background": raw.get("run_in_background"),
+        "turns": turns,
+    }
 
 
 # ── seed modes ────────────────────────────────────────────────────────────────────────────────

@@ -25,7 +25,7 @@ from workers.history.messages import (
     load_contents,
     parse_content,
 )
-from workers.history.params import normalize_fork_turns
+from workers.history.params import ForkTurns, normalize_fork_turns
 
 __all__ = [
     "FORK_ACK_TEXT",
@@ -45,6 +45,7 @@ __all__ = [
     "repair_fork_end",
     "select_fork_history",
     "select_fork_parts",
+    "select_turns",
     "startup_context_length",
 ]
 
@@ -281,8 +282,13 @@ def _numeric_window(history: Sequence[Content], turns: int) -> tuple[list[Conten
 
 
 def _select(history: Sequence[Content], fork_turns: object) -> tuple[list[Content], list[Content]]:
-    """(kept prefix, body to repair), uncopied: the prefix is empty for `all`."""
-    turns = normalize_fork_turns(fork_turns)
+    """(kept prefix, body to repair), uncopied, for a `fork_turns` not normalized yet."""
+    return select_turns(history, normalize_fork_turns(fork_turns))
+
+
+def select_turns(history: Sequence[Content], turns: ForkTurns) -> tuple[list[Content], list[Content]]:
+    """`select_fork_parts` for Contents and a normalized `fork_turns` (`AgentParams.turns`): the prefix is empty
+    for `all`. The Contents are shared with `history`: never change them in place."""
     if turns == "all":
         return [], curate_history(history)
     return _numeric_window(history, turns)

@@ -21,11 +21,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from workers import codec
-from workers.errors import InvalidAgentParams
 from workers.history.completed import completed_task_prompt, select_completed_parts
 from workers.history.messages import Content, dump_contents
-from workers.history.params import MSG_SEED_MODE_FORK_TURNS, normalize_fork_turns, normalize_seed_mode
-from workers.history.selection import repair_fork_end, select_fork_parts
+from workers.history.params import ForkTurns, SeedMode
+from workers.history.selection import repair_fork_end, select_turns
 from workers.history.snapshot import ParentSnapshot
 from workers.records.fork import TAIL_MESSAGES, chunk_digest, split_body, tail_chunk
 
@@ -76,27 +75,21 @@ class SeedBuilder:
         self,
         snapshot: ParentSnapshot,
         *,
-        fork_turns: object,
         directive: str,
+        turns: ForkTurns = "all",
+        seed_mode: SeedMode = "fork_turns",
         keep: bool = True,
-        seed_mode: str = "fork_turns",
     ) -> SeedChunks:
-        """The seed of a fork of `snapshot`: the chunks of `build_fork_seed_wire(snapshot.history, ...)`, or of
-        `build_completed_seed_wire(snapshot.history, ...)` for `seed_mode="completed_turns"`.
+        """The seed of a fork of `snapshot`: the chunks of `build_fork_seed_wire(snapshot.history, ...)` for
+        `turns` (`AgentParams.turns`), or of `build_completed_seed_wire(snapshot.history, ...)` for
+        `seed_mode="completed_turns"` (`turns` unused). Both were checked with the launch (`plan_launch`).
 
         `keep=False` for a snapshot nobody can pass again (the client parsed it from a dict): nothing is kept.
-
-        Raises:
-            InvalidAgentParams: `fork_turns` or `seed_mode` is invalid, or `fork_turns` is given (not None)
-                with `completed_turns`.
         """
-        if normalize_seed_mode(seed_mode) == "completed_turns":
-            if fork_turns is not None:
-                raise InvalidAgentParams(MSG_SEED_MODE_FORK_TURNS, field="fork_turns")
+        if seed_mode == "completed_turns":
             selection = self._selection(snapshot, COMPLETED, keep, _completed_parts)
             return self._chunks(selection, selection.body, completed_task_prompt(selection.body, directive))
-        turns = str(normalize_fork_turns(fork_turns))
-        selection = self._selection(snapshot, turns, keep, lambda history: select_fork_parts(history, fork_turns))
+        selection = self._selection(snapshot, str(turns), keep, lambda history: select_turns(history, turns))
         repaired, task_prompt = repair_fork_end(selection.body, directive)
         return self._chunks(selection, [*selection.prefix, *repaired], task_prompt)
 

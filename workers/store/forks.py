@@ -35,7 +35,7 @@ from workers.records.fork import (
     join_seed,
 )
 from workers.records.journal import EntryKind, JournalEntry
-from workers.store import dead_letters
+from workers.store import dead_letters, reads
 from workers.store.script_parts import NOW, lua_script
 
 if TYPE_CHECKING:  # types only: the store keeps dead letters and queues jobs without loading kombu or Celery
@@ -417,18 +417,8 @@ class ForkStore:
         return [c if isinstance(c, bytes) else b"" for c in fetched]
 
     def get_record(self, fork_id: str, digest_hex: str | None) -> BootstrapRecord:
-        """The bootstrap record with its context, verified against `digest_hex` when given.
-
-        Raises:
-            ForkNotFound: no record (never launched, or past retention).
-            RecordIntegrityError: the stored bytes do not match the digest.
-        """
-        data = self._record_bytes(fork_id)
-        named = BootstrapRecord.chunk_refs(data, fork_id=fork_id)
-        context, *index = self._chunks(named.parent_session, named.refs[: 2 if named.indexed else 1])
-        return BootstrapRecord.decode(
-            data, fork_id=fork_id, context=context, index=b"".join(index), expected_digest=digest_hex
-        )
+        """The bootstrap record with its context, verified against `digest_hex` when given (`reads.record`)."""
+        return reads.run(self.client, reads.record(self.keys, fork_id, digest_hex))
 
     def read_inputs(self, fork_id: str, digest_hex: str | None) -> tuple[BootstrapRecord, ForkSeed]:
         """Record and seed of a fork, read from Redis and verified (two round trips)."""
@@ -475,20 +465,20 @@ class ForkStore:
     # ── parent side ───────────────────────────────────────────────────────────────────────────
 
     def state(self, fork_id: str) -> ForkState:
-        """The fork's current state.
-
-        Raises:
-            ForkNotFound: the fork does not exist.
-        """
-        fields = cast(dict[bytes, bytes], self.client.hgetall(self.keys.state(fork_id)))
-        if not fields:
-            raise ForkNotFound(f"fork {fork_id}: not found (never launched, or past its retention)", fork_id=fork_id)
-        return ForkState.from_hash(fork_id, {k.decode(): v.decode() for k, v in fields.items()})
+        """The fork's current state (ForkNotFound if there is none)."""
+        return reads.run(self.client, reads.state(self.keys, fork_id))
 
     def result(self, fork_id: str) -> ForkResult | None:
         """The final result, or None while the fork has not ended."""
-        data = cast(bytes | None, self.client.get(self.keys.result(fork_id)))
-        return None if data is None else ForkResult.decode(data, fork_id=fork_id)
+        return reads.run(self.client, reads.result(self.keys, fork_id))
+
+    def ended(self, fork_id: str, *, deadline: float | None) -> ForkResult | ForkState:
+        """The result once the fork has ended, waiting until `deadline`; else its state (`reads.ended`)."""
+        return reads.run(self.client, reads.ended(self.keys, fork_id, deadline=deadline))
+
+    def session_forks(self, parent_session: str, *, limit: int) -> list[reads.SessionFork]:
+        """The newest `limit` forks launched from a parent session that are still in Redis, newest first."""
+        return reads.run(self.client, reads.session_forks(self.keys, parent_session, limit=limit))
 
     def cancel(self, fork_id: str) -> Status:
         """Cancel a fork that has not ended; returns the status it has afterwards.
@@ -510,7 +500,7 @@ class ForkStore:
         keys = [k.state(fork_id), k.events(fork_id), k.result(fork_id), k.bootstrap(fork_id), k.journal(fork_id)]
         outcome = cast(bytes, self._cancel(keys=keys, args=[fork_id, self.ttl_s, *counted])).decode()
         if outcome == "missing":
-            raise ForkNotFound(f"fork {fork_id}: not found (never launched, or past its retention)", fork_id=fork_id)
+            raise reads.not_found(fork_id)
         return Status(outcome)
 
     def resume(self, fork_id: str) -> bool:
@@ -592,14 +582,13 @@ class ForkStore:
         self, fork_id: str, *, after: str = "0-0", block_ms: int | None = None, count: int = 1000
     ) -> list[ForkEvent]:
         """Events after stream id `after`; with `block_ms`, wait up to that long for new ones."""
-        key = self.keys.events(fork_id)
-        reply = cast(list[Any], self.client.xread({key: after}, count=count, block=block_ms))
-        return [decode_event(eid, fields) for _, entries in reply or [] for eid, fields in entries]
+        entries = reads.run(self.client, reads.events(self.keys, fork_id, after=after, block_ms=block_ms, count=count))
+        return [decode_event(*entry) for entry in entries]
 
     def latest_events(self, fork_id: str, *, count: int) -> list[ForkEvent]:
         """The fork's newest `count` events, newest first."""
-        reply = cast(list[Any], self.client.xrevrange(self.keys.events(fork_id), count=count))
-        return [decode_event(eid, fields) for eid, fields in reply]
+        entries = reads.run(self.client, reads.latest_events(self.keys, fork_id, count=count))
+        return [decode_event(*entry) for entry in entries]
 
     def follow(self, fork_id: str, *, after: str = "0-0", block_ms: int = 1000) -> Iterator[ForkEvent]:
         """Every event from `after` on, waiting for new ones, until the fork's terminal event."""

@@ -39,6 +39,7 @@ from workers.records.fork import ForkResult, Status
 from workers.records.journal import JournalEntry
 from workers.records.parked import ParkedCall, encode_parked
 from workers.store import lease_scripts as lua
+from workers.store import reads
 from workers.store.claims import FirstWrite, Refusal
 from workers.store.presence import owns
 
@@ -318,8 +319,7 @@ class Leases:
 
     def journal(self, fork_id: str) -> list[JournalEntry]:
         """Every journal entry of the fork, in order."""
-        raw = cast(list[bytes], self.client.lrange(self.keys.journal(fork_id), 0, -1))
-        return [JournalEntry.decode(item, fork_id=fork_id) for item in raw]
+        return reads.run(self.client, reads.journal(self.keys, fork_id))
 
     def finish(
         self,

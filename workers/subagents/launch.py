@@ -1,23 +1,30 @@
-"""A launch's plan: its checks (nesting, options, capabilities), the child's scope and the options its record keeps.
+"""A launch's options and plan: its checks (options, nesting, capabilities), the child's scope and the options
+its record keeps.
 
-`ForkClient.launch` (and the HTTP API through it) runs every check here before anything is written:
-the Agent call is already valid; this decides the provider (`spawn` or `fork`) and seed mode, refuses
-a capability the provider lacks, resolves a regular subagent's definition, and builds the options.
+`ForkClient.launch` (and the HTTP API, whose request holds a `LaunchOptions`) runs every check here before
+anything is written: each option is checked as a `LaunchOptions` is built; with the Agent call (already an
+`AgentParams`) and the parent, `plan_launch` decides the provider (`spawn` or `fork`), refuses a seed mode or
+capability that does not fit, resolves a regular subagent's definition, and builds the record's options.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any, Final
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic.json_schema import SkipJsonSchema
 
 from workers.errors import InvalidAgentParams
 from workers.history.params import (
     APPROVAL_POLICIES,
     AgentParams,
+    ApprovalPolicy,
     SeedMode,
     check_seed_mode,
     depth_error,
+    normalize_seed_mode,
 )
 from workers.history.snapshot import ApprovalMode, ParentSnapshot
 from workers.history.structured import check_schema
@@ -59,64 +66,140 @@ def check_fork_id(fork_id: object) -> None:
         )
 
 
-def launch_options(
-    agent: AgentParams,
-    *,
-    approval_policy: str = "deny",
-    output_schema: dict[str, Any] | None = None,
-    max_wall_s: float | None = None,
-    max_turns: int | None = None,
-) -> ForkOptions:
-    """The fork-only and launch options a bootstrap record keeps (only those that differ from the defaults).
+def _fork_id(value: object) -> object:
+    check_fork_id(value)
+    return value
+
+
+def _approval_policy(value: object) -> object:
+    if value is not None and value not in APPROVAL_POLICIES:
+        raise InvalidAgentParams(
+            f"approval_policy must be one of {', '.join(APPROVAL_POLICIES)}, got {shown(value)}",
+            field="approval_policy",
+        )
+    return "deny" if value is None else value
+
+
+def _output_schema(value: object) -> dict[str, Any] | None:
+    if value is None:
+        return None
+    if too_deep(value):  # jsonschema recurses, canonical msgpack stops at 255 levels
+        raise InvalidAgentParams(nesting_problem("output_schema"), field="output_schema")
+    problem = bad_text("output_schema", value)  # canonical msgpack stores UTF-8 only
+    if problem is not None:
+        raise InvalidAgentParams(problem, field="output_schema")
+    return check_schema(value)
+
+
+def _max_wall_s(value: object) -> object:
+    # `not 0 < x <= max` also refuses NaN and infinity, which compare false or past the bound
+    if value is not None and (
+        isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= MAX_LAUNCH_WALL_S
+    ):
+        raise InvalidAgentParams(
+            f"max_wall_s must be a positive number of seconds (finite, at most {MAX_LAUNCH_WALL_S:,.0f}); "
+            f"got {shown(value)}",
+            field="max_wall_s",
+        )
+    return value
+
+
+def _max_turns(value: object) -> object:
+    if value is not None and (
+        isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= MAX_LAUNCH_TURNS
+    ):
+        raise InvalidAgentParams(
+            f"max_turns must be a positive number of model calls (a whole number, at most {MAX_LAUNCH_TURNS:,}); "
+            f"got {shown(value)}",
+            field="max_turns",
+        )
+    return value
+
+
+def _max_depth(value: object) -> object:
+    """A whole number, 1 or more; `check_max_depth` bounds it by the deployment's limit once that is known."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise InvalidAgentParams(
+            f"max_depth must be a whole number from 1 to this deployment's limit (FORKQ_MAX_SUBAGENT_DEPTH); got "
+            f"{shown(value)}. It can lower the nesting limit, never raise it.",
+            field="max_depth",
+        )
+    return value
+
+
+def _seed_mode(value: object) -> SeedMode:
+    return normalize_seed_mode(value)
+
+
+FORK_ID_PATTERN: Final = f"^{FORK_ID_RE.pattern}$"
+Whole = Annotated[int, Field(ge=1)]  # the schema's bounds; the checks above refuse with their own messages first
+Seconds = Annotated[float, Field(gt=0)]
+
+
+class LaunchOptions(BaseModel):
+    """A launch's options beyond the Agent call; one left out (or None) takes its default.
+
+    Each is checked as the model is built, by the function that names its rule: an invalid one raises
+    `InvalidAgentParams` with the option as `.field` (never a pydantic error), from Python and over HTTP.
+    `seed_mode` accepts the CLI spellings (`completed-turns`) and holds the mode's own name.
+    """
+
+    # built on first use: a process that only follows forks (`forkq status`) never validates one
+    model_config = ConfigDict(frozen=True, extra="forbid", defer_build=True)
+
+    fork_id: Annotated[
+        Annotated[str, Field(pattern=FORK_ID_PATTERN)] | SkipJsonSchema[None], BeforeValidator(_fork_id)
+    ] = Field(None, description="The fork's id, chosen by the caller (default: a fresh one).")
+    seed_mode: Annotated[SeedMode, BeforeValidator(_seed_mode)] = Field(
+        "fork_turns", description="How a fork's seed is taken from the parent's history."
+    )
+    persona: Annotated[str | SkipJsonSchema[None], BeforeValidator(check_persona)] = Field(
+        None, description="Persona text of the child's fresh scope."
+    )
+    tool_filter: Annotated[tuple[str, ...] | SkipJsonSchema[None], BeforeValidator(check_tool_filter)] = Field(
+        None, description="Names of the tools the child may use."
+    )
+    max_depth: Annotated[Whole | SkipJsonSchema[None], BeforeValidator(_max_depth)] = Field(
+        None, description="Deepest nesting of the child's own subagents."
+    )
+    approval_policy: Annotated[ApprovalPolicy, BeforeValidator(_approval_policy)] = Field(
+        "deny", description="A call that needs approval: `deny` it (default), or `park` the fork until approve/deny."
+    )
+    output_schema: Annotated[dict[str, Any] | SkipJsonSchema[None], BeforeValidator(_output_schema)] = Field(
+        None, description="JSON schema the final answer must match."
+    )
+    # an int stays an int: the record keeps the number the launch gave (ForkOptions)
+    max_wall_s: Annotated[Whole | Seconds | SkipJsonSchema[None], BeforeValidator(_max_wall_s)] = Field(
+        None, description="Wall-clock limit in seconds (below the workers' own limit)."
+    )
+    max_turns: Annotated[Whole | SkipJsonSchema[None], BeforeValidator(_max_turns)] = Field(
+        None, description="Model calls at most (below the workers' own limit)."
+    )
+
+
+def launch_options(agent: AgentParams, **options: Any) -> ForkOptions:
+    """The fork-only and launch options a bootstrap record keeps (only those that differ from the defaults), for
+    `LaunchOptions(**options)` without a subagent definition.
 
     Raises:
         InvalidAgentParams: an option is invalid (`.field` names it).
     """
-    options: dict[str, Any] = {}
-    if agent.fork_tools is not None:
-        options["fork_tools"] = list(agent.fork_tools)
-    if approval_policy not in APPROVAL_POLICIES:
-        raise InvalidAgentParams(
-            f"approval_policy must be one of {', '.join(APPROVAL_POLICIES)}, got {shown(approval_policy)}",
-            field="approval_policy",
-        )
-    if approval_policy != "deny":
-        options["approval_policy"] = approval_policy
-    if output_schema is not None:
-        if too_deep(output_schema):  # jsonschema recurses, canonical msgpack stops at 255 levels
-            raise InvalidAgentParams(nesting_problem("output_schema"), field="output_schema")
-        problem = bad_text("output_schema", output_schema)  # canonical msgpack stores UTF-8 only
-        if problem is not None:
-            raise InvalidAgentParams(problem, field="output_schema")
-        options["output_schema"] = check_schema(output_schema)
-    return ForkOptions.model_validate({**options, **_limits(max_wall_s, max_turns)})
+    return ForkOptions(**_record_options(agent, LaunchOptions(**options)))
 
 
-def _limits(max_wall_s: float | None, max_turns: int | None) -> dict[str, Any]:
-    """A launch's own limits, checked: each positive, finite, at most its bound (workers.limits)."""
-    options: dict[str, Any] = {}
-    if max_wall_s is not None:
-        # `not 0 < x <= max` also refuses NaN and infinity, which compare false or past the bound
-        if (
-            isinstance(max_wall_s, bool)
-            or not isinstance(max_wall_s, int | float)
-            or not 0 < max_wall_s <= MAX_LAUNCH_WALL_S
-        ):
-            raise InvalidAgentParams(
-                f"max_wall_s must be a positive number of seconds (finite, at most {MAX_LAUNCH_WALL_S:,.0f}); "
-                f"got {shown(max_wall_s)}",
-                field="max_wall_s",
-            )
-        options["max_wall_s"] = max_wall_s
-    if max_turns is not None:
-        if isinstance(max_turns, bool) or not isinstance(max_turns, int) or not 0 < max_turns <= MAX_LAUNCH_TURNS:
-            raise InvalidAgentParams(
-                f"max_turns must be a positive number of model calls (a whole number, at most {MAX_LAUNCH_TURNS:,}); "
-                f"got {shown(max_turns)}",
-                field="max_turns",
-            )
-        options["max_turns"] = max_turns
-    return options
+def _record_options(agent: AgentParams, options: LaunchOptions) -> dict[str, Any]:
+    """The record's options of the Agent call and the launch options (None: the default, not kept)."""
+    return {
+        "fork_tools": None if agent.fork_tools is None else list(agent.fork_tools),
+        "approval_policy": None if options.approval_policy == "deny" else options.approval_policy,
+        "output_schema": options.output_schema,
+        "max_wall_s": options.max_wall_s,
+        "max_turns": options.max_turns,
+        "seed_mode": "completed_turns" if options.seed_mode == "completed_turns" else None,
+        "persona": True if options.persona is not None else None,
+        "tool_filter": None if options.tool_filter is None else list(options.tool_filter),
+        "max_depth": options.max_depth,
+    }
 
 
 def launch_settings(record: BootstrapRecord) -> dict[str, Any]:
@@ -149,25 +232,43 @@ class LaunchPlan:
     approval_mode: ApprovalMode
     options: ForkOptions
 
-
-@dataclass(frozen=True)
-class LaunchAsks:
-    """A launch's options beyond the Agent call, as the caller gave them (checked by `plan_launch`)."""
-
-    approval_policy: str = "deny"
-    output_schema: dict[str, Any] | None = None
-    max_wall_s: float | None = None
-    max_turns: int | None = None
-    seed_mode: str | None = None
-    persona: str | None = None
-    tool_filter: list[str] | tuple[str, ...] | None = None
-    max_depth: int | None = None
+    def record(
+        self,
+        fork_id: str,
+        parent: ParentSnapshot,
+        agent: AgentParams,
+        *,
+        seed_chunks: list[bytes],
+        message_count: int,
+        task_prompt: str,
+    ) -> BootstrapRecord:
+        """The bootstrap record of this launch, with its seed's chunk digests, message count and task prompt."""
+        return BootstrapRecord(
+            fork_id=fork_id,
+            parent_session=parent.session_id,
+            kind="fork" if self.kind == "fork" else "spawn",
+            seed_chunks=seed_chunks,
+            message_count=message_count,
+            task_prompt=task_prompt,
+            directive=agent.prompt,
+            description=agent.description,
+            subagent_type=agent.subagent_type,
+            name=agent.name,
+            system_instruction=self.scope.system_instruction,
+            tools_json=self.scope.tools_json,
+            model=self.scope.model,
+            approval_mode=self.approval_mode,
+            cwd=parent.cwd,
+            depth=parent.depth + 1,
+            fork_turns=agent.fork_turns,
+            options=self.options,
+        )
 
 
 def plan_launch(
     agent: AgentParams,
     parent: ParentSnapshot,
-    asks: LaunchAsks,
+    asks: LaunchOptions,
     *,
     tools_json: str,
     catalog: Callable[[], Catalog],
@@ -180,8 +281,7 @@ def plan_launch(
         InvalidAgentDefinition: the definitions folder holds a malformed file.
     """
     seed_mode = check_seed_mode(asks.seed_mode, agent)
-    persona = check_persona(asks.persona)
-    tool_filter = check_tool_filter(asks.tool_filter)
+    persona, tool_filter = asks.persona, asks.tool_filter
     max_depth = check_max_depth(asks.max_depth, depth_limit)
     provider = "fork" if agent.is_fork else "spawn"
     asked = {
@@ -192,13 +292,7 @@ def plan_launch(
     }
     check_capabilities(provider, seed_mode if agent.is_fork else None, [name for name, on in asked.items() if on])
     check_nesting(agent, parent.depth, min(depth_limit, max_depth or depth_limit))
-    options = launch_options(
-        agent,
-        approval_policy=asks.approval_policy,
-        output_schema=asks.output_schema,
-        max_wall_s=asks.max_wall_s,
-        max_turns=asks.max_turns,
-    )
+    options = _record_options(agent, asks)
     context = ParentContext(parent.system_instruction, parent.tools, tools_json, parent.model)
     if agent.is_fork and seed_mode == "fork_turns":
         scope = Scope(parent.system_instruction, tools_json, parent.model)
@@ -213,20 +307,13 @@ def plan_launch(
             tool_filter=tool_filter,
             without_agent=agent.is_fork,  # a completed-turn fork cannot spawn
         )
-    extra: dict[str, Any] = {
-        "seed_mode": "completed_turns" if seed_mode == "completed_turns" else None,
-        "persona": True if persona is not None else None,
-        "tool_filter": None if tool_filter is None else list(tool_filter),
-        "max_depth": max_depth,
-    }
     if definition is not None:
-        extra |= {"agent": definition.name, "agent_source": definition.source}
+        options |= {"agent": definition.name, "agent_source": definition.source}
         if definition.max_turns is not None:  # the lower of the definition's and the launch's
-            extra["max_turns"] = min(definition.max_turns, options.max_turns or definition.max_turns)
-    options = options.model_copy(update={k: v for k, v in extra.items() if v is not None})
+            options["max_turns"] = min(definition.max_turns, asks.max_turns or definition.max_turns)
     # a completed-turn fork runs in a fresh scope: never the parent's permissive approval mode
     mode: ApprovalMode = "default" if seed_mode == "completed_turns" else parent.approval_mode
-    return LaunchPlan(provider, seed_mode, scope, mode, ForkOptions.model_validate(options.model_dump()))
+    return LaunchPlan(provider, seed_mode, scope, mode, ForkOptions(**options))
 
 
 def _definition(agent: AgentParams, catalog: Catalog, seed_mode: SeedMode) -> AgentDefinition:
