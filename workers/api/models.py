@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping
-from typing import Annotated, Any, Final, Literal
+from typing import Annotated, Any, Final, Literal, Self
 
 from pydantic import (
     BaseModel,
@@ -66,7 +66,7 @@ class LaunchRequest(BaseModel):
 
     @model_validator(mode="wrap")
     @classmethod
-    def _with_digest(cls, data: Any, handler: ModelWrapValidatorHandler[LaunchRequest]) -> LaunchRequest:
+    def _with_digest(cls, data: Any, handler: ModelWrapValidatorHandler[Self]) -> Self:
         request = handler(data)
         if isinstance(data, Mapping):
             request._digest = body_digest(data)
