@@ -182,7 +182,9 @@ def test_resume_queues_a_paused_fork_and_a_worker_runs_it_to_success(
     fork_id = paused_fork
     code, out, _ = forkq("result", fork_id, "--wait", "--timeout", "20", "--json")
     assert code == 3
-    assert json.loads(out)["status"] == "paused" and "cli_probe" in json.loads(out)["error"]
+    parked = json.loads(out)
+    assert parked["status"] == "paused" and parked["error"] is None
+    assert parked["waiting_for"]["kind"] == "resume" and "cli_probe" in parked["waiting_for"]["reason"]
 
     # When an operator resumes it and a worker with the plugin consumes the queue
     code, out, err = forkq("resume", fork_id, "--json")

@@ -19,6 +19,7 @@ from typing import Any, Final
 from workers.api.models import LaunchRequest
 from workers.client import ForkClient, new_fork_id
 from workers.errors import ForkNotFound, IdempotencyConflict
+from workers.records.fork import Status
 from workers.store.idempotency import Claim, IdempotencyKeys
 
 IN_FLIGHT_WAIT_S: Final = 10.0  # how long a repeat waits for the first launch with its key to write its fork
@@ -30,7 +31,7 @@ class Outcome:
     """A launch's answer: the fork, its status, and whether this request launched it (or repeated a key's)."""
 
     fork_id: str
-    status: str
+    status: Status
     created: bool
 
 
@@ -88,7 +89,7 @@ class Launcher:
                     field="Idempotency-Key",
                 )
             try:
-                return Outcome(held.fork_id, self.client.status(held.fork_id).status.value, created=False)
+                return Outcome(held.fork_id, self.client.status(held.fork_id).status, created=False)
             except ForkNotFound:  # its launch is under way, or was refused and gives the key up
                 time.sleep(IN_FLIGHT_POLL_S)
         raise IdempotencyConflict(
@@ -98,4 +99,4 @@ class Launcher:
 
     def _launch(self, body: LaunchRequest, options: dict[str, Any]) -> Outcome:
         handle = self.client.launch(body.parent, body.agent, **options)
-        return Outcome(handle.fork_id, self.client.status(handle.fork_id).status.value, created=True)
+        return Outcome(handle.fork_id, self.client.status(handle.fork_id).status, created=True)

@@ -15,7 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from workers.history.messages import Content
-from workers.records.fork import BootstrapRecord, ForkState
+from workers.records.fork import BootstrapRecord, ForkState, Status
 from workers.records.journal import JournalEntry
 from workers.subagents.launch import launch_settings
 
@@ -70,7 +70,7 @@ class Transcript(BaseModel):
     """A fork's transcript."""
 
     fork_id: str
-    status: str
+    status: Status
     description: str
     seed: SeedSummary
     steps: list[Step]
@@ -95,9 +95,7 @@ def build_transcript(
         settings=launch_settings(record),
     )
     steps = [step for entry in entries if (step := _step(entry, max_chars)) is not None]
-    return Transcript(
-        fork_id=state.fork_id, status=state.status.value, description=state.description, seed=seed, steps=steps
-    )
+    return Transcript(fork_id=state.fork_id, status=state.status, description=state.description, seed=seed, steps=steps)
 
 
 def _step(entry: JournalEntry, max_chars: int) -> Step | None:
