@@ -19,7 +19,7 @@ from workers.history.params import ApprovalPolicy
 from workers.history.selection import ForkSeed
 from workers.history.snapshot import ApprovalMode
 from workers.records.allocation import fills_its_class
-from workers.records.parked import ParkedCall, ResumeWait, WaitingFor, approval_wait, decode_parked
+from workers.records.parked import ParkedCall, WaitingFor, decode_parked, read_wait
 
 SCHEMA_VERSION: Final = 1
 CHUNK_MAX_MESSAGES: Final = 64
@@ -329,18 +329,10 @@ class ForkState(BaseModel):
 
 
 def _waiting(status: Status, pending: list[ParkedCall], fields: dict[str, str]) -> tuple[WaitingFor | None, str | None]:
-    """A state's wait and its error. A state parked before the `waiting` field existed kept why it waits in
-    `error`: that text is the paused fork's reason (an approval's is its calls), and no error."""
-    error = fields.get("error") or None
+    """A state's wait (None unless it is parked) and its error (`read_wait`)."""
     if not status.parked:
-        return None, error
-    if "waiting" not in fields:  # written by an earlier version: the error was the wait
-        reason, error = error, None
-    else:
-        reason = fields["waiting"]
-    if status is Status.AWAITING_APPROVAL:
-        return approval_wait(pending), error
-    return ResumeWait(reason=reason or "paused"), error
+        return None, fields.get("error") or None
+    return read_wait(pending if status is Status.AWAITING_APPROVAL else None, fields)
 
 
 # ── seed chunks ───────────────────────────────────────────────────────────────────────────────

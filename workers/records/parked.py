@@ -9,7 +9,7 @@ A paused fork's reason is the state's `waiting` field (states written before it 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
@@ -67,6 +67,22 @@ WaitingFor = Annotated[ApprovalWait | ResumeWait, Field(discriminator="kind")]
 def approval_wait(calls: Sequence[ParkedCall]) -> ApprovalWait:
     """The wait of a fork parked on `calls`."""
     return ApprovalWait(calls=[WaitingCall(call_id=c.call_id, name=c.name) for c in calls])
+
+
+def read_wait(calls: Sequence[ParkedCall] | None, fields: Mapping[str, str]) -> tuple[WaitingFor, str | None]:
+    """A parked state's wait, on `calls` (awaiting approval) or else a resume, and its error, from its hash.
+
+    A state parked before the `waiting` field existed kept why it waits in `error`: that text is the paused
+    fork's reason (an approval's is its calls), and the state has no error.
+    """
+    error = fields.get("error") or None
+    if "waiting" in fields:
+        reason = fields["waiting"]
+    else:  # written by an earlier version: the error was the wait
+        reason, error = error or "", None
+    if calls is not None:
+        return approval_wait(calls), error
+    return ResumeWait(reason=reason or "paused"), error
 
 
 _CALLS = TypeAdapter(list[ParkedCall])
