@@ -254,9 +254,11 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def _print_wait(fork_id: str, wait: WaitingFor | None, file: Any = None) -> None:
     """What a parked fork waits for, in the CLI's words: the command that ends the wait."""
+    from workers.records.parked import ResumeWait  # loaded already: the state was read
+
     if wait is None:
         return
-    if wait.kind == "resume":
+    if isinstance(wait, ResumeWait):
         print(f"  waiting for resume: {wait.reason}; once that is fixed, `forkq resume {fork_id}`", file=file)
     else:
         names = ", ".join(f"{c.call_id} ({c.name})" for c in wait.calls)
