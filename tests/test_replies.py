@@ -83,6 +83,10 @@ def test_every_enum_word_has_one_constant_with_its_value() -> None:
             assert WORDS[member.name] == member.value
     # a word two vocabularies share is the same value under the same name
     assert Decision.QUEUED.value == SendReply.QUEUED.value == Status.QUEUED.value
+    # a fenced write's or the sweeper's reply has one meaning: its vocabularies share no word
+    for kinds in ((Written, Refused, Status), (Revival, Refused, Status)):
+        values = [m.value for kind in kinds for m in kind]
+        assert len(values) == len(set(values)), kinds
 
 
 def test_a_script_reply_reads_as_its_enum_and_an_unknown_word_names_the_script() -> None:

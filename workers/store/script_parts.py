@@ -8,7 +8,7 @@ builds each script, fills in the cap and refuses a script with an append that is
 A script never spells a status or a reply word itself: it names the word's Lua constant (`QUEUED`, `STALE`),
 and `lua_script` starts the script with a `local` for each constant it names, made from the Python enums
 (`workers.store.replies.LUA_WORDS`). So the words Redis holds and the words Python compares are one set of
-values; tests/test_lease.py fails on a quoted status or reply word in a script.
+values; a test (test_replies.py) fails on a status or reply word quoted in a script.
 """
 
 from __future__ import annotations
