@@ -415,6 +415,10 @@ def test_a_parked_fork_is_approved_and_denied_over_http_and_its_transcript_shows
     assert time.monotonic() - started < 5
     assert parked.status_code == 202 and parked.json()["status"] == "awaiting_approval"
     assert [(c["call_id"], c["name"]) for c in parked.json()["pending_approval"]] == [("w1", "write_file")]
+    # what it waits for has its own field: the calls to decide, and no error
+    state = http.get(f"/v1/forks/{fork_id}").json()
+    assert state["waiting_for"] == {"kind": "approval", "calls": [{"call_id": "w1", "name": "write_file"}]}
+    assert state["error"] is None
 
     # Then a person approves it, and denies the shell command it parks on next
     approved = http.post(f"/v1/forks/{fork_id}/approvals/w1", json={"decision": "approve"})

@@ -19,6 +19,7 @@ from typing import Any
 
 import httpx
 import pytest
+import redis
 from api_support import FORK, TOKEN, Api, wait_status
 from celery.worker import WorkController
 from cli_support import call, step
@@ -26,6 +27,8 @@ from conftest import missing_tool
 from playwright.sync_api import Browser, Locator, Page, expect, sync_playwright
 
 from workers.api.ui import CONTENT_SECURITY_POLICY
+from workers.keys import Keys
+from workers.store.lease import Claim, Leases
 
 CHROMIUM = "/usr/bin/chromium"  # Debian's; Playwright's own browser downloads are never used
 EXPECT_TIMEOUT_MS = 20_000
@@ -320,6 +323,11 @@ def test_a_parked_call_is_approved_from_the_page_and_the_fork_resumes_to_succeed
     pending = page.locator('#pending-calls li[data-call-id="w1"]')
     expect(pending).to_contain_text("write_file")
     expect(pending.locator("pre")).to_have_text('{\n  "path": "a.txt",\n  "content": "approved text"\n}')
+    # what it waits for is said in the page's words, and is no error
+    expect(page.locator("#fork-waiting")).to_have_text(
+        "Waiting for your approval of write_file (w1): approve or deny below."
+    )
+    expect(page.locator("#fork-error")).to_have_text("—")
     page.evaluate(WATCH_STATUS)
 
     # When a person approves it on the page
@@ -329,12 +337,39 @@ def test_a_parked_call_is_approved_from_the_page_and_the_fork_resumes_to_succeed
     expect(page.locator("#fork-message")).to_have_text("Approved w1: the fork goes on.")
     expect(page.locator("#fork-status")).to_have_text("succeeded")
     expect(page.locator("#pending")).to_be_hidden()
+    expect(page.locator("#fork-waiting")).to_be_hidden()
     seen = page.evaluate("window.seenStatuses")
     assert seen[0] == "awaiting_approval" and "running" in seen[1:-1] and seen[-1] == "succeeded", seen
     assert (work / "a.txt").read_text() == "approved text"
     expect(page.locator("#output")).to_have_text("all done")
     expect(page.locator("#steps .step")).to_have_count(4)
     assert steps_shown(page)[1:3] == ["Step 1 · approved write_file (w1)", "Step 1 · result of write_file (w1)"]
+
+
+def test_a_paused_fork_shows_why_it_waits_and_how_to_resume_it_not_an_error(
+    http: httpx.Client, web: Web, parent: dict[str, Any], redis_client: redis.Redis
+) -> None:
+    page, api = web.page, web.api
+    # Given a fork a worker paused (no worker runs here: the test claims it and pauses it as a worker's run does)
+    fork_id = launch(http, parent)
+    leases = Leases(redis_client, Keys(api.settings.namespace), ttl_ms=10_000, retention_s=60)
+    claim = leases.claim(fork_id, "worker-test")
+    assert isinstance(claim, Claim), claim
+    leases.pause(claim, "declared tool(s) count not available on this worker")
+    wait_status(http, fork_id, "paused")
+
+    # When a person opens it on the page
+    sign_in(page, api, session=parent["session_id"])
+    open_fork(page, fork_id)
+
+    # Then the page says why it waits and how it goes on, with no error and no calls to decide
+    expect(page.locator("#fork-status")).to_have_text("paused")
+    expect(page.locator("#fork-waiting")).to_have_text(
+        f"Paused: declared tool(s) count not available on this worker. Once that is fixed, resume it "
+        f"(forkq resume {fork_id})."
+    )
+    expect(page.locator("#fork-error")).to_have_text("—")
+    expect(page.locator("#pending")).to_be_hidden()
 
 
 def test_a_parked_call_is_denied_with_a_reason_and_another_fork_cancelled_from_the_page(

@@ -50,6 +50,27 @@ def test_result_wait_on_a_fork_awaiting_approval_exits_3_at_once_with_its_pendin
     ]
     assert "awaiting_approval" in err and f"forkq approve {fork_id} CALL_ID" in err
     assert "awaiting approval: w1 write_file" in err and "worker" not in err.split("\n")[0].split(":")[-1]
+    # what it waits for has its own field, and the error is only for errors
+    calls = [{"call_id": "w1", "name": "write_file"}, {"call_id": "s1", "name": "run_shell_command"}]
+    assert printed["waiting_for"] == {"kind": "approval", "calls": calls} and printed["error"] is None
+
+
+def test_status_and_inspect_say_what_a_parked_fork_waits_for_in_the_cli_words(
+    forkq: Run, tmp_path: Path, scripted_worker: Callable[..., WorkController]
+) -> None:
+    scripted_worker([*PARKING, step("done")])
+    fork_id = parked_fork(forkq, tmp_path)
+
+    _, status, _ = forkq("status", fork_id)
+    _, state, _ = forkq("status", fork_id, "--json")
+    _, inspected, _ = forkq("inspect", fork_id)
+    _, record, _ = forkq("inspect", fork_id, "--json")
+
+    waits = f"  waiting for approval of w1 (write_file), s1 (run_shell_command): `forkq approve|deny {fork_id} CALL_ID`"
+    assert status.splitlines()[:2] == [f"{fork_id} awaiting_approval attempt=1", waits]  # no error= on the first line
+    assert waits in inspected.splitlines()
+    assert json.loads(state)["waiting_for"]["kind"] == json.loads(record)["waiting_for"]["kind"] == "approval"
+    assert json.loads(state)["error"] is None
 
 
 def test_approve_and_deny_json_print_the_decision_and_the_fork_then_succeeds(
@@ -182,7 +203,12 @@ def test_resume_queues_a_paused_fork_and_a_worker_runs_it_to_success(
     fork_id = paused_fork
     code, out, _ = forkq("result", fork_id, "--wait", "--timeout", "20", "--json")
     assert code == 3
-    assert json.loads(out)["status"] == "paused" and "cli_probe" in json.loads(out)["error"]
+    parked = json.loads(out)
+    assert parked["status"] == "paused" and parked["error"] is None
+    assert parked["waiting_for"]["kind"] == "resume" and "cli_probe" in parked["waiting_for"]["reason"]
+    status = forkq("status", fork_id)[1].splitlines()
+    assert status[0] == f"{fork_id} paused attempt=2" and status[1].startswith("  waiting for resume: declared tool")
+    assert status[1].endswith(f"once that is fixed, `forkq resume {fork_id}`") and "cli_probe" in status[1]
 
     # When an operator resumes it and a worker with the plugin consumes the queue
     code, out, err = forkq("resume", fork_id, "--json")

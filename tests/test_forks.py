@@ -41,7 +41,7 @@ from workers.records.fork import (
     split_seed,
 )
 from workers.records.journal import EntryKind, JournalEntry
-from workers.records.parked import ParkedCall
+from workers.records.parked import ParkedCall, ResumeWait
 from workers.store.forks import ForkStore
 from workers.store.lease import Claim, Leases
 from workers.store.redis_server import RedisServer
@@ -458,6 +458,29 @@ def test_a_cancelled_parked_fork_reports_its_time_until_it_parked(store: ForkSto
     result = store.result("f-1")
     assert result is not None
     assert result.usage.duration_ms == int(times[1]) - int(times[0]) >= 50
+
+
+def test_a_paused_fork_waits_for_a_resume_with_its_reason_not_an_error_and_waits_no_more_once_resumed(
+    store: ForkStore, seed: ForkSeed
+) -> None:
+    # Given a running fork that pauses (a tool it started with is missing on this worker)
+    launch(store, seed)
+    leases = Leases(store.client, store.keys, ttl_ms=10_000, retention_s=TTL_S)
+    claim = leases.claim("f-1", "worker-1")
+    assert isinstance(claim, Claim)
+    leases.pause(claim, "declared tool(s) count not available on this worker")
+
+    # Then its state waits for a resume, for that reason, and holds no error
+    state = store.state("f-1")
+    assert state.waiting_for == ResumeWait(reason="declared tool(s) count not available on this worker")
+    assert state.error is None
+
+    # When it is resumed, it is queued and waits for nothing
+    assert store.resume("f-1") is True
+    state = store.state("f-1")
+    assert (state.status, state.waiting_for, state.error) == (Status.QUEUED, None, None)
+    assert store.client.hget(store.keys.state("f-1"), "waiting") is None
+    assert store.resume("f-1") is False  # queued, not paused: nothing to resume
 
 
 def test_a_cancelled_parked_fork_lists_no_call_awaiting_approval(store: ForkStore, seed: ForkSeed) -> None:

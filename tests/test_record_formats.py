@@ -23,7 +23,7 @@ from workers.history.messages import Content
 from workers.keys import Keys
 from workers.records.fork import BootstrapRecord, ForkOptions, ForkResult, ForkState, Status, chunk_digest
 from workers.records.journal import EntryKind, JournalEntry
-from workers.records.parked import ParkedCall, decode_parked, encode_parked
+from workers.records.parked import ApprovalWait, ParkedCall, ResumeWait, WaitingCall, decode_parked, encode_parked
 from workers.store.forks import ForkStore
 from workers.store.lease import Claim, Leases
 
@@ -186,6 +186,43 @@ def test_a_parked_fork_stores_the_same_json_as_before_and_its_state_reads_it_bac
     event = fork_store.events(fid)[-1]
     assert (event.type, event.data["calls"]) == ("awaiting_approval", json.loads(PARKED_JSON))
     assert fork_store.state(fid).pending_approval == PARKED
+    state = fork_store.state(fid)
+    assert state.error is None
+    assert state.waiting_for == ApprovalWait(
+        calls=[WaitingCall(call_id="c-1", name="write_file"), WaitingCall(call_id="2.1", name="run_shell_command")]
+    )
+
+
+# the states an earlier version parked: why the fork waits in `error`, and no `waiting` field
+OLD_PAUSED = {"status": "paused", "attempt": "2", "error": "declared tool(s) count not available on this worker"}
+OLD_PARKED = {
+    "status": "awaiting_approval",
+    "attempt": "1",
+    "error": "awaiting approval of write_file (c-1): forkq approve f-1 CALL_ID, or forkq deny f-1 CALL_ID",
+    "pending": PARKED_JSON,
+}
+
+
+def test_a_state_paused_before_the_waiting_field_reads_its_error_as_the_reason_it_waits() -> None:
+    state = ForkState.from_hash("f-1", OLD_PAUSED)
+
+    assert state.waiting_for == ResumeWait(reason="declared tool(s) count not available on this worker")
+    assert state.error is None
+
+
+def test_a_state_parked_on_calls_before_the_waiting_field_waits_on_its_calls_with_no_error() -> None:
+    state = ForkState.from_hash("f-1", OLD_PARKED)
+
+    assert isinstance(state.waiting_for, ApprovalWait)
+    calls = [(c.call_id, c.name) for c in state.waiting_for.calls]
+    assert calls == [("c-1", "write_file"), ("2.1", "run_shell_command")]
+    assert state.error is None and state.pending_approval == PARKED
+
+
+def test_a_fork_that_is_not_parked_waits_for_nothing_whatever_its_hash_kept() -> None:
+    cancelled = ForkState.from_hash("f-1", {**OLD_PAUSED, "status": "cancelled", "waiting": "x", "error": "cancelled"})
+
+    assert (cancelled.waiting_for, cancelled.error) == (None, "cancelled")
 
 
 # a result as the code before cached input tokens wrote it (ForkResult.encode)

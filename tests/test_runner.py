@@ -24,6 +24,7 @@ from workers.loop.child import STOP_REASONS
 from workers.providers import ModelRequest, ModelResponse
 from workers.records.fork import Status
 from workers.records.journal import RequestDigests
+from workers.records.parked import ResumeWait
 from workers.service.job import RunForkJob
 from workers.service.outcome import Outcome, RunOutcome
 from workers.service.runner import (
@@ -184,10 +185,11 @@ def test_a_revived_fork_pauses_when_a_tool_it_started_with_is_missing(
     expire(settings, fork_id)
     # When a worker without `count` revives it
     outcome = run_fork_job(runtime_with(settings, CallsThenAnswers(), ToolRegistry()), job)
-    # Then the fork pauses with a reason naming the tool, and resumes when asked
+    # Then the fork pauses, waiting for a resume for a reason naming the tool (no error), and resumes when asked
     state = client.status(fork_id)
     assert outcome == RunOutcome(Outcome.PAUSED) and state.status is Status.PAUSED
-    assert state.error is not None and "count" in state.error
+    assert isinstance(state.waiting_for, ResumeWait) and "count" in state.waiting_for.reason
+    assert state.error is None
     assert client.resume(fork_id) is Status.QUEUED
     assert client.status(fork_id).status is Status.QUEUED
 

@@ -17,7 +17,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
 
@@ -39,8 +39,10 @@ from workers.history.snapshot import load_parent_snapshot, read_json_file
 from workers.limits import MAX_SCHEMA_FILE_BYTES
 from workers.store.health import check_redis
 
+if TYPE_CHECKING:  # a type only: `forkq status` starts without the records it reads
+    from workers.records.parked import WaitingFor
+
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_PARKED = 0, 1, 2, 3
-PARKED: tuple[str, ...] = ("awaiting_approval", "paused")
 DEFAULT_DESCRIPTION_CHARS = 80  # the prompt's first words, when no --description is given
 MAX_TEXT_FILE_BYTES = 256 * 1024  # `--persona FILE`, `send --file F`
 
@@ -131,13 +133,15 @@ def _text_file(path: str, option: str, field: str) -> str:
 
 def cmd_send(args: argparse.Namespace) -> int:
     """Give a fork (by id, or a teammate by session and name) a message."""
+    from workers.store.replies import SendReply
+
     fork_id, text = _send_target(args)
     with _client() as client:
         sent = client.send(fork_id, text) if fork_id is not None else client.send_to(args.session, args.to, text)
         status = client.status(sent.fork_id).status.value
     if args.json:
         _print_json({"fork_id": sent.fork_id, "outcome": sent.outcome, "status": status, "waiting": sent.waiting})
-    elif sent.outcome == "continued":
+    elif sent.outcome is SendReply.CONTINUED:
         print(f"{sent.fork_id}: continued (queued again; `forkq result {sent.fork_id} --wait` for its answer)")
     else:
         print(f"{sent.fork_id}: in its inbox ({sent.waiting} waiting), read before its next model call")
@@ -216,17 +220,19 @@ def _json_file(path: str, option: str) -> Any:
 
 def cmd_approve(args: argparse.Namespace) -> int:
     """Approve (or deny) a call a parked fork waits on."""
+    from workers.store.replies import Decision
+
     with _client() as client:
         if args.command == "approve":
             status = client.approve(args.fork_id, args.call_id)
         else:
             status = client.deny(args.fork_id, args.call_id, args.reason)
-    outcome = "queued" if status == "queued" else "recorded"  # the fork goes on, or other calls still wait
+    outcome = Decision.after(status)  # the fork goes on, or other calls still wait
     if args.json:
         decision = {"fork_id": args.fork_id, "call_id": args.call_id, "decision": args.command, "outcome": outcome}
         _print_json(decision)
     else:
-        print("resumed: the fork is queued again" if outcome == "queued" else "recorded: other calls still wait")
+        print("resumed: the fork is queued again" if outcome is Decision.QUEUED else "recorded: other calls still wait")
     return EXIT_OK
 
 
@@ -241,8 +247,22 @@ def cmd_status(args: argparse.Namespace) -> int:
             f"{state.fork_id} {state.status.value} attempt={state.attempt}"
             + (f" error={state.error}" if state.error else "")
         )
+        _print_wait(state.fork_id, state.waiting_for)
         _print_pending([call.wire() for call in state.pending_approval])
     return EXIT_OK
+
+
+def _print_wait(fork_id: str, wait: WaitingFor | None, file: Any = None) -> None:
+    """What a parked fork waits for, in the CLI's words: the command that ends the wait."""
+    from workers.records.parked import ResumeWait  # loaded already: the state was read
+
+    if wait is None:
+        return
+    if isinstance(wait, ResumeWait):
+        print(f"  waiting for resume: {wait.reason}; once that is fixed, `forkq resume {fork_id}`", file=file)
+    else:
+        names = ", ".join(f"{c.call_id} ({c.name})" for c in wait.calls)
+        print(f"  waiting for approval of {names}: `forkq approve|deny {fork_id} CALL_ID`", file=file)
 
 
 def _print_pending(calls: list[dict[str, Any]], file: Any = None) -> None:
@@ -254,13 +274,14 @@ def _print_pending(calls: list[dict[str, Any]], file: Any = None) -> None:
 def cmd_result(args: argparse.Namespace) -> int:
     """Show a fork's final output (waiting for it with --wait); exit 3 at once for a parked fork."""
     from workers.client import parked_error
+    from workers.records.fork import Status
 
     with _client() as client:
         try:
             result = client.wait(args.fork_id, timeout=args.timeout) if args.wait else client.result(args.fork_id)
             if result is None:
                 state = client.status(args.fork_id)
-                if state.status.value in PARKED:
+                if state.status.parked:
                     raise parked_error(state)
                 if args.json:
                     fields = {"fork_id": args.fork_id, "status": state.status.value, "output": None, "usage": None}
@@ -281,14 +302,14 @@ def cmd_result(args: argparse.Namespace) -> int:
         _print_json({**fields, "output": result.output, "usage": result.usage.model_dump(), "error": result.error})
     else:
         print(result.output if result.output is not None else f"[{result.status.value}] {result.error}")
-    return EXIT_OK if result.status.value == "succeeded" else EXIT_FAIL
+    return EXIT_OK if result.status is Status.SUCCEEDED else EXIT_FAIL
 
 
 def _print_parked(parked: ForkParked, *, as_json: bool) -> None:
     """A parked fork, for `result`: its status and the calls it waits on (stdout with --json, else stderr)."""
     if as_json:
-        fields = {"fork_id": parked.fork_id, "status": parked.status, "output": None, "usage": None}
-        _print_json({**fields, "error": parked.reason, "pending_approval": parked.pending})
+        fields = {"fork_id": parked.fork_id, "status": parked.status, "output": None, "usage": None, "error": None}
+        _print_json({**fields, "waiting_for": parked.waiting_for, "pending_approval": parked.pending})
         return
     print(f"forkq result: {parked}", file=sys.stderr)
     _print_pending(parked.pending, file=sys.stderr)
@@ -336,11 +357,12 @@ def cmd_resume(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    """Print a fork's bootstrap record, seed resolved and verified."""
+    """Print a fork's bootstrap record, seed resolved and verified (and what it waits for, when parked)."""
     with _client() as client:
         record = client.inspect(args.fork_id)
+        wait = client.status(args.fork_id).waiting_for
     if args.json:
-        _print_json(record)
+        _print_json({**record, "waiting_for": None if wait is None else wait.model_dump(mode="json")})
     else:
         print(f"fork {record['fork_id']} ({record['kind']}), digest {record['digest']}")
         print(
@@ -360,6 +382,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         schema = record["output_schema"]
         print(f"output_schema: {'none' if schema is None else json.dumps(schema, ensure_ascii=False)[:500]}")
         print(f"task prompt: {record['task_prompt'][:200]}")
+        _print_wait(args.fork_id, wait)
     return EXIT_OK
 
 

@@ -33,11 +33,12 @@ from workers.limits import MAX_INBOX_MESSAGES, MAX_MESSAGE_BYTES, shown, text_pr
 from workers.records.conversation import exchanges
 from workers.records.fork import BootstrapRecord, ForkResult, ForkState, Status
 from workers.records.notification import render_task_notification
+from workers.records.parked import ResumeWait
 from workers.records.seeds import SeedBuilder, SeedChunks
 from workers.store.forks import ForkEvent, ForkStore
 from workers.store.lease import Leases
 from workers.store.queue import enqueue_again, run_fork_call, send_call, send_ended_event
-from workers.store.reads import PARKED
+from workers.store.replies import Decision, SendReply
 from workers.subagents.capabilities import providers
 from workers.subagents.definitions import CatalogCache
 from workers.subagents.launch import LaunchOptions, launch_settings, plan_launch
@@ -51,8 +52,10 @@ if TYPE_CHECKING:  # a type only: the send-only app is built on the first launch
 def parked_error(state: ForkState) -> ForkParked:
     """The `ForkParked` for a fork in a parked state: its status, pending calls and what to do."""
     fid = state.fork_id
+    wait = state.waiting_for
+    reason = wait.reason if isinstance(wait, ResumeWait) else None
     if state.status is Status.PAUSED:
-        todo = f"{state.error or 'paused'}; once that is fixed, `forkq resume {fid}` (ForkClient.resume)"
+        todo = f"{reason or 'paused'}; once that is fixed, `forkq resume {fid}` (ForkClient.resume)"
     else:
         calls = ", ".join(f"{c.call_id} ({c.name})" for c in state.pending_approval) or "none"
         todo = (
@@ -64,7 +67,8 @@ def parked_error(state: ForkState) -> ForkParked:
         fork_id=fid,
         status=state.status.value,
         pending=[call.wire() for call in state.pending_approval],
-        reason=state.error,
+        reason=reason,
+        waiting_for=None if wait is None else wait.model_dump(mode="json"),
     )
 
 
@@ -94,7 +98,7 @@ class Sent:
     messages now wait in the inbox."""
 
     fork_id: str
-    outcome: str
+    outcome: Literal[SendReply.QUEUED, SendReply.CONTINUED]
     waiting: int
 
 
@@ -404,7 +408,7 @@ class ForkClient:
         outcome = self.store.ended(fork_id, deadline=None if timeout is None else time.monotonic() + timeout)
         if isinstance(outcome, ForkResult):
             return outcome
-        if outcome.status in PARKED:
+        if outcome.status.parked:
             raise parked_error(outcome)
         hint = (
             "check that a worker consumes the queue (forkq check --worker / Flower)"
@@ -479,7 +483,7 @@ class ForkClient:
         problem = None if reason is None else text_problem("the reason of a denial", reason)
         if problem is not None:  # the journal stores it as UTF-8
             raise InvalidApproval(problem, fork_id=fork_id)
-        if self.store.decide(fork_id, call_id, decision, reason) == "recorded":
+        if self.store.decide(fork_id, call_id, decision, reason) is Decision.RECORDED:
             return Status.AWAITING_APPROVAL
         self._enqueue_again(fork_id)
         return Status.QUEUED
@@ -559,25 +563,26 @@ class ForkClient:
         if problem is not None:
             raise MessageRefused(f"fork {fork_id}: {problem}", fork_id=fork_id, field="message")
         word, waiting = self.store.send(fork_id, text, inbox_limit=MAX_INBOX_MESSAGES)
-        if word == "missing":
+        if word is SendReply.MISSING:
             self.store.state(fork_id)  # raises ForkNotFound, with its message
-        if word in ("failed", "cancelled"):
+        if word in (SendReply.FAILED, SendReply.CANCELLED):
             raise MessageRefused(
                 f"fork {fork_id} {word}, so it takes no more messages (a message reaches a fork that runs, waits "
                 "or succeeded); launch a new fork with what it should do",
                 fork_id=fork_id,
-                status=word,
+                status=word.value,
             )
-        if word == "full":
+        if word is SendReply.FULL:
             raise MessageRefused(
                 f"fork {fork_id}: its inbox already holds {waiting} messages, the most it keeps; send again once "
                 "it has read them (at its next model call)",
                 fork_id=fork_id,
                 status=self.store.state(fork_id).status.value,
             )
-        if word == "continued":
+        if word is SendReply.CONTINUED:
             self._enqueue_again(fork_id)
-        return Sent(fork_id=fork_id, outcome="continued" if word == "continued" else "queued", waiting=waiting)
+            return Sent(fork_id=fork_id, outcome=SendReply.CONTINUED, waiting=waiting)
+        return Sent(fork_id=fork_id, outcome=SendReply.QUEUED, waiting=waiting)
 
     def notification(self, fork_id: str) -> str:
         """The `<task-notification>` the parent's model reads once the fork has ended.

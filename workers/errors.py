@@ -102,16 +102,25 @@ class ForkParked(ForkqError):
     """A fork someone waits for is parked (`awaiting_approval` or `paused`): it ends only after a person acts.
 
     `status` is the fork's status, `pending` the calls it waits on (`call_id`, `name`, `args`; empty
-    when paused) and `reason` why it paused (the state's error), so the caller can decide at once.
+    when paused), `reason` why it paused (None when it waits on calls) and `waiting_for` the state's
+    `waiting_for` as JSON data (`kind` `approval` or `resume`), so the caller can decide at once.
     """
 
     def __init__(
-        self, message: str, *, fork_id: str, status: str, pending: list[dict[str, Any]], reason: str | None
+        self,
+        message: str,
+        *,
+        fork_id: str,
+        status: str,
+        pending: list[dict[str, Any]],
+        reason: str | None,
+        waiting_for: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(message, fork_id=fork_id)
         self.status = status
         self.pending = pending
         self.reason = reason
+        self.waiting_for = waiting_for
 
 
 class ForkNotPaused(ForkqError):

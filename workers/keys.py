@@ -10,7 +10,8 @@ Each key: type; content; TTL; writer → readers.
 - `{ns}:{<fork_id>}:bootstrap`: string; canonical msgpack `BootstrapRecord`, write-once (SET NX);
   retention; client.launch → worker, inspect.
 - `{ns}:{<fork_id>}:state`: hash; `ForkState` (status, attempt, epoch, owner, times incl.
-  `first_started_ms`, error, `pending`: JSON of the calls an `awaiting_approval` fork is parked on),
+  `first_started_ms`, error, `pending`: JSON of the calls an `awaiting_approval` fork is parked on,
+  `waiting`: why a `paused` fork waits, `parked_ms`),
   and for the worker's retried writes `released_by` (owner token of the run that last gave the lease
   up: finish, release, park), `emitted` (mark of the running run's last checkpoint) and `retaken`
   (how often a run took back its lease after it lapsed in a Redis outage, never revived);

@@ -17,6 +17,7 @@ from typing import Final
 from workers.api.models import LaunchRequest
 from workers.client import ForkClient, new_fork_id
 from workers.errors import ForkNotFound, IdempotencyConflict
+from workers.records.fork import Status
 from workers.store.idempotency import Claim, IdempotencyKeys
 from workers.subagents.launch import LaunchOptions
 
@@ -29,7 +30,7 @@ class Outcome:
     """A launch's answer: the fork, its status, and whether this request launched it (or repeated a key's)."""
 
     fork_id: str
-    status: str
+    status: Status
     created: bool
 
 
@@ -73,7 +74,7 @@ class Launcher:
                     field="Idempotency-Key",
                 )
             try:
-                return Outcome(held.fork_id, self.client.status(held.fork_id).status.value, created=False)
+                return Outcome(held.fork_id, self.client.status(held.fork_id).status, created=False)
             except ForkNotFound:  # its launch is under way, or was refused and gives the key up
                 time.sleep(IN_FLIGHT_POLL_S)
         raise IdempotencyConflict(
@@ -84,4 +85,4 @@ class Launcher:
     def _launch(self, body: LaunchRequest, options: LaunchOptions) -> Outcome:
         # the snapshot came with this request alone: nothing of it is kept for sibling launches
         handle = self.client.launch_checked(body.parent, body.agent, options, keep=False)
-        return Outcome(handle.fork_id, self.client.status(handle.fork_id).status.value, created=True)
+        return Outcome(handle.fork_id, self.client.status(handle.fork_id).status, created=True)

@@ -23,7 +23,8 @@ from pydantic import (
 
 from workers.history.params import AgentParams, validate_agent_params
 from workers.history.snapshot import ParentSnapshot, parse_parent_snapshot
-from workers.records.fork import Usage
+from workers.records.fork import Status, Usage
+from workers.store.replies import Decision, SendReply
 from workers.subagents.launch import LaunchOptions
 
 MAX_WAIT_S: Final = 60.0  # a long poll holds a connection, never a thread; under proxies' usual idle timeouts
@@ -100,14 +101,14 @@ class Launched(BaseModel):
     """A launched fork: its id, and its status just after the launch."""
 
     fork_id: str
-    status: str
+    status: Status
 
 
 class ResultBody(BaseModel):
     """An ended fork's result, as `forkq result --json` prints it."""
 
     fork_id: str
-    status: str
+    status: Status
     output: str | None = None
     usage: Usage
     error: str | None = None
@@ -129,24 +130,24 @@ class Decided(BaseModel):
     fork_id: str
     call_id: str
     decision: Literal["approve", "deny"]
-    outcome: Literal["queued", "recorded"] = Field(
+    outcome: Decision = Field(
         description="`queued`: no call waits any more, the fork goes on; `recorded`: other calls still wait."
     )
-    status: str
+    status: Status
 
 
 class Cancelled(BaseModel):
     """A fork's status after a cancel: `cancelled`, or the status it had ended with before."""
 
     fork_id: str
-    status: str
+    status: Status
 
 
 class Notification(BaseModel):
     """The `<task-notification>` the parent's model reads once the fork has ended."""
 
     fork_id: str
-    status: str
+    status: Status
     notification: str
 
 
@@ -157,7 +158,7 @@ class SessionFork(BaseModel):
     kind: str
     name: str | None = None
     description: str
-    status: str
+    status: Status
     created_ms: int | None = Field(None, description="When it was launched (Unix ms, Redis's clock).")
     updated_ms: int | None = Field(None, description="Its latest event (Unix ms, Redis's clock).")
 
@@ -190,7 +191,7 @@ class MessageSent(BaseModel):
     """What `send` did: `continued` (queued again) or `queued` (in its inbox), and how many messages wait."""
 
     fork_id: str
-    outcome: Literal["continued", "queued"]
+    outcome: Literal[SendReply.CONTINUED, SendReply.QUEUED]
     waiting: int
 
 

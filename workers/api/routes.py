@@ -44,6 +44,7 @@ from workers.records.fork import ForkResult, ForkState
 from workers.records.notification import render_task_notification
 from workers.store.health import check_redis
 from workers.store.reader import AsyncForkReader
+from workers.store.replies import Decision
 
 FORK_ID_PATTERN = f"^{FORK_ID_RE.pattern}$"
 SESSION_PATTERN = f"^{SESSION_RE.pattern}$"
@@ -132,7 +133,7 @@ async def fork_notification(fork_id: ForkId, svc: Svc) -> Notification:
             fork_id=fork_id,
         )
     text = render_task_notification(result, description=state.description)
-    return Notification(fork_id=fork_id, status=result.status.value, notification=text)
+    return Notification(fork_id=fork_id, status=result.status, notification=text)
 
 
 async def fork_events(
@@ -167,7 +168,7 @@ async def fork_transcript(
 
 def cancel_fork(fork_id: ForkId, svc: Svc) -> Cancelled:
     """Cancel the fork; its status afterwards (`cancelled`, or the status it had already ended with)."""
-    return Cancelled(fork_id=fork_id, status=svc.client.cancel(fork_id).value)
+    return Cancelled(fork_id=fork_id, status=svc.client.cancel(fork_id))
 
 
 def decide_call(
@@ -181,8 +182,8 @@ def decide_call(
         status = svc.client.approve(fork_id, call_id)
     else:
         status = svc.client.deny(fork_id, call_id, body.reason)
-    outcome = "queued" if status == "queued" else "recorded"
-    return Decided(fork_id=fork_id, call_id=call_id, decision=body.decision, outcome=outcome, status=status.value)
+    outcome = Decision.after(status)
+    return Decided(fork_id=fork_id, call_id=call_id, decision=body.decision, outcome=outcome, status=status)
 
 
 async def session_forks(

@@ -25,7 +25,7 @@ from workers.records.conversation import (
     fold,
     visible_text,
 )
-from workers.records.fork import BootstrapRecord, ForkState
+from workers.records.fork import BootstrapRecord, ForkState, Status
 from workers.records.journal import JournalEntry
 from workers.subagents.launch import launch_settings
 
@@ -82,7 +82,7 @@ class Transcript(BaseModel):
     """A fork's transcript."""
 
     fork_id: str
-    status: str
+    status: Status
     description: str
     seed: SeedSummary
     steps: list[Step]
@@ -107,9 +107,7 @@ def build_transcript(
         settings=launch_settings(record),
     )
     steps = [_step(step, max_chars) for step in fold(entries, fork_id=state.fork_id).steps]
-    return Transcript(
-        fork_id=state.fork_id, status=state.status.value, description=state.description, seed=seed, steps=steps
-    )
+    return Transcript(fork_id=state.fork_id, status=state.status, description=state.description, seed=seed, steps=steps)
 
 
 def _step(step: ReadStep, max_chars: int) -> Step:

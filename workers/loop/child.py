@@ -7,11 +7,12 @@ re-calls nothing. Everything the loop touches is passed in, so it runs without a
 
 from __future__ import annotations
 
+import enum
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final, Literal, Protocol, get_args
+from typing import Any, Final, Protocol
 
 from workers.history.messages import Content, Part
 from workers.history.selection import ForkSeed
@@ -62,9 +63,16 @@ class ForkIO(Protocol):
         ...
 
 
-# why a loop stopped: cancelled by a person, its worker shuts down, its lease was lost, or it parked (`Parked`)
-StopReason = Literal["cancelled", "shutdown", "lease_lost", "awaiting_approval"]
-STOP_REASONS: Final[tuple[StopReason, ...]] = get_args(StopReason)
+class StopReason(enum.StrEnum):
+    """Why a loop stopped before its result (`workers.service.outcome.STOPPED` maps each to the run's outcome)."""
+
+    CANCELLED = "cancelled"  # a person cancelled the fork
+    SHUTDOWN = "shutdown"  # its worker shuts down: the fork is handed to another
+    LEASE_LOST = "lease_lost"  # another worker runs the fork now
+    AWAITING_APPROVAL = "awaiting_approval"  # it parked on calls a person decides (`Parked`)
+
+
+STOP_REASONS: Final = tuple(StopReason)
 
 
 class Stopped(Exception):
@@ -79,7 +87,7 @@ class Parked(Stopped):
     """The fork waits for a person's decision on `calls` (launch policy `park`)."""
 
     def __init__(self, calls: list[ParkedCall]) -> None:
-        super().__init__("awaiting_approval")
+        super().__init__(StopReason.AWAITING_APPROVAL)
         self.calls = calls
 
 

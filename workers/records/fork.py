@@ -19,7 +19,7 @@ from workers.history.params import ApprovalPolicy
 from workers.history.selection import ForkSeed
 from workers.history.snapshot import ApprovalMode
 from workers.records.allocation import fills_its_class
-from workers.records.parked import ParkedCall, decode_parked
+from workers.records.parked import ParkedCall, WaitingFor, decode_parked, read_wait
 
 SCHEMA_VERSION: Final = 1
 CHUNK_MAX_MESSAGES: Final = 64
@@ -57,6 +57,11 @@ class Status(enum.StrEnum):
     def terminal(self) -> bool:
         """True once nothing more will happen to the fork."""
         return self in (Status.SUCCEEDED, Status.FAILED, Status.CANCELLED)
+
+    @property
+    def parked(self) -> bool:
+        """True while the fork waits for a person (approve or deny its calls, or resume it), holding no worker."""
+        return self in (Status.PAUSED, Status.AWAITING_APPROVAL)
 
 
 class ForkOptions(BaseModel):
@@ -288,8 +293,9 @@ class ForkState(BaseModel):
     created_ms: int | None = None
     started_ms: int | None = None
     finished_ms: int | None = None
-    error: str | None = None
+    error: str | None = None  # the last error (never why a parked fork waits: `waiting_for` says that)
     pending_approval: list[ParkedCall] = Field(default_factory=list)  # awaiting_approval: the parked calls
+    waiting_for: WaitingFor | None = None  # a parked fork's wait: a person's decision on calls, or a resume
 
     @classmethod
     def from_hash(cls, fork_id: str, fields: dict[str, str]) -> ForkState:
@@ -301,7 +307,10 @@ class ForkState(BaseModel):
         status = Status(fields["status"])
         # the parked calls are kept in the hash after a cancel (for the record), but no call waits on a fork
         # that is not parked any more
-        pending = (fields.get("pending") or "") if status is Status.AWAITING_APPROVAL else ""
+        pending = decode_parked(
+            (fields.get("pending") or "") if status is Status.AWAITING_APPROVAL else "", fork_id=fork_id
+        )
+        waiting_for, error = _waiting(status, pending, fields)
         return cls(
             fork_id=fork_id,
             status=status,
@@ -313,9 +322,17 @@ class ForkState(BaseModel):
             created_ms=num("created_ms"),
             started_ms=num("started_ms"),
             finished_ms=num("finished_ms"),
-            error=fields.get("error") or None,
-            pending_approval=decode_parked(pending, fork_id=fork_id),
+            error=error,
+            pending_approval=pending,
+            waiting_for=waiting_for,
         )
+
+
+def _waiting(status: Status, pending: list[ParkedCall], fields: dict[str, str]) -> tuple[WaitingFor | None, str | None]:
+    """A state's wait (None unless it is parked) and its error (`read_wait`)."""
+    if not status.parked:
+        return None, fields.get("error") or None
+    return read_wait(pending if status is Status.AWAITING_APPROVAL else None, fields)
 
 
 # ── seed chunks ───────────────────────────────────────────────────────────────────────────────

@@ -1,14 +1,16 @@
-"""The calls an `awaiting_approval` fork is parked on: the state's `pending` field and the park event's `calls`.
+"""What a parked fork waits on: the calls an `awaiting_approval` fork is parked on (the state's `pending` field
+and the park event's `calls`), and `WaitingFor`, the state's account of what it waits for.
 
-Stored as compact JSON (a list of objects with `call_id`, `index`, `step`, `name`, `args`, in that order),
-written when the fork parks and rewritten by each decision; decoded here, once, where it is read.
+The calls are stored as compact JSON (a list of objects with `call_id`, `index`, `step`, `name`, `args`, in that
+order), written when the fork parks and rewritten by each decision; decoded here, once, where it is read.
+A paused fork's reason is the state's `waiting` field (states written before it kept it in `error`).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
@@ -29,6 +31,58 @@ class ParkedCall(BaseModel):
     def wire(self) -> dict[str, Any]:
         """The call as plain JSON data (the stored object, what `forkq status --json` prints)."""
         return self.model_dump()
+
+
+class WaitingCall(BaseModel):
+    """A call a person must approve or deny, by id and tool."""
+
+    model_config = ConfigDict(frozen=True)
+
+    call_id: str
+    name: str
+
+
+class ApprovalWait(BaseModel):
+    """The fork waits for a person to approve or deny `calls` (`forkq approve` / `forkq deny`)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    kind: Literal["approval"] = "approval"
+    calls: list[WaitingCall]
+
+
+class ResumeWait(BaseModel):
+    """The fork is paused for `reason` (a tool this worker lacks, ...): once that is fixed, `forkq resume` it."""
+
+    model_config = ConfigDict(frozen=True)
+
+    kind: Literal["resume"] = "resume"
+    reason: str
+
+
+# what a parked fork waits for, by `kind`
+WaitingFor = Annotated[ApprovalWait | ResumeWait, Field(discriminator="kind")]
+
+
+def approval_wait(calls: Sequence[ParkedCall]) -> ApprovalWait:
+    """The wait of a fork parked on `calls`."""
+    return ApprovalWait(calls=[WaitingCall(call_id=c.call_id, name=c.name) for c in calls])
+
+
+def read_wait(calls: Sequence[ParkedCall] | None, fields: Mapping[str, str]) -> tuple[WaitingFor, str | None]:
+    """A parked state's wait, on `calls` (awaiting approval) or else a resume, and its error, from its hash.
+
+    A state parked before the `waiting` field existed kept why it waits in `error`: that text is the paused
+    fork's reason (an approval's is its calls), and the state has no error.
+    """
+    error = fields.get("error") or None
+    if "waiting" in fields:
+        reason = fields["waiting"]
+    else:  # written by an earlier version: the error was the wait
+        reason, error = error or "", None
+    if calls is not None:
+        return approval_wait(calls), error
+    return ResumeWait(reason=reason or "paused"), error
 
 
 _CALLS = TypeAdapter(list[ParkedCall])

@@ -25,13 +25,14 @@ from workers.records.fork import BootstrapRecord, ChunkCache, Declarations, Fork
 from workers.records.journal import EntryKind, JournalEntry, RequestDigests
 from workers.service.job import FirstStep, RunForkJob, executable, first_step, load_inputs
 from workers.service.metrics import Metrics
-from workers.service.outcome import Outcome, RunOutcome
+from workers.service.outcome import ENDED, STOPPED, Outcome, RunOutcome, stop_reason
 from workers.service.progress import Progress, RunObserver
 from workers.service.spawn import SubagentSpawner
 from workers.store.claims import RefusalReason
 from workers.store.forks import ForkStore
 from workers.store.lease import Claim, LeaseKeeper, Leases, revival_grace_s, ride_out
 from workers.store.presence import Presence, owner_token, presence_token
+from workers.store.replies import Written
 from workers.subagents.definitions import CatalogCache
 from workers.tools.builtins import load_tools
 from workers.tools.registry import ToolRegistry
@@ -190,9 +191,9 @@ class FencedChannel:
     def _stop_if_asked(self) -> None:
         if self.lost.is_set():  # the heartbeat found the lease gone, or the fork no longer running: which?
             status = self.leases.emit(self.claim, [])
-            raise Stopped("cancelled" if status == "cancelled" else "lease_lost")
+            raise Stopped(stop_reason(status))
         if self.stopping.is_set():
-            raise Stopped("shutdown")
+            raise Stopped(StopReason.SHUTDOWN)
 
     def checkpoint(self) -> None:
         """Publish queued events and stop if the fork was cancelled, lost or its worker stops.
@@ -210,8 +211,8 @@ class FencedChannel:
             self.mail = self.leases.append(self.claim, *entries, events=self._take_events())
             return
         status = self.leases.emit(self.claim, self._take_events())
-        if status != "running":
-            raise Stopped("cancelled" if status == "cancelled" else "lease_lost")
+        if status is not Status.RUNNING:
+            raise Stopped(stop_reason(status))
 
     def append(self, entry: JournalEntry, *, boundary: bool = False) -> None:
         """Fenced append of `entry` (after any pending ones) with the queued events.
@@ -242,7 +243,7 @@ class FencedChannel:
         items, self.mail_items = self.mail_items, []
         self.mail = self.leases.deliver(self.claim, [*held, *entries], items, events=self._take_events())
 
-    def finish(self, result: ForkResult) -> str:
+    def finish(self, result: ForkResult) -> Written:
         """Write the result with the held entries and queued events (one round trip); `continued` when
         messages arrived meanwhile and the fork was queued again instead (see `Leases.finish`)."""
         entries, self.pending_entries = self.pending_entries, []
@@ -298,7 +299,7 @@ def run_fork_job(
     try:
         return RunOutcome(run.ended(_run_claimed(runtime, job, claim, lost, observe=run.observe, first=first)))
     except LeaseLost as exc:
-        if exc.refusal == "cancelled":  # cancelled mid-step: the write after it was fenced out, as it must be
+        if exc.refusal == Status.CANCELLED:  # cancelled mid-step: the write after it was fenced out, as it must be
             log.info("fork %s: cancelled while it ran; stopped", job.fork_id)
             return RunOutcome(run.ended(Outcome.CANCELLED))
         log.warning("%s", exc)
@@ -422,11 +423,11 @@ def _run_loop(runtime: WorkerRuntime, job: RunForkJob, claim: Claim, lost: threa
         log.exception("fork %s: attempt %d failed", job.fork_id, claim.attempt)
         error = f"{type(exc).__name__}: {exc}"
         result = ForkResult(fork_id=job.fork_id, status=Status.FAILED, error=error, usage=loop.usage())
-    if run.channel.finish(result) == "continued":  # messages arrived as it answered: the next run delivers them
+    if run.channel.finish(result) is Written.CONTINUED:  # messages arrived as it answered: the next run delivers them
         if runtime.requeue is not None:
             runtime.requeue(job.fork_id, job.digest, claim.attempt + 1)  # sends the job, then confirms it
         return Outcome.RELEASED
-    return Outcome(result.status.value)
+    return ENDED[result.status]
 
 
 def _check_tool_surface(
@@ -445,7 +446,7 @@ def _check_tool_surface(
 
 
 def _stopped(runtime: WorkerRuntime, job: RunForkJob, claim: Claim, reason: StopReason) -> Outcome:
-    if reason == "shutdown":  # checkpointed by the journal: hand the fork to another worker now
+    if reason == StopReason.SHUTDOWN:  # checkpointed by the journal: hand the fork to another worker now
         runtime.leases.release(claim, "worker shutdown")
         if runtime.requeue is not None:
             runtime.requeue(job.fork_id, job.digest, claim.attempt + 1)  # sends the job, then confirms it
@@ -459,12 +460,9 @@ def stop_outcome(reason: str, *, fork_id: str) -> Outcome:
     `Parked` (nothing was parked), leaves the fork as a lost lease does: its lease lapses and the
     sweeper revives it from its journal.
     """
-    match reason:
-        case "shutdown":
-            return Outcome.RELEASED
-        case "cancelled":
-            return Outcome.CANCELLED
-        case "lease_lost":
-            return Outcome.LEASE_LOST
-    log.error("fork %s: the loop stopped for %r, not one of %s; left to revival", fork_id, reason, STOP_REASONS)
+    outcome = STOPPED.get(StopReason(reason)) if reason in STOP_REASONS else None  # the one mapping, typed
+    if outcome is not None:
+        return outcome
+    known = ", ".join(STOP_REASONS)
+    log.error("fork %s: the loop stopped for %r, not one of %s; left to revival", fork_id, reason, known)
     return Outcome.LEASE_LOST

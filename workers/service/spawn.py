@@ -23,7 +23,7 @@ from kombu.exceptions import OperationalError
 
 from workers.errors import ForkqError, InvalidAgentParams, RecordExistsError
 from workers.history.params import validate_agent_params
-from workers.loop.child import Stopped
+from workers.loop.child import Stopped, StopReason
 from workers.loop.policy import effective_mode
 from workers.records.fork import BootstrapRecord, ForkOptions, ForkResult, Status
 from workers.store.forks import ForkStore
@@ -155,13 +155,13 @@ class SubagentSpawner:
             if cancelled():
                 state = self._ride(lambda: self.store.state(caller), "reading its own state", caller)
                 if state.status is not Status.CANCELLED:
-                    raise Stopped("lease_lost")  # revived elsewhere: the new run waits for the same subagent
+                    raise Stopped(StopReason.LEASE_LOST)  # revived elsewhere: the new run waits for the same subagent
                 self._ride(lambda: self.store.cancel(child_id), "cancelling its subagent", caller)
             if time.monotonic() >= deadline:  # the caller's wall clock ran out: its subagent's work is moot
                 self._ride(lambda: self.store.cancel(child_id), "cancelling its subagent", caller)
                 return {"error": "Error: the caller's wall-clock limit was reached while the subagent ran"}
             if self.stopping.is_set():
-                raise Stopped("shutdown")
+                raise Stopped(StopReason.SHUTDOWN)
             poll = functools.partial(self.store.events, child_id, after=after, block_ms=POLL_MS)
             for event in self._ride(poll, "waiting for its subagent", caller):
                 after = event.id

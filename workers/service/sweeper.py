@@ -26,11 +26,13 @@ from dataclasses import dataclass
 
 import redis
 
+from workers.records.fork import Status
 from workers.service.metrics import Metrics
 from workers.store.forks import ForkStore
 from workers.store.lease import Leases
 from workers.store.lease_scripts import worker_lost_error
 from workers.store.presence import PresenceWatch, refused
+from workers.store.replies import Revival, RevivalReply
 
 log = logging.getLogger("forkq.sweeper")
 
@@ -114,16 +116,16 @@ class Sweeper:
         # another sweeper re-enqueues a revived fork only if this one failed to within the grace
         return int(max(1.0, 5 * self.interval_s) * 1000)
 
-    def _settle(self, fork_id: str, outcome: str, outcomes: Counter[str], why: str) -> None:
+    def _settle(self, fork_id: str, outcome: RevivalReply, outcomes: Counter[str], why: str) -> None:
         """Count a revive check's outcome, and enqueue or report what it revived or failed."""
-        outcomes[outcome] += 1
+        outcomes[outcome.value] += 1
         if self.metrics is not None:
-            self.metrics.swept(outcome)
-        if outcome in ("revive", "requeue"):
+            self.metrics.swept(outcome.value)
+        if outcome in (Revival.REVIVE, Revival.REQUEUE):
             state = self.store.state(fork_id)
             self.enqueue(fork_id, state.digest, state.attempt + 1)  # sends the job, then confirms it
             log.info("fork %s: %s, %s (attempt %d)", fork_id, why, outcome, state.attempt + 1)
-        elif outcome == "failed":
+        elif outcome is Status.FAILED:
             log.warning("fork %s: failed: %s", fork_id, worker_lost_error(self.max_attempts))
             if self.failed is not None:  # its last run's row gets a final state (Flower): no run follows
                 self.failed(fork_id, self.store.state(fork_id).attempt)

@@ -36,6 +36,7 @@ from workers.records.fork import (
 )
 from workers.records.journal import EntryKind, JournalEntry
 from workers.store import dead_letters, reads
+from workers.store.replies import Decision, Refused, SendReply, Written, fenced_reply, word_of
 from workers.store.script_parts import NOW, lua_script
 
 if TYPE_CHECKING:  # types only: the store keeps dead letters and queues jobs without loading kombu or Celery
@@ -71,10 +72,10 @@ local function send(outcome)
   return {outcome, 1}
 end
 local existing = redis.call('GET', KEYS[1])
-if existing and existing ~= ARGV[1] then return {'conflict', 0} end
-if redis.call('EXISTS', KEYS[2]) == 1 then return send('exists') end
+if existing and existing ~= ARGV[1] then return {CONFLICT, 0} end
+if redis.call('EXISTS', KEYS[2]) == 1 then return send(EXISTS) end
 redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
-redis.call('HSET', KEYS[2], 'status', 'queued', 'kind', ARGV[3], 'description', ARGV[4], 'digest', ARGV[5],
+redis.call('HSET', KEYS[2], 'status', QUEUED, 'kind', ARGV[3], 'description', ARGV[4], 'digest', ARGV[5],
            'attempt', 0, 'created_ms', now)
 redis.call('EXPIRE', KEYS[2], ARGV[2])
 local fresh = redis.call('EXISTS', KEYS[3]) == 0
@@ -91,7 +92,7 @@ if not restored then redis.call('EXPIRE', KEYS[3], ARGV[2]) end
 redis.call('ZADD', KEYS[4], now, ARGV[7])
 redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now - tonumber(ARGV[2]) * 1000)
 redis.call('EXPIRE', KEYS[4], ARGV[2])
-return send('created')
+return send(CREATED)
 """,
 )
 
@@ -118,8 +119,8 @@ _CANCEL = lua_script(
     NOW,
     """
 local status = redis.call('HGET', KEYS[1], 'status')
-if not status then return 'missing' end
-if status == 'succeeded' or status == 'failed' or status == 'cancelled' then return status end
+if not status then return MISSING end
+if status == SUCCEEDED or status == FAILED or status == CANCELLED then return status end
 local usage = {input_tokens = tonumber(ARGV[4]), output_tokens = tonumber(ARGV[5]), model_calls = tonumber(ARGV[6]),
                tool_uses = tonumber(ARGV[7]), cached_input_tokens = tonumber(ARGV[8]), duration_ms = 0}
 for _, raw in ipairs(redis.call('LRANGE', KEYS[5], tonumber(ARGV[3]), -1)) do
@@ -140,37 +141,38 @@ if first then
   usage.duration_ms = math.max(0, (parked or now) - first)
 end
 local err = 'cancelled by request'
-redis.call('HSET', KEYS[1], 'status', 'cancelled', 'finished_ms', now, 'error', err)
-local result = {schema_version = 1, fork_id = ARGV[1], status = 'cancelled', error = err, usage = usage}
+redis.call('HSET', KEYS[1], 'status', CANCELLED, 'finished_ms', now, 'error', err)
+local result = {schema_version = 1, fork_id = ARGV[1], status = CANCELLED, error = err, usage = usage}
 redis.call('SET', KEYS[3], cmsgpack.pack(result), 'EX', ARGV[2])
 redis.call('XADD', KEYS[2], 'MAXLEN', '~', @MAXLEN@, '*', 'type', 'finished', 'data',
-           cjson.encode({status = 'cancelled', error = err, usage = usage}))
+           cjson.encode({status = CANCELLED, error = err, usage = usage}))
 for _, i in ipairs({1, 2, 4, 5}) do redis.call('EXPIRE', KEYS[i], ARGV[2]) end
-return 'cancelled'
+return CANCELLED
 """,
 )
 
 
 # Time spent parked (paused, awaiting approval) does not count against the wall-clock limit: the
-# fork's first start moves forward by it when the fork is queued again.
+# fork's first start moves forward by it when the fork is queued again, and it waits no more.
 _UNPARK = """
 local parked = tonumber(redis.call('HGET', KEYS[1], 'parked_ms') or '')
 local first = tonumber(redis.call('HGET', KEYS[1], 'first_started_ms') or '')
 if parked and first then redis.call('HSET', KEYS[1], 'first_started_ms', first + (now - parked)) end
-redis.call('HDEL', KEYS[1], 'parked_ms')
+redis.call('HDEL', KEYS[1], 'parked_ms', 'waiting')
 """
 
 # KEYS: state, events. A paused fork goes back to queued (the caller re-enqueues it).
 _RESUME = lua_script(
     NOW,
     """
-if redis.call('HGET', KEYS[1], 'status') ~= 'paused' then return 'no' end
+local status = redis.call('HGET', KEYS[1], 'status')
+if status ~= PAUSED then return status or MISSING end
 """
     + _UNPARK
     + """
-redis.call('HSET', KEYS[1], 'status', 'queued', 'error', '')
+redis.call('HSET', KEYS[1], 'status', QUEUED, 'error', '')
 redis.call('XADD', KEYS[2], 'MAXLEN', '~', @MAXLEN@, '*', 'type', 'resumed', 'data', '{}')
-return 'queued'
+return RESUMED
 """,
 )
 
@@ -182,31 +184,32 @@ _DECIDE = lua_script(
     NOW,
     """
 local status = redis.call('HGET', KEYS[1], 'status')
-if not status then return 'missing' end
-if status ~= 'awaiting_approval' then return status end
+if not status then return MISSING end
+if status ~= AWAITING_APPROVAL then return status end
 local pending = cjson.decode(redis.call('HGET', KEYS[1], 'pending') or '[]')
 local left, found = {}, false
 for _, p in ipairs(pending) do
   if p.call_id == ARGV[1] then found = true else table.insert(left, p) end
 end
-if not found then return 'unknown_call' end
-if redis.call('LLEN', KEYS[2]) ~= tonumber(ARGV[3]) then return 'seq' end
+if not found then return UNKNOWN_CALL end
+if redis.call('LLEN', KEYS[2]) ~= tonumber(ARGV[3]) then return SEQ end
 redis.call('RPUSH', KEYS[2], ARGV[2])
 redis.call('XADD', KEYS[3], 'MAXLEN', '~', @MAXLEN@, '*', 'type', ARGV[4], 'data', ARGV[5])
 if #left > 0 then
   redis.call('HSET', KEYS[1], 'pending', cjson.encode(left))
-  return 'recorded'
+  return RECORDED
 end
-redis.call('HSET', KEYS[1], 'status', 'queued', 'pending', '', 'error', '')
+redis.call('HSET', KEYS[1], 'status', QUEUED, 'pending', '', 'error', '')
 """
     + _UNPARK
     + """
 redis.call('ZADD', KEYS[4], now + tonumber(ARGV[6]), ARGV[7])
-return 'queued'
+return QUEUED
 """,
 )
 
 DECIDE_ATTEMPTS: Final = 5
+DECIDED: Final = frozenset(d.value for d in Decision)
 
 # KEYS: the session's names hash. ARGV: name, the fork id it must map to now ('' = none), the new fork id,
 # ttl_s. Compare-and-set: 1 when the name now maps to the new fork, 0 when another launch got there first.
@@ -227,23 +230,23 @@ _SEND = lua_script(
     NOW,
     """
 local status = redis.call('HGET', KEYS[1], 'status')
-if not status then return {'missing', 0} end
-if status == 'failed' or status == 'cancelled' then return {status, 0} end
-if redis.call('LLEN', KEYS[2]) >= tonumber(ARGV[2]) then return {'full', redis.call('LLEN', KEYS[2])} end
+if not status then return {MISSING, 0} end
+if status == FAILED or status == CANCELLED then return {status, 0} end
+if redis.call('LLEN', KEYS[2]) >= tonumber(ARGV[2]) then return {FULL, redis.call('LLEN', KEYS[2])} end
 local waiting = redis.call('RPUSH', KEYS[2], ARGV[1])
 redis.call('EXPIRE', KEYS[2], ARGV[3])
-if status ~= 'succeeded' then
+if status ~= SUCCEEDED then
   redis.call('XADD', KEYS[3], 'MAXLEN', '~', @MAXLEN@, '*', 'type', 'message', 'data',
              cjson.encode({waiting = waiting, status = status}))
-  return {'inbox', waiting}
+  return {QUEUED, waiting}
 end
-redis.call('HSET', KEYS[1], 'status', 'queued', 'owner', '', 'error', '', 'attempt', 0)
+redis.call('HSET', KEYS[1], 'status', QUEUED, 'owner', '', 'error', '', 'attempt', 0)
 redis.call('HDEL', KEYS[1], 'first_started_ms', 'finished_ms', 'parked_ms')
 redis.call('DEL', KEYS[5])
 redis.call('ZADD', KEYS[4], now + tonumber(ARGV[5]), ARGV[4])
 redis.call('XADD', KEYS[3], 'MAXLEN', '~', @MAXLEN@, '*', 'type', 'message', 'data',
            cjson.encode({waiting = waiting, status = status, continued = true}))
-return {'continued', waiting}
+return {CONTINUED, waiting}
 """,
 )
 
@@ -353,7 +356,7 @@ class ForkStore:
         gone, (outcome, queued) = self._scripts(
             (self._put_chunks, chunk_keys, [self.ttl_s, *sent]), (self._launch, keys, args)
         )
-        if outcome == b"conflict":
+        if fenced_reply(outcome, script="launch", fork_id=fid) is Refused.CONFLICT:
             raise RecordExistsError(
                 f"fork {fid}: a different bootstrap record already exists; fork ids must be unique per launch",
                 fork_id=fid,
@@ -498,16 +501,17 @@ class ForkStore:
         counted = [len(journal), usage.input_tokens, usage.output_tokens, usage.model_calls, usage.tool_uses]
         counted.append(usage.cached_input_tokens)  # ARGV[8], after the counts the script always took
         keys = [k.state(fork_id), k.events(fork_id), k.result(fork_id), k.bootstrap(fork_id), k.journal(fork_id)]
-        outcome = cast(bytes, self._cancel(keys=keys, args=[fork_id, self.ttl_s, *counted])).decode()
-        if outcome == "missing":
+        reply = self._cancel(keys=keys, args=[fork_id, self.ttl_s, *counted])
+        if reply == Refused.MISSING.value.encode():
             raise reads.not_found(fork_id)
-        return Status(outcome)
+        return word_of(Status, reply, script="cancel", fork_id=fork_id)
 
     def resume(self, fork_id: str) -> bool:
         """Put a paused fork back in the queue state; True when it was paused."""
-        return bool(self._resume(keys=[self.keys.state(fork_id), self.keys.events(fork_id)]) == b"queued")
+        reply = self._resume(keys=[self.keys.state(fork_id), self.keys.events(fork_id)])
+        return fenced_reply(reply, script="resume", fork_id=fork_id) is Written.RESUMED
 
-    def decide(self, fork_id: str, call_id: str, decision: str, reason: str | None = None) -> str:
+    def decide(self, fork_id: str, call_id: str, decision: str, reason: str | None = None) -> Decision:
         """Record a person's `approve`/`deny` of a parked call; `queued` when it was the last one undecided.
 
         Otherwise `recorded` (other calls still wait). Raises ForkNotFound; InvalidApproval when
@@ -540,10 +544,10 @@ class ForkStore:
                 ],
                 args=[call_id, entry.encode(), seq, event_type, event, DECISION_GRACE_MS, fork_id],
             )
-            outcome = cast(bytes, outcome).decode()
-            if outcome != "seq":
-                if outcome in ("queued", "recorded"):
-                    return outcome
+            word = cast(bytes, outcome).decode()
+            if word != Refused.SEQ:
+                if word in DECIDED:
+                    return Decision(word)
                 raise InvalidApproval(_approval_refusal(self.state(fork_id), call_id), fork_id=fork_id)
         raise InvalidApproval(f"fork {fork_id}: decisions raced {DECIDE_ATTEMPTS} times; try again", fork_id=fork_id)
 
@@ -564,9 +568,9 @@ class ForkStore:
         entry = f"{fork_id} {int(time.time() * 1000)}"
         return bool(self._claim_name(keys=keys, args=[name, expected or "", entry, self.ttl_s]))
 
-    def send(self, fork_id: str, text: str, *, inbox_limit: int) -> tuple[str, int]:
-        """Give the fork a message: (`inbox` or `continued`, messages waiting); the first word is otherwise why
-        not: `missing`, `failed`, `cancelled`, `full`. A `continued` fork's job is the caller's to send."""
+    def send(self, fork_id: str, text: str, *, inbox_limit: int) -> tuple[SendReply, int]:
+        """Give the fork a message: (`queued` in its inbox or `continued`, messages waiting); the reply is otherwise
+        why not: `missing`, `failed`, `cancelled`, `full`. A `continued` fork's job is the caller's to send."""
         keys = [
             self.keys.state(fork_id),
             self.keys.inbox(fork_id),
@@ -576,7 +580,7 @@ class ForkStore:
         ]
         args: list[Any] = [text.encode("utf-8"), inbox_limit, self.ttl_s, fork_id, DECISION_GRACE_MS]
         word, waiting = cast(list[Any], self._send(keys=keys, args=args))
-        return cast(bytes, word).decode(), int(waiting)
+        return word_of(SendReply, word, script="send", fork_id=fork_id), int(waiting)
 
     def events(
         self, fork_id: str, *, after: str = "0-0", block_ms: int | None = None, count: int = 1000

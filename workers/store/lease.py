@@ -42,6 +42,7 @@ from workers.store import lease_scripts as lua
 from workers.store import reads
 from workers.store.claims import FirstWrite, Refusal
 from workers.store.presence import owns
+from workers.store.replies import FencedReply, RevivalReply, Written, fenced_reply, revival_reply
 
 log = logging.getLogger("forkq.lease")
 
@@ -223,7 +224,7 @@ class Leases:
         reply = cast(
             list[Any], ride_out(lambda: self._claim(keys=keys, args=args), until=forever, what="claim", fork_id=fork_id)
         )
-        if reply[0] != b"claimed":
+        if reply[0] != Written.CLAIMED.value.encode():
             return Refusal.from_reply(cast(bytes, reply[0]).decode(), fork_id=fork_id)
         clock = LeaseClock(self.ttl_ms / 1000, grace_s=self.lapse_grace_ms / 1000)
         clock.renewed(time.monotonic())
@@ -241,21 +242,23 @@ class Leases:
             clock=clock,
         )
 
-    def _write(self, claim: Claim, what: str, script: Any, keys: list[str], args: list[Any]) -> str:
+    def _write(self, claim: Claim, what: str, script: Any, keys: list[str], args: list[Any]) -> FencedReply:
         """Run a fenced script under `claim`, riding out a Redis outage until the fork may have been revived."""
         outcome = ride_out(
             lambda: script(keys=keys, args=args), until=claim.clock.deadline, what=what, fork_id=claim.fork_id
         )
-        return cast(bytes, outcome).decode()
+        return fenced_reply(outcome, script=what, fork_id=claim.fork_id)
 
-    def _fenced(self, claim: Claim, text: str, what: str) -> None:
-        if text not in ("ok", "mail", "finished", "released", "continued"):
+    def _fenced(self, claim: Claim, reply: FencedReply, what: str) -> Written:
+        """The write's `Written` word; LeaseLost when it was refused (`refusal`: the word, a status or a `Refused`)."""
+        if not isinstance(reply, Written):
             raise LeaseLost(
-                f"fork {claim.fork_id}: {what} refused ({text}); this worker (epoch {claim.epoch}) no longer "
+                f"fork {claim.fork_id}: {what} refused ({reply.value}); this worker (epoch {claim.epoch}) no longer "
                 "runs the fork",
                 fork_id=claim.fork_id,
-                refusal=text,
+                refusal=reply.value,
             )
+        return reply
 
     def append(self, claim: Claim, *entries: JournalEntry, events: Sequence[tuple[str, dict[str, Any]]] = ()) -> bool:
         """Append journal entries (and publish events) under the claim, in one round trip; True when messages
@@ -271,9 +274,7 @@ class Leases:
         args += [item for kind, data in events for item in (kind, json.dumps(data))]
         what = "journal entries " + (", ".join(f"{e.seq} ({e.kind})" for e in entries) or "events")
         keys = [k.state(fid), k.lease(fid), k.journal(fid), k.events(fid), k.inbox(fid)]
-        outcome = self._write(claim, what, self._append, keys, args)
-        self._fenced(claim, outcome, what)
-        return outcome == "mail"
+        return self._fenced(claim, self._write(claim, what, self._append, keys, args), what) is Written.MAIL
 
     def inbox(self, fork_id: str, limit: int) -> list[bytes]:
         """The oldest `limit` messages waiting in the fork's inbox (a read: `deliver` moves them)."""
@@ -300,11 +301,9 @@ class Leases:
         args += [item for kind, data in events for item in (kind, json.dumps(data))]
         keys = [k.state(fid), k.lease(fid), k.journal(fid), k.events(fid), k.inbox(fid)]
         what = f"{len(entries)} message(s)"
-        outcome = self._write(claim, what, self._deliver, keys, args)
-        self._fenced(claim, outcome, what)
-        return outcome == "mail"
+        return self._fenced(claim, self._write(claim, what, self._deliver, keys, args), what) is Written.MAIL
 
-    def emit(self, claim: Claim, events: Sequence[tuple[str, dict[str, Any]]]) -> str:
+    def emit(self, claim: Claim, events: Sequence[tuple[str, dict[str, Any]]]) -> FencedReply:
         """Publish events under the claim and read the fork's status, in one round trip.
 
         `running` when the events were published; otherwise none was, and the reply is the fork's
@@ -327,7 +326,7 @@ class Leases:
         result: ForkResult,
         *entries: JournalEntry,
         events: Sequence[tuple[str, dict[str, Any]]] = (),
-    ) -> str:
+    ) -> Written:
         """Write the final result and end the lease (LeaseLost when refused), appending the last
         journal entries and publishing the last events in the same round trip.
 
@@ -353,9 +352,7 @@ class Leases:
             *(e.encode() for e in entries),
             *(item for kind, data in events for item in (kind, json.dumps(data))),
         ]
-        outcome = self._write(claim, "result", self._finish, keys, args)
-        self._fenced(claim, outcome, "result")
-        return outcome
+        return self._fenced(claim, self._write(claim, "result", self._finish, keys, args), "result")
 
     def release(self, claim: Claim, reason: str, *, grace_ms: int = 30_000) -> None:
         """Give the fork back (queued, lease deleted) so another worker resumes it at once.
@@ -374,7 +371,7 @@ class Leases:
         k = self.keys
         fid = claim.fork_id
         keys = [k.state(fid), k.lease(fid), k.events(fid), k.running]
-        args = [claim.epoch, claim.owner, fid, reason, "paused", "", json.dumps({"reason": reason})]
+        args = [claim.epoch, claim.owner, fid, reason, Status.PAUSED.value, "", json.dumps({"reason": reason})]
         self._fenced(claim, self._write(claim, "pause", self._pause, keys, args), "pause")
 
     def park(self, claim: Claim, pending: Sequence[ParkedCall]) -> None:
@@ -387,7 +384,8 @@ class Leases:
         wire = [p.wire() for p in pending]
         event = json.dumps({"reason": reason, "calls": wire}, ensure_ascii=False, separators=(",", ":"))
         keys = [k.state(fid), k.lease(fid), k.events(fid), k.running]
-        args = [claim.epoch, claim.owner, fid, reason, "awaiting_approval", calls, event]
+        # the state's wait is the calls (`pending`): no reason text, and no CLI command, in the state
+        args = [claim.epoch, claim.owner, fid, "", Status.AWAITING_APPROVAL.value, calls, event]
         self._fenced(claim, self._write(claim, "park", self._pause, keys, args), "park")
 
     def renew(self, claims: list[Claim]) -> list[int]:
@@ -420,7 +418,7 @@ class Leases:
         grace_ms: int = 30_000,
         lapse_grace_ms: int = 0,
         dead_owner: str = "",
-    ) -> str:
+    ) -> RevivalReply:
         """Sweeper's check of one fork.
 
         `revive` (now queued: enqueue it), `requeue` (revived earlier, its job may be missing:
@@ -445,7 +443,7 @@ class Leases:
                 dead_owner,
             ],
         )
-        return cast(bytes, outcome).decode()
+        return revival_reply(outcome, fork_id=fork_id)
 
     def owned_by(self, presence: str) -> list[tuple[str, str]]:
         """(fork id, owner token) of every running fork whose owner names the presence token `presence`.

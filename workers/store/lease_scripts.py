@@ -38,11 +38,11 @@ def worker_lost_error(max_attempts: int) -> str:
 # The lease must hold the owner token, or have lapsed with the state still naming this claim (see the
 # module docstring); `@RETAKE@` then runs, after every check passed.
 _FENCE = """
-if redis.call('HGET', KEYS[1], 'epoch') ~= ARGV[1] then return 'stale' end
+if redis.call('HGET', KEYS[1], 'epoch') ~= ARGV[1] then return STALE end
 local lease = redis.call('GET', KEYS[2])
-if lease ~= ARGV[2] and (lease or redis.call('HGET', KEYS[1], 'owner') ~= ARGV[2]) then return 'lost' end
+if lease ~= ARGV[2] and (lease or redis.call('HGET', KEYS[1], 'owner') ~= ARGV[2]) then return LOST end
 local status = redis.call('HGET', KEYS[1], 'status')
-if status ~= 'running' then return status or 'missing' end
+if status ~= RUNNING then return status or MISSING end
 if not lease then
   redis.call('HINCRBY', KEYS[1], 'retaken', 1)
   @RETAKE@
@@ -60,7 +60,7 @@ def _fence(ttl_arg: str | None) -> str:
 # Before the fence of the scripts that give the lease up (release, park): this claim's own earlier
 # attempt already gave it up, and only its reply was lost. ARGV[2] owner; `@DONE@` its reply.
 _ALREADY_RELEASED = """
-if redis.call('HGET', KEYS[1], 'released_by') == ARGV[2] then return '@DONE@' end
+if redis.call('HGET', KEYS[1], 'released_by') == ARGV[2] then return @DONE@ end
 """
 
 # KEYS: state, lease, events, running, bootstrap, journal, inbox. ARGV: owner, ttl_ms, fork_id, job digest ('' = any),
@@ -77,13 +77,13 @@ CLAIM: Final = lua_script(
     NOW,
     """
 local status = redis.call('HGET', KEYS[1], 'status')
-if not status then return {'missing'} end
-if ARGV[4] ~= '' and redis.call('HGET', KEYS[1], 'digest') ~= ARGV[4] then return {'forged'} end
+if not status then return {MISSING} end
+if ARGV[4] ~= '' and redis.call('HGET', KEYS[1], 'digest') ~= ARGV[4] then return {FORGED} end
 local record = redis.call('GET', KEYS[5]) or ''
 local epoch, attempt, primed = 0, 0, 0
 local surface = ARGV[5] and ARGV[5] ~= '' and ARGV[7] == record
 local lease = redis.call('GET', KEYS[2])
-if status == 'running' and (lease == ARGV[1] or (not lease and redis.call('HGET', KEYS[1], 'owner') == ARGV[1])) then
+if status == RUNNING and (lease == ARGV[1] or (not lease and redis.call('HGET', KEYS[1], 'owner') == ARGV[1])) then
   if not lease then  -- granted, then lapsed while the worker could not reach Redis: still its own
     redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
     redis.call('HINCRBY', KEYS[1], 'retaken', 1)
@@ -94,12 +94,12 @@ if status == 'running' and (lease == ARGV[1] or (not lease and redis.call('HGET'
     primed, record = 1, ''
   end
 else
-  if status ~= 'queued' then return {status} end
-  if lease then return {'leased'} end
+  if status ~= QUEUED then return {status} end
+  if lease then return {LEASED} end
   redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
   epoch = redis.call('HINCRBY', KEYS[1], 'epoch', 1)
   attempt = redis.call('HINCRBY', KEYS[1], 'attempt', 1)
-  redis.call('HSET', KEYS[1], 'status', 'running', 'owner', ARGV[1], 'started_ms', now)
+  redis.call('HSET', KEYS[1], 'status', RUNNING, 'owner', ARGV[1], 'started_ms', now)
   redis.call('HSETNX', KEYS[1], 'first_started_ms', now)
   redis.call('ZADD', KEYS[4], now + tonumber(ARGV[2]), ARGV[3])
   redis.call('XADD', KEYS[3], 'MAXLEN', '~', @MAXLEN@, '*', 'type', 'started', 'data',
@@ -110,7 +110,7 @@ else
     primed, record = 1, ''
   end
 end
-return {'claimed', attempt, epoch, record, redis.call('LRANGE', KEYS[6], 0, -1),
+return {CLAIMED, attempt, epoch, record, redis.call('LRANGE', KEYS[6], 0, -1),
         redis.call('HGET', KEYS[1], 'first_started_ms'), now, primed, redis.call('LLEN', KEYS[7])}
 """,
 )
@@ -122,13 +122,13 @@ return {'claimed', attempt, epoch, record, redis.call('LRANGE', KEYS[6], 0, -1),
 APPEND: Final = lua_script(
     _fence("ARGV[3]")
     + """
-local ok = 'ok'
-if redis.call('LLEN', KEYS[5]) > 0 then ok = 'mail' end
+local ok = OK
+if redis.call('LLEN', KEYS[5]) > 0 then ok = MAIL end
 local len, seq, n = redis.call('LLEN', KEYS[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
 if len ~= seq then
-  if n == 0 or len ~= seq + n then return 'seq' end
+  if n == 0 or len ~= seq + n then return SEQ end
   local stored = redis.call('LRANGE', KEYS[3], seq, seq + n - 1)
-  for i = 1, n do if stored[i] ~= ARGV[5 + i] then return 'seq' end end
+  for i = 1, n do if stored[i] ~= ARGV[5 + i] then return SEQ end end
   return ok
 end
 for i = 6, 5 + n do redis.call('RPUSH', KEYS[3], ARGV[i]) end
@@ -149,17 +149,17 @@ DELIVER: Final = lua_script(
     _fence("ARGV[3]")
     + """
 local len, seq, n, k = redis.call('LLEN', KEYS[3]), tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
-local function rest() if redis.call('LLEN', KEYS[5]) > 0 then return 'mail' end return 'ok' end
+local function rest() if redis.call('LLEN', KEYS[5]) > 0 then return MAIL end return OK end
 if len ~= seq then
-  if len ~= seq + n then return 'seq' end
+  if len ~= seq + n then return SEQ end
   local stored = redis.call('LRANGE', KEYS[3], seq, seq + n - 1)
-  for i = 1, n do if stored[i] ~= ARGV[6 + i] then return 'seq' end end
+  for i = 1, n do if stored[i] ~= ARGV[6 + i] then return SEQ end end
   return rest()
 end
 if k > 0 then
   local waiting = redis.call('LRANGE', KEYS[5], 0, k - 1)
-  if #waiting ~= k then return 'inbox' end
-  for i = 1, k do if waiting[i] ~= ARGV[6 + n + i] then return 'inbox' end end
+  if #waiting ~= k then return INBOX end
+  for i = 1, k do if waiting[i] ~= ARGV[6 + n + i] then return INBOX end end
 end
 for i = 7, 6 + n do redis.call('RPUSH', KEYS[3], ARGV[i]) end
 if k > 0 then redis.call('LTRIM', KEYS[5], k, -1) end
@@ -177,12 +177,12 @@ return rest()
 # `lost` (another owner).
 EMIT: Final = lua_script(
     """
-local status = redis.call('HGET', KEYS[1], 'status') or 'missing'
-if status ~= 'running' then return status end
-if redis.call('HGET', KEYS[1], 'epoch') ~= ARGV[1] then return 'stale' end
+local status = redis.call('HGET', KEYS[1], 'status') or MISSING
+if status ~= RUNNING then return status end
+if redis.call('HGET', KEYS[1], 'epoch') ~= ARGV[1] then return STALE end
 local lease = redis.call('GET', KEYS[2])
 if lease ~= ARGV[2] then
-  if lease or redis.call('HGET', KEYS[1], 'owner') ~= ARGV[2] then return 'lost' end
+  if lease or redis.call('HGET', KEYS[1], 'owner') ~= ARGV[2] then return LOST end
   redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[4])
   redis.call('HINCRBY', KEYS[1], 'retaken', 1)
 end
@@ -192,7 +192,7 @@ if #ARGV > 4 and redis.call('HGET', KEYS[1], 'emitted') ~= ARGV[3] then
   end
   redis.call('HSET', KEYS[1], 'emitted', ARGV[3])
 end
-return 'running'
+return RUNNING
 """
 )
 
@@ -207,26 +207,26 @@ FINISH: Final = lua_script(
     """
 -- this claim's own earlier attempt wrote this very result (or continued the fork), and only its reply was lost
 if redis.call('HGET', KEYS[1], 'released_by') == ARGV[2] then
-  if redis.call('GET', KEYS[5]) == ARGV[4] then return 'finished' end
-  if redis.call('HGET', KEYS[1], 'status') == 'queued' then return 'continued' end
+  if redis.call('GET', KEYS[5]) == ARGV[4] then return FINISHED end
+  if redis.call('HGET', KEYS[1], 'status') == QUEUED then return CONTINUED end
 end
 """
     + _fence(None)
     + """
 local n = tonumber(ARGV[10])
-if n > 0 and redis.call('LLEN', KEYS[6]) ~= tonumber(ARGV[9]) then return 'seq' end
+if n > 0 and redis.call('LLEN', KEYS[6]) ~= tonumber(ARGV[9]) then return SEQ end
 for i = 11, 10 + n do redis.call('RPUSH', KEYS[6], ARGV[i]) end
 for i = 11 + n, #ARGV, 2 do
   redis.call('XADD', KEYS[3], 'MAXLEN', '~', @MAXLEN@, '*', 'type', ARGV[i], 'data', ARGV[i + 1])
 end
-if ARGV[3] == 'succeeded' and redis.call('LLEN', KEYS[8]) > 0 then
-  redis.call('HSET', KEYS[1], 'status', 'queued', 'owner', '', 'released_by', ARGV[2])
+if ARGV[3] == SUCCEEDED and redis.call('LLEN', KEYS[8]) > 0 then
+  redis.call('HSET', KEYS[1], 'status', QUEUED, 'owner', '', 'released_by', ARGV[2])
   redis.call('HDEL', KEYS[1], 'first_started_ms')  -- the next exchange's wall clock starts at its claim
   redis.call('DEL', KEYS[2])
   redis.call('ZADD', KEYS[4], now + 30000, ARGV[8])
   redis.call('XADD', KEYS[3], 'MAXLEN', '~', @MAXLEN@, '*', 'type', 'released', 'data',
              cjson.encode({reason = 'messages arrived as it answered: the next run delivers them'}))
-  return 'continued'
+  return CONTINUED
 end
 redis.call('SET', KEYS[5], ARGV[4], 'EX', ARGV[7])
 redis.call('HSET', KEYS[1], 'status', ARGV[3], 'finished_ms', now, 'error', ARGV[5], 'released_by', ARGV[2])
@@ -234,41 +234,43 @@ redis.call('DEL', KEYS[2])
 redis.call('ZREM', KEYS[4], ARGV[8])
 redis.call('XADD', KEYS[3], 'MAXLEN', '~', @MAXLEN@, '*', 'type', 'finished', 'data', ARGV[6])
 for _, i in ipairs({1, 3, 6, 7, 8}) do redis.call('EXPIRE', KEYS[i], ARGV[7]) end
-return 'finished'
+return FINISHED
 """,
 )
 
 # KEYS: state, lease, events, running. ARGV: epoch, owner, fork_id, reason, grace_ms. Back to queued.
 RELEASE: Final = lua_script(
     NOW,
-    _ALREADY_RELEASED.replace("@DONE@", "released")
+    _ALREADY_RELEASED.replace("@DONE@", "RELEASED")
     + _fence(None)
     + """
-redis.call('HSET', KEYS[1], 'status', 'queued', 'owner', '', 'released_by', ARGV[2])
+redis.call('HSET', KEYS[1], 'status', QUEUED, 'owner', '', 'released_by', ARGV[2])
 redis.call('DEL', KEYS[2])
 -- stays indexed, due after ARGV[5] ms, until its job is confirmed enqueued (`enqueued`): a failed
 -- publish is then re-enqueued by a sweeper
 redis.call('ZADD', KEYS[4], now + tonumber(ARGV[5]), ARGV[3])
 redis.call('XADD', KEYS[3], 'MAXLEN', '~', @MAXLEN@, '*', 'type', 'released', 'data',
            cjson.encode({reason = ARGV[4]}))
-return 'released'
+return RELEASED
 """,
 )
 
 # KEYS: state, lease, events, running. ARGV: epoch, owner, fork_id, reason, status (paused or
 # awaiting_approval), pending calls (JSON), event data. Parked, holding no worker and out of the
-# running index (never revived), until an operator resumes it or a person decides its calls.
+# running index (never revived), until an operator resumes it or a person decides its calls. The reason
+# a paused fork waits goes to the state's `waiting` field (a parked one waits on its `pending` calls), never
+# to its `error`.
 PAUSE: Final = lua_script(
     NOW,
-    _ALREADY_RELEASED.replace("@DONE@", "released")
+    _ALREADY_RELEASED.replace("@DONE@", "RELEASED")
     + _fence(None)
     + """
-redis.call('HSET', KEYS[1], 'status', ARGV[5], 'owner', '', 'error', ARGV[4], 'pending', ARGV[6], 'parked_ms', now,
-           'released_by', ARGV[2])
+redis.call('HSET', KEYS[1], 'status', ARGV[5], 'owner', '', 'error', '', 'waiting', ARGV[4], 'pending', ARGV[6],
+           'parked_ms', now, 'released_by', ARGV[2])
 redis.call('DEL', KEYS[2])
 redis.call('ZREM', KEYS[4], ARGV[3])
 redis.call('XADD', KEYS[3], 'MAXLEN', '~', @MAXLEN@, '*', 'type', ARGV[5], 'data', ARGV[7])
-return 'released'
+return RELEASED
 """,
 )
 
@@ -292,7 +294,7 @@ for i = 1, (#KEYS - 1) / 2 do
     if lease or redis.call('HGET', state_key, 'owner') ~= owner then renewed = 0
     elseif redis.call('HGET', state_key, 'epoch') ~= epoch then renewed = 0 end
   end
-  if renewed == 1 and redis.call('HGET', state_key, 'status') ~= 'running' then renewed = 0 end
+  if renewed == 1 and redis.call('HGET', state_key, 'status') ~= RUNNING then renewed = 0 end
   if renewed == 1 then
     redis.call('SET', lease_key, owner, 'PX', ttl)
     redis.call('ZADD', KEYS[1], now + ttl, fork_id)
@@ -337,46 +339,46 @@ REVIVE: Final = lua_script(
     NOW,
     """
 local status = redis.call('HGET', KEYS[1], 'status')
-if status == 'queued' then
+if status == QUEUED then
   -- revived earlier: enqueue again only if its job was never confirmed and its grace has passed
   local due = redis.call('ZSCORE', KEYS[4], ARGV[1])
-  if not due or tonumber(due) > now then return 'queued' end
+  if not due or tonumber(due) > now then return QUEUED end
   redis.call('ZADD', KEYS[4], now + tonumber(ARGV[5]), ARGV[1])
-  return 'requeue'
+  return REQUEUE
 end
-if status ~= 'running' then redis.call('ZREM', KEYS[4], ARGV[1]); return status or 'missing' end
+if status ~= RUNNING then redis.call('ZREM', KEYS[4], ARGV[1]); return status or MISSING end
 local left = redis.call('PTTL', KEYS[2])
 local dead = ARGV[8] ~= nil and ARGV[8] ~= '' and redis.call('GET', KEYS[2]) == ARGV[8]
 if dead then
   redis.call('DEL', KEYS[2])  -- its worker's connection is gone: the lease holder is dead
-elseif left > 0 then redis.call('ZADD', KEYS[4], now + left, ARGV[1]); return 'alive' end
+elseif left > 0 then redis.call('ZADD', KEYS[4], now + left, ARGV[1]); return ALIVE end
 local grace = tonumber(ARGV[6] or '0')
 local ended = tonumber(redis.call('ZSCORE', KEYS[4], ARGV[1]) or '0')
-if not dead and grace > 0 and ended + grace > now then return 'grace' end
+if not dead and grace > 0 and ended + grace > now then return GRACE end
 local lost = redis.call('HINCRBY', KEYS[1], 'lost', 1)
 if lost >= tonumber(ARGV[2]) then
   redis.call('ZREM', KEYS[4], ARGV[1])
   local reason = ARGV[7]
-  redis.call('HSET', KEYS[1], 'status', 'failed', 'finished_ms', now, 'error', reason, 'owner', '')
+  redis.call('HSET', KEYS[1], 'status', FAILED, 'finished_ms', now, 'error', reason, 'owner', '')
   redis.call('SET', KEYS[5], ARGV[3], 'EX', ARGV[4])
   for _, i in ipairs({1, 3}) do redis.call('EXPIRE', KEYS[i], ARGV[4]) end
   redis.call('XADD', KEYS[3], 'MAXLEN', '~', @MAXLEN@, '*', 'type', 'finished', 'data',
-             cjson.encode({status = 'failed', error = reason}))
-  return 'failed'
+             cjson.encode({status = FAILED, error = reason}))
+  return FAILED
 end
-redis.call('HSET', KEYS[1], 'status', 'queued', 'owner', '')
+redis.call('HSET', KEYS[1], 'status', QUEUED, 'owner', '')
 redis.call('ZADD', KEYS[4], now + tonumber(ARGV[5]), ARGV[1])
 local attempt = tonumber(redis.call('HGET', KEYS[1], 'attempt') or '0')
 redis.call('XADD', KEYS[3], 'MAXLEN', '~', @MAXLEN@, '*', 'type', 'revived', 'data',
            cjson.encode({attempt = attempt, lost = lost, via = dead and 'connection' or 'lease'}))
-return 'revive'
+return REVIVE
 """,
 )
 
 # KEYS: state, running. ARGV: fork_id. The revived fork's job is in the broker: drop it from the index.
 ENQUEUED: Final = lua_script(
     """
-if redis.call('HGET', KEYS[1], 'status') == 'queued' then redis.call('ZREM', KEYS[2], ARGV[1]) end
+if redis.call('HGET', KEYS[1], 'status') == QUEUED then redis.call('ZREM', KEYS[2], ARGV[1]) end
 return 1
 """
 )

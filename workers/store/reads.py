@@ -31,7 +31,6 @@ if TYPE_CHECKING:  # a type only: the blocking client never loads redis.asyncio
 T = TypeVar("T")
 
 BLOCK_MAX_MS: Final = 1000  # a wait re-reads the result at least this often (a result with no event cannot hide)
-PARKED: Final = (Status.AWAITING_APPROVAL, Status.PAUSED)
 EMPTY: Final[Mapping[str, object]] = MappingProxyType({})  # no keyword arguments (read-only: shared by commands)
 
 
@@ -181,7 +180,7 @@ def ended(keys: Keys, fork_id: str, *, deadline: float | None) -> Read[ForkResul
         now = state_of(fork_id, fields)
         # at most a second per read, computed in seconds first: a deadline 1e308 s away must not overflow
         left_ms = BLOCK_MAX_MS if deadline is None else int(min(deadline - time.monotonic(), 1.0) * 1000)
-        if now.status in PARKED or left_ms <= 0:
+        if now.status.parked or left_ms <= 0:
             return now
         after = cast(bytes, newest[0][0]).decode() if newest else "0-0"
         yield [Command("xread", ({keys.events(fork_id): after},), {"count": 1, "block": max(1, left_ms)})]

@@ -23,6 +23,7 @@ the `forkq.tools` entry point group.
 
 from __future__ import annotations
 
+import enum
 import logging
 import math
 import threading
@@ -259,6 +260,14 @@ class ToolRegistry:
         return HandlerCall(tool, args, ctx, limit).result(self.threads)
 
 
+class WaitEnd(enum.Enum):
+    """What ended the wait for a tool's handler: it returned, the fork was cancelled, or its deadline came."""
+
+    DONE = enum.auto()
+    CANCELLED = enum.auto()
+    DEADLINE = enum.auto()
+
+
 class HandlerCall:
     """One handler run in another thread, waited for until it answers, the deadline passes or the
     fork is cancelled (see the module docstring)."""
@@ -303,15 +312,15 @@ class HandlerCall:
             ABANDONED.add(self.tool.name)
             return True
 
-    def _wait(self) -> str:
-        """`done`, `cancelled` or `deadline`: what ended the wait."""
+    def _wait(self) -> WaitEnd:
+        """What ended the wait for the handler."""
         deadline = self.ctx.deadline
         while not self.done.wait(max(0.0, min(TOOL_WAIT_POLL_S, deadline - time.monotonic()))):
             if self.outer_cancelled():
-                return "cancelled"
+                return WaitEnd.CANCELLED
             if time.monotonic() >= deadline:
-                return "deadline"
-        return "done"
+                return WaitEnd.DEADLINE
+        return WaitEnd.DONE
 
     def result(self, threads: HandlerThreads) -> dict[str, Any]:
         """The handler's response, or an error response at the deadline or on a cancel."""
@@ -319,7 +328,7 @@ class HandlerCall:
             return {"error": f"tool {self.tool.name!r} was not run: the fork has no time left (wall-clock limit)"}
         threads.submit(self._run)
         ending = self._wait()
-        if ending == "done":
+        if ending is WaitEnd.DONE:
             return self.response
         self.given_up.set()
         if self.watching and self.done.wait(TOOL_STOP_GRACE_S):  # it noticed and stopped: its answer says most
@@ -330,10 +339,10 @@ class HandlerCall:
             "tool %s: the call did not end %s; it was abandoned, its thread is left to finish",
             self.tool.name,
             "after the fork was cancelled"
-            if ending == "cancelled"
+            if ending is WaitEnd.CANCELLED
             else f"within its time limit of {self.limit_s:.3g} s",
         )
-        if ending == "cancelled":
+        if ending is WaitEnd.CANCELLED:
             name = self.tool.name
             return {"error": f"the fork was cancelled or stopped while tool {name!r} ran; the call was abandoned"}
         limit = f"{round(self.limit_s, 1):g} s"

@@ -21,6 +21,7 @@ not the call's descendants, and one in uninterruptible sleep past the sweep (`SW
 from __future__ import annotations
 
 import contextlib
+import enum
 import os
 import select
 import shutil
@@ -144,8 +145,16 @@ def _read_until(fd: int, output: CappedOutput, seconds: float) -> bool:
     return False
 
 
-def _pump(proc: subprocess.Popen[bytes], fd: int, output: CappedOutput, timeout_s: float, ctx: ToolContext) -> str:
-    """Collect output until the command is over (`exit`), the timeout passes (`timeout`) or the fork is `cancelled`."""
+class PumpEnd(enum.Enum):
+    """What ended the collection of a command's output: it exited, the fork was cancelled, or the timeout passed."""
+
+    EXIT = enum.auto()
+    CANCELLED = enum.auto()
+    TIMEOUT = enum.auto()
+
+
+def _pump(proc: subprocess.Popen[bytes], fd: int, output: CappedOutput, timeout_s: float, ctx: ToolContext) -> PumpEnd:
+    """Collect output until the command is over, the timeout passes or the fork is cancelled."""
     deadline = time.monotonic() + timeout_s
     next_cancel_check = 0.0
     eof = False
@@ -155,14 +164,14 @@ def _pump(proc: subprocess.Popen[bytes], fd: int, output: CappedOutput, timeout_
         else:
             eof = _read_until(fd, output, SHELL_POLL_S)
         if _exited(proc.pid):
-            return "exit"
+            return PumpEnd.EXIT
         now = time.monotonic()
         if now >= next_cancel_check:
             if ctx.cancelled():
-                return "cancelled"
+                return PumpEnd.CANCELLED
             next_cancel_check = now + SHELL_CANCEL_POLL_S
         if now >= deadline:
-            return "timeout"
+            return PumpEnd.TIMEOUT
 
 
 def _wait_exit(pid: int, seconds: float) -> bool:
@@ -246,12 +255,12 @@ def run_shell_command(args: Mapping[str, Any], ctx: ToolContext) -> str:
         _stop(proc, stdout.fileno(), output)
         stdout.close()
     text = output.text() or "(no output)"
-    if ending == "cancelled":
+    if ending is PumpEnd.CANCELLED:
         raise ToolError(
             f"the fork was cancelled; the command was stopped (every process it started was killed). "
             f"Output so far:\n{text}"
         )
-    if ending == "timeout":
+    if ending is PumpEnd.TIMEOUT:
         raise ToolError(
             f"the command timed out after {timeout_s:g} s and was stopped (every process it started was killed); "
             f"give a larger timeout_s (at most {SHELL_MAX_TIMEOUT_S}) or a quicker command. Output so far:\n{text}"

@@ -17,6 +17,7 @@ export function typeOf(schema) {
   if (schema.$ref) return schema.$ref.split("/").pop();
   if (schema.const !== undefined) return JSON.stringify(schema.const);
   if (schema.enum) return schema.enum.map((value) => JSON.stringify(value)).join(" | ");
+  // a tagged union (pydantic's discriminated union: `oneOf` with a discriminator) is a union of its members
   const union = schema.anyOf ?? schema.oneOf;
   if (union) return [...new Set(union.map(typeOf))].join(" | ");
   switch (schema.type) {

@@ -209,7 +209,7 @@
       row.firstChild.setAttribute("aria-current", String(row.dataset.forkId === forkId));
     }
     for (const id of ["steps", "pending-calls", "usage"]) $(id).replaceChildren();
-    for (const id of ["fork-title", "fork-status", "fork-kind", "fork-attempt", "fork-error", "fork-message", "output"]) {
+    for (const id of ["fork-title", "fork-status", "fork-kind", "fork-attempt", "fork-error", "fork-message", "fork-waiting", "output"]) {
       $(id).textContent = "";
     }
     $("pending").hidden = true;
@@ -353,8 +353,22 @@
     $("cancel").hidden = TERMINAL.has(state.status);
     const row = [...$("forks").children].find((item) => item.dataset.forkId === state.fork_id);
     if (row) setStatus(row.firstChild.children[0], state.status);
-    // a fork cancelled while parked keeps the list of the calls it waited on: only a parked fork shows them
-    renderPending(track, state.status === "awaiting_approval" ? state.pending_approval || [] : []);
+    // a fork cancelled while parked keeps the list of the calls it waited on: only a fork waiting on them shows them
+    const wait = state.waiting_for || null;
+    renderWaiting(state.fork_id, wait);
+    renderPending(track, wait && wait.kind === "approval" ? state.pending_approval || [] : []);
+  }
+
+  // what a parked fork waits for (its state's `waiting_for`), in the page's words: never under "Error"
+  function renderWaiting(forkId, wait) {
+    const shown = $("fork-waiting");
+    shown.hidden = wait === null;
+    if (wait === null) return shown.replaceChildren();
+    if (wait.kind === "approval") {
+      const calls = wait.calls.map((call) => call.name + " (" + call.call_id + ")").join(", ");
+      return (shown.textContent = "Waiting for your approval of " + calls + ": approve or deny below.");
+    }
+    shown.textContent = "Paused: " + wait.reason + ". Once that is fixed, resume it (forkq resume " + forkId + ").";
   }
 
   function renderPending(track, calls) {
