@@ -18,7 +18,7 @@ from typing import Final
 
 import redis
 
-from workers.store.forks import ForkEvent
+from workers.records.events import StreamEvent
 from workers.store.reader import AsyncForkReader
 
 EVENT_ID_RE: Final = re.compile(r"[0-9]{1,20}-[0-9]{1,20}")
@@ -29,9 +29,12 @@ READ_COUNT: Final = 100  # events per read: a long backlog goes out in pieces, e
 log = logging.getLogger("forkq.api")
 
 
-def frame(event: ForkEvent) -> bytes:
-    """One SSE message: `id`, `event` and one line of JSON `data` (JSON never holds a raw newline)."""
-    data = json.dumps(event.data, ensure_ascii=False, separators=(",", ":"))
+def frame(event: StreamEvent) -> bytes:
+    """One SSE message: `id`, `event` and one line of JSON `data` (JSON never holds a raw newline).
+
+    An event of a type this version does not know (`UnknownEvent`) goes out too, as it was stored.
+    """
+    data = json.dumps(event.wire_data(), ensure_ascii=False, separators=(",", ":"))
     return f"id: {event.id}\nevent: {event.type}\ndata: {data}\n\n".encode()
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Final, cast
+from typing import TYPE_CHECKING, Any, Final, cast
 
 import redis.asyncio
 
@@ -19,7 +19,10 @@ from workers.errors import ForkNotFound, RecordDecodeError
 from workers.keys import Keys
 from workers.records.fork import BootstrapRecord, ForkResult, ForkState, Status
 from workers.records.journal import JournalEntry
-from workers.store.forks import ForkEvent, decode_event
+from workers.store.forks import decode_event
+
+if TYPE_CHECKING:  # a type only: the event models load at the first event read
+    from workers.records.events import StreamEvent
 
 BLOCK_MAX_MS: Final = 1000  # a wait re-reads the result at least this often (a result with no event cannot hide)
 PARKED: Final = (Status.AWAITING_APPROVAL, Status.PAUSED)
@@ -69,7 +72,7 @@ class AsyncForkReader:
 
     async def events(
         self, fork_id: str, *, after: str = "0-0", block_ms: int | None = None, count: int = 100
-    ) -> list[ForkEvent]:
+    ) -> list[StreamEvent]:
         """Events after stream id `after`; with `block_ms` (1 or more), wait up to that long for new ones."""
         key = self.keys.events(fork_id)
         reply = cast(list[Any], await self.client.xread({key: after}, count=count, block=block_ms))
