@@ -48,10 +48,17 @@ log = logging.getLogger("forkq.events")
 TERMINAL: Final = "finished"  # the type of a fork's last event
 
 
+def _keys_as_stored(schema: dict[str, Any]) -> None:
+    """An event's data holds the keys its writer gave (`EventData.wire`): one with a default may be absent, so
+    the schema names no defaults (a reader must not count on a value that was never sent)."""
+    for prop in schema.get("properties", {}).values():
+        prop.pop("default", None)
+
+
 class EventData(BaseModel):
     """The data of an event: keys a newer writer added are kept, and go out again as they came."""
 
-    model_config = ConfigDict(extra="allow", frozen=True, defer_build=True)
+    model_config = ConfigDict(extra="allow", frozen=True, defer_build=True, json_schema_extra=_keys_as_stored)
 
     # park's event was written compact, with UTF-8 text as it is: its bytes stay so
     compact: ClassVar[bool] = False
@@ -349,10 +356,9 @@ ForkEvent = TypeAliasType(
             RevivedEvent,
             FinishedEvent,
         ],
-        Field(discriminator="type"),
+        Field(discriminator="type", description="One event of a fork: its type's model, tagged by `type`."),
     ],
 )
-"""One event of a fork, of one of the types above (discriminator `type`)."""
 
 
 def decision_event(decision: Literal["approve", "deny"], data: DecisionData) -> ApprovedEvent | DeniedEvent:
