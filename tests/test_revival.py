@@ -42,11 +42,12 @@ from workers.keys import Keys
 from workers.loop.child import INTERRUPTED_ERROR
 from workers.loop.replay import replay
 from workers.providers import ModelRequest
+from workers.records.events import StreamEvent
 from workers.records.fork import ForkResult, Status
 from workers.records.journal import request_digest
 from workers.service.job import RunForkJob
 from workers.service.runner import WorkerRuntime, run_fork_job
-from workers.store.forks import ForkEvent, ForkStore
+from workers.store.forks import ForkStore
 from workers.store.lease import Claim, Leases, revival_grace_s
 from workers.store.queue import enqueue_fork
 from workers.store.redis_server import RedisServer
@@ -281,10 +282,10 @@ class Cluster:
     def launch(self, params: dict[str, Any] = FORK, **options: Any) -> str:
         return self.client.launch(self.parent, params, **options).fork_id
 
-    def events(self, fid: str) -> list[ForkEvent]:
+    def events(self, fid: str) -> list[StreamEvent]:
         return self.store.events(fid, count=100_000)
 
-    def of_type(self, fid: str, kind: str) -> list[ForkEvent]:
+    def of_type(self, fid: str, kind: str) -> list[StreamEvent]:
         return [e for e in self.events(fid) if e.type == kind]
 
     def started(self, fid: str) -> list[dict[str, Any]]:

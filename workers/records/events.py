@@ -1,9 +1,10 @@
 """A fork's progress events: one model per event type, its data typed, tagged by `type`, from Redis to the API.
 
 An event is one entry of the fork's stream (`Keys.events`) with two fields: `type`, the event's word, and
-`data`, its JSON. Every writer builds one of the models below and writes `Event.encoded()`; the Lua scripts
-that write an event of their own (claim, cancel, resume, send, release, revive) write the same fields,
-and a test reads each of them back as its model. The JSON keeps the keys the event was built with, in
+`data`, its JSON. Every writer in Python builds one of the models below and writes `Event.encoded()` (or
+only its data's JSON, where the script names the type); the Lua scripts that write an event of their own
+(claim, cancel, resume, send, release, revive) write the same fields, and a test reads each of them back
+as its model. The JSON keeps the keys the event was built with, in
 declaration order (`EventData.wire`), so an event's stored bytes are those the plain dicts made before,
 and an event read back goes out (SSE, `forkq events --json`) as it was stored.
 
@@ -130,7 +131,7 @@ class QueuedData(EventData):
     """The fork was launched: its kind, launch digest and the number of messages in its seed."""
 
     kind: Literal["fork", "spawn"]
-    digest: str = Field(description="The launch digest (hex SHA-256 of the bootstrap record).")
+    digest: str = Field(description="The launch digest (hex): the bootstrap record's, which each job names.")
     messages: int = Field(0, description="Messages in the fork's seed.")
 
 

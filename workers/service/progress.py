@@ -29,7 +29,7 @@ def step_progress(data: StepData, attempt: int) -> dict[str, Any]:
     `result` repeats them as one line: Flower shows only Celery's own task fields, and `result` is
     the one it shows while a task runs (its final value replaces it when the task ends).
     """
-    tools = data.tool_calls
+    tools = list(data.tool_calls)
     tokens_in, tokens_out = data.input_tokens, data.output_tokens
     summary = f"step {data.step}: " + (f"called {', '.join(tools)}" if tools else "answered")
     return {
