@@ -57,7 +57,7 @@ from bench.procs import Fleet, Proc, fleet, worker_env  # noqa: E402
 from broker_config.settings import Settings  # noqa: E402
 from workers.client import ForkClient, new_fork_id  # noqa: E402
 from workers.history.snapshot import ParentSnapshot, parse_parent_snapshot  # noqa: E402
-from workers.store.forks import ForkEvent  # noqa: E402
+from workers.records.events import StreamEvent  # noqa: E402
 from workers.store.redis_server import RedisServer, _free_tcp_port  # noqa: E402
 
 EXAMPLE_PARENT = ROOT / "workers" / "examples" / "parent.json"
@@ -405,7 +405,7 @@ def read_outcomes(client: ForkClient, fids: Sequence[str], row: Row) -> None:
         else:
             row.unfinished += 1
             row.errors[f"still {status}"] += 1
-        events: list[ForkEvent] = []
+        events: list[StreamEvent] = []
         after = "0-0"
         while batch := client.store.events(fid, after=after, count=1000):
             events += batch

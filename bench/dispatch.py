@@ -143,7 +143,7 @@ def fork_round_trip(client: ForkClient, parent: ParentSnapshot) -> ForkSample:
             elif event.type in FIRST_CALL_EVENTS:
                 return ForkSample(fid, launched - start, time.perf_counter() - start, started_ms, event.type)
             elif event.type == "finished":
-                raise RuntimeError(f"fork {fid} ended before a model call: {event.data}")
+                raise RuntimeError(f"fork {fid} ended before a model call: {event.wire_data()}")
 
 
 def pct(values: Sequence[float], p: int) -> float:

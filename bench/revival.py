@@ -66,8 +66,9 @@ from bench.revival_stock import (  # noqa: E402
 from broker_config.settings import Settings  # noqa: E402
 from workers.client import ForkClient  # noqa: E402
 from workers.history.snapshot import ParentSnapshot, parse_parent_snapshot  # noqa: E402
+from workers.records.events import StreamEvent  # noqa: E402
 from workers.records.fork import Status  # noqa: E402
-from workers.store.forks import ForkEvent, ForkStore  # noqa: E402
+from workers.store.forks import ForkStore  # noqa: E402
 from workers.store.lease import Leases  # noqa: E402
 from workers.store.redis_server import RedisServer  # noqa: E402
 from workers.tools.registry import Tool, ToolContext  # noqa: E402
@@ -190,9 +191,9 @@ def base_env(redis_url: str, plan: Plan, tool_dir: Path, effects: Path) -> dict[
     }
 
 
-def owner_pid(event: ForkEvent) -> int:
+def owner_pid(event: StreamEvent) -> int:
     """The pid in a `started` event's owner token `host:pid:thread:random`."""
-    return int(str(event.data["owner"]).rsplit(":", 3)[1])
+    return int(str(event.wire_data()["owner"]).rsplit(":", 3)[1])
 
 
 def pct(values: Sequence[float], p: float) -> float:
@@ -323,20 +324,20 @@ class Forkq:
             flush=True,
         )
 
-    def claim_worker(self, fid: str) -> tuple[ForkEvent, Proc]:
+    def claim_worker(self, fid: str) -> tuple[StreamEvent, Proc]:
         """The fork's `started` event and the trial worker that claimed it."""
         started = wait_event(self.store, fid, "0-0", ["started"], READY_TIMEOUT_S)
         worker = self.group.by_pid(owner_pid(started))
         if worker is None or worker not in self.trial_workers:
-            raise RuntimeError(f"fork {fid} was claimed by {started.data['owner']}, not by a trial worker")
+            raise RuntimeError(f"fork {fid} was claimed by {started.wire_data()['owner']}, not by a trial worker")
         return started, worker
 
-    def at_signal_point(self, fid: str, started: ForkEvent) -> bool:
+    def at_signal_point(self, fid: str, started: StreamEvent) -> bool:
         """Sleep until a random point of the kill window; whether the fork still runs under that claim."""
         wait_s = started.at_ms / 1000 + random.uniform(*self.plan.kill_window_s) - redis_ms(self.r) / 1000
         time.sleep(max(0.0, wait_s))
         state = self.store.state(fid)
-        return state.status == Status.RUNNING and state.owner == started.data["owner"]
+        return state.status == Status.RUNNING and state.owner == started.wire_data()["owner"]
 
     def replace(self, worker: Proc) -> None:
         """Take `worker` out of the trial workers and start another: two trial workers stay available."""
@@ -349,7 +350,7 @@ class Forkq:
         return sum(line.rsplit("\t", 1)[-1] == str(pid) for line in lines)
 
 
-def wait_event(store: ForkStore, fork_id: str, after: str, kinds: Sequence[str], timeout: float) -> ForkEvent:
+def wait_event(store: ForkStore, fork_id: str, after: str, kinds: Sequence[str], timeout: float) -> StreamEvent:
     """The fork's first event of one of `kinds` after stream id `after`."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -360,24 +361,24 @@ def wait_event(store: ForkStore, fork_id: str, after: str, kinds: Sequence[str],
     raise RuntimeError(f"fork {fork_id}: no {'/'.join(kinds)} event within {timeout:.0f} s")
 
 
-def phase_at(events: Sequence[ForkEvent], at_ms: float) -> str:
+def phase_at(events: Sequence[StreamEvent], at_ms: float) -> str:
     """What the signalled worker was doing: the last progress event before the signal says."""
     last = [e for e in events if e.at_ms <= at_ms and e.type in ("started", "model_call", *STEP_EVENTS)][-1]
     if last.type == "model_call":
         return "in model call"
-    if last.type == "step" and last.data.get("tool_calls"):
+    if last.type == "step" and last.wire_data().get("tool_calls"):
         return "in tool call"
     return "between steps"
 
 
-def digest_mismatches(events: Sequence[ForkEvent]) -> int:
+def digest_mismatches(events: Sequence[StreamEvent]) -> int:
     """Model calls whose replayed request digest differs from the first request of that step."""
     first: dict[int, str] = {}
     bad = 0
     for event in events:
         if event.type == "model_call":
-            digest = first.setdefault(int(event.data["step"]), str(event.data["request_digest"]))
-            bad += digest != event.data["request_digest"]
+            digest = first.setdefault(int(event.wire_data()["step"]), str(event.wire_data()["request_digest"]))
+            bad += digest != event.wire_data()["request_digest"]
     return bad
 
 
@@ -432,7 +433,7 @@ class StopTrial:
         return self.stale_returns == ["lease_lost"] and not self.stale_writes
 
 
-def analyse(fq: Forkq, fork_id: str, signalled: Proc, signal_ms: float, started: ForkEvent) -> Trial:
+def analyse(fq: Forkq, fork_id: str, signalled: Proc, signal_ms: float, started: StreamEvent) -> Trial:
     """Read the finished fork's events and measure the trial."""
     events = fq.store.events(fork_id)
     revival = next(e for e in events if e.type == "started" and e.id > started.id)
@@ -449,13 +450,13 @@ def analyse(fq: Forkq, fork_id: str, signalled: Proc, signal_ms: float, started:
         into_fork_s=(signal_ms - started.at_ms) / 1000,
         phase=phase_at(events, signal_ms),
         revived_ms=revived[0].at_ms,
-        via=str(revived[0].data.get("via")),
+        via=str(revived[0].wire_data().get("via")),
         claimed_ms=revival.at_ms,
         next_ms=nxt.at_ms,
         next_kind=nxt.type,
         resumed_on=new.name,
         revived=len(revived),
-        interrupted=sum(e.type == "tool" and not e.data.get("ok") for e in after),
+        interrupted=sum(e.type == "tool" and not e.wire_data().get("ok") for e in after),
         digest_mismatches=digest_mismatches(events),
         status=fq.store.state(fork_id).status.value,
     )
@@ -523,7 +524,7 @@ def run_stop(fq: Forkq) -> StopTrial | None:
         effects = fq.effects_of(worker.pid)
     finally:
         os.kill(worker.pid, signal.SIGCONT)
-    task_id = f"{fid}.{started.data['attempt']}"
+    task_id = f"{fid}.{started.wire_data()['attempt']}"
     ends = time.monotonic() + FENCE_TIMEOUT_S
     while not task_returns(worker, task_id) and time.monotonic() < ends:
         time.sleep(0.05)

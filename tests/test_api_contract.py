@@ -152,3 +152,26 @@ def test_a_session_id_with_a_separator_control_character_is_422_not_a_500(http: 
 
     assert response.status_code == 422, response.text
     assert response.json()["error"]["field"] == "session_id"
+
+
+def test_the_event_stream_is_documented_as_the_event_union_with_each_types_data_typed() -> None:
+    from workers.records.events import EVENT_TYPES
+
+    schemas = DOCUMENT["components"]["schemas"]
+    ok = DOCUMENT["paths"]["/v1/forks/{fork_id}/events"]["get"]["responses"]["200"]
+    union = schemas["ForkEvent"]  # what clients' types are made from
+    assert union["discriminator"]["propertyName"] == "type"
+    assert set(union["discriminator"]["mapping"]) == EVENT_TYPES
+    for kind, ref in union["discriminator"]["mapping"].items():
+        member = schemas[ref.rsplit("/", 1)[1]]
+        assert member["properties"]["type"]["const"] == kind
+        data = schemas[member["properties"]["data"]["$ref"].rsplit("/", 1)[1]]
+        assert data["type"] == "object" and "properties" in data, kind
+    # and each message of the stream is one of them: `event` its type, `data` its data as JSON
+    [media] = ok["content"]
+    messages = ok["content"][media]["schema"]["oneOf"]
+    assert media == "text/event-stream" and len(messages) == len(EVENT_TYPES)
+    for message in messages:
+        kind = message["properties"]["event"]["const"]
+        member = schemas[union["discriminator"]["mapping"][kind].rsplit("/", 1)[1]]
+        assert message["properties"]["data"]["contentSchema"] == member["properties"]["data"], kind

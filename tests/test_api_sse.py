@@ -58,7 +58,7 @@ def test_a_stream_resumed_on_another_server_with_last_event_id_has_every_event_o
     seen = head + tail
     assert [m["id"] for m in seen] == [e.id for e in stored]
     assert [m["event"] for m in seen] == [e.type for e in stored]
-    assert [json.loads(m["data"]) for m in seen] == [e.data for e in stored]
+    assert [json.loads(m["data"]) for m in seen] == [e.wire_data() for e in stored]
     assert seen[-1]["event"] == "finished" and seen[0]["event"] == "queued"
     assert len(stored) > 10 and "tool" in [e.type for e in stored]
 

@@ -145,7 +145,7 @@ def test_what_runs_is_denied_or_parks_in_each_approval_mode_and_policy(
     assert client.redis.exists(keys.lease(handle.fork_id)) == 0
     assert client.redis.zscore(keys.running, handle.fork_id) is None
     [event] = [e for e in client.events(handle.fork_id) if e.type == "awaiting_approval"]
-    assert event.data["calls"] == [c.wire() for c in state.pending_approval]
+    assert event.data.calls == state.pending_approval
     assert client.result(handle.fork_id) is None
 
 
@@ -419,7 +419,7 @@ def test_a_parked_fork_approved_by_a_person_resumes_on_another_worker(
     wait_until(lambda: handle.status().status is Status.AWAITING_APPROVAL, timeout=30, what="the fork to park")
     assert not (work / "approved.txt").exists()
     [parked] = [e for e in client.events(handle.fork_id) if e.type == "awaiting_approval"]
-    assert [c["call_id"] for c in parked.data["calls"]] == ["w1"]
+    assert [c.call_id for c in parked.data.calls] == ["w1"]
     first.stop()
 
     # When a person approves the call and a second worker process starts
@@ -430,7 +430,7 @@ def test_a_parked_fork_approved_by_a_person_resumes_on_another_worker(
     # Then the second worker ran the approved call and finished the fork
     assert result.status is Status.SUCCEEDED and result.output == "wrote it", second.log()
     assert (work / "approved.txt").read_text() == "approved"
-    owners = [e.data["owner"] for e in client.events(handle.fork_id) if e.type == "started"]
+    owners = [e.data.owner for e in client.events(handle.fork_id) if e.type == "started"]
     assert [int(owner.split(":")[1]) for owner in owners] == [first.process.pid, second.process.pid]
     assert first.process.poll() is not None
 

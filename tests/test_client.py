@@ -327,9 +327,9 @@ def test_the_event_stream_has_queued_started_step_finished_in_order(
     milestones = [e for e in followed if e.type in MILESTONES]
     assert [e.type for e in milestones] == ["queued", "started", "step", "finished"]
     assert followed[-1].type == "finished"
-    assert milestones[0].data["digest"] == handle.digest
-    assert milestones[2].data["step"] == 1
-    assert milestones[3].data["status"] == "succeeded"
+    assert milestones[0].data.digest == handle.digest
+    assert milestones[2].data.step == 1
+    assert milestones[3].data.status == "succeeded"
     assert [e.at_ms for e in followed] == sorted(e.at_ms for e in followed)
     assert [e.id for e in handle.events()] == [e.id for e in followed]
 

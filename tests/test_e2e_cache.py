@@ -213,7 +213,7 @@ def test_a_fork_with_thoughts_signatures_and_parallel_calls_resends_every_byte_i
     # and the cached tokens reached the result, each step's event, `forkq result --json`, the notification
     # and the worker's counter
     assert result.usage.cached_input_tokens == sum(CACHED)
-    steps = [e.data for e in client.events(handle.fork_id) if e.type == "step"]
+    steps = [e.wire_data() for e in client.events(handle.fork_id) if e.type == "step"]
     assert [s["cached_input_tokens"] for s in steps] == list(CACHED)
     code, out = cli("result", handle.fork_id, "--json")
     assert code == 0 and json.loads(out)["usage"]["cached_input_tokens"] == sum(CACHED)

@@ -531,7 +531,7 @@ def test_malformed_openai_tool_arguments_get_an_error_response_and_the_fork_cont
     assert second[-1]["role"] == "tool" and second[-1]["tool_call_id"] == "call_bad"
     error = json.loads(second[-1]["content"])["error"]
     assert "'read_file'" in error and "not valid JSON" in error and "Nothing was run" in error
-    tools = [e.data for e in client.events(handle.fork_id) if e.type == "tool"]
+    tools = [e.wire_data() for e in client.events(handle.fork_id) if e.type == "tool"]
     assert [(t["tool"], t["ok"]) for t in tools] == [("read_file", False), ("read_file", True)]
 
 
@@ -659,7 +659,7 @@ def test_the_output_schema_goes_to_the_model_natively_at_every_step(
     # and the request digests cover the schema alike where they are computed: before the claim (the first
     # model_call event, published by the claim) and by the loop (the journal), one model_call per step
     journal = runtime_of(client.app).leases.journal(handle.fork_id)
-    announced = [e.data["request_digest"] for e in client.events(handle.fork_id) if e.type == "model_call"]
+    announced = [e.data.request_digest for e in client.events(handle.fork_id) if e.type == "model_call"]
     assert announced == [e.request_digest for e in journal if e.kind == "model"]
 
 

@@ -12,6 +12,7 @@ import redis
 from conftest import TEST_NAMESPACE, put_queued_fork
 
 from workers.keys import Keys
+from workers.records.events import ModelCallData, ModelCallEvent, StepData, StepEvent
 from workers.records.fork import ForkResult, Status
 from workers.records.journal import JournalEntry
 from workers.records.parked import ParkedCall
@@ -53,6 +54,7 @@ def entry(seq: int) -> JournalEntry:
     return JournalEntry(seq=seq, step=0, kind="model", content={"role": "model", "parts": [{"text": "hm"}]})
 
 
+MODEL_CALL = ModelCallEvent(data=ModelCallData(step=1, request_digest="d"))
 PENDING = [ParkedCall(call_id="c1", name="write_file", args={}, index=0, step=1)]
 
 # each writer: (what puts the fork where the writer applies, the write itself); both get (store, leases, fork id)
@@ -62,9 +64,12 @@ WRITERS: dict[str, tuple[Step, Step]] = {
     "claim": (lambda s, ls, f: put_queued_fork(s, f), lambda s, ls, f: claimed(ls, f)),
     "append": (
         lambda s, ls, f: put_queued_fork(s, f),
-        lambda s, ls, f: ls.append(claimed(ls, f), entry(0), events=[("step", {"step": 1})]),
+        lambda s, ls, f: ls.append(claimed(ls, f), entry(0), events=[StepEvent(data=StepData(step=1, tool_calls=[]))]),
     ),
-    "emit": (lambda s, ls, f: put_queued_fork(s, f), lambda s, ls, f: ls.emit(claimed(ls, f), [("model_call", {})])),
+    "emit": (
+        lambda s, ls, f: put_queued_fork(s, f),
+        lambda s, ls, f: ls.emit(claimed(ls, f), [MODEL_CALL]),
+    ),
     "finish": (
         lambda s, ls, f: put_queued_fork(s, f),
         lambda s, ls, f: ls.finish(claimed(ls, f), ForkResult(fork_id=f, status=Status.SUCCEEDED, output="ok")),

@@ -110,7 +110,10 @@ def test_a_launch_writes_the_record_the_queued_state_and_the_first_event(store: 
     seconds, _ = store.client.time()
     assert state.created_ms is not None and abs(state.created_ms - seconds * 1000) < 5_000
     [event] = store.events("f-1")
-    assert (event.type, event.data) == ("queued", {"kind": "fork", "digest": digest, "messages": record.message_count})
+    assert (event.type, event.wire_data()) == (
+        "queued",
+        {"kind": "fork", "digest": digest, "messages": record.message_count},
+    )
     assert store.result("f-1") is None
 
 
@@ -141,7 +144,7 @@ def test_a_launch_on_a_server_that_refuses_dump_or_restore_keeps_the_stream_xadd
         _, digest = launch(store, seed)
 
         [event] = store.events("f-1")
-        assert (event.type, event.data["digest"]) == ("queued", digest)
+        assert (event.type, event.data.digest) == ("queued", digest)
         assert 0 < store.client.ttl(store.keys.events("f-1")) <= TTL_S
         store.client.close()
 
@@ -389,7 +392,7 @@ def test_cancelling_a_queued_fork_ends_it_with_a_result_and_a_finished_event(sto
         True,
     )
     assert result == ForkResult(fork_id="f-1", status=Status.CANCELLED, error="cancelled by request")
-    assert [(e.type, e.data["status"]) for e in store.events("f-1")[1:]] == [("finished", "cancelled")]
+    assert [(e.type, e.data.status) for e in store.events("f-1")[1:]] == [("finished", "cancelled")]
     assert store.cancel("f-1") is Status.CANCELLED
     assert len(store.events("f-1")) == 2
 
@@ -440,7 +443,7 @@ def test_a_cancelled_running_fork_keeps_the_usage_its_journal_records(store: For
     assert (usage.model_calls, usage.tool_uses, usage.input_tokens, usage.output_tokens) == (2, 1, 200, 2)
     assert usage.total_tokens == 202 and usage.duration_ms >= 50
     assert usage.cached_input_tokens == 64
-    assert store.events("f-1")[-1].data["usage"] == usage.model_dump()
+    assert store.events("f-1")[-1].wire_data()["usage"] == usage.model_dump()
 
 
 def test_a_cancelled_parked_fork_reports_its_time_until_it_parked(store: ForkStore, seed: ForkSeed) -> None:
@@ -555,7 +558,7 @@ def test_the_cancel_script_tallies_every_entry_appended_after_the_journal_the_cl
     assert result is not None and len(read) == 1
     assert (result.usage.model_calls, result.usage.tool_uses, result.usage.input_tokens) == (3, 1, 123)
     assert result.usage.cached_input_tokens == 66  # 50 read by the client, 16 tallied by the script
-    assert result.usage.output_tokens == 3 and store.events("f-1")[-1].data["usage"] == result.usage.model_dump()
+    assert result.usage.output_tokens == 3 and store.events("f-1")[-1].wire_data()["usage"] == result.usage.model_dump()
 
 
 @pytest.mark.parametrize("status", [Status.SUCCEEDED, Status.FAILED])
@@ -590,7 +593,7 @@ def emit(store: ForkStore, kind: str, data: dict[str, Any]) -> None:
 def test_events_are_read_in_order_from_any_id(store: ForkStore, seed: ForkSeed) -> None:
     launch(store, seed)
     for n in (1, 2, 3):
-        emit(store, "step", {"step": n})
+        emit(store, "step", {"step": n, "tool_calls": []})
     ids = [e.id for e in store.events("f-1")[1:]]
 
     everything = store.events("f-1")
@@ -598,7 +601,7 @@ def test_events_are_read_in_order_from_any_id(store: ForkStore, seed: ForkSeed) 
 
     assert [e.type for e in everything] == ["queued", "step", "step", "step"]
     assert [e.id for e in everything[1:]] == ids
-    assert [e.data["step"] for e in after_first] == [2, 3]
+    assert [e.data.step for e in after_first] == [2, 3]
     assert all(e.at_ms > 0 for e in everything)
     assert store.events("f-1", after=ids[-1]) == []
 

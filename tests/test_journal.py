@@ -24,6 +24,7 @@ from workers.loop.child import INTERRUPTED_ERROR, ChildLoop, PrimedCall, Stopped
 from workers.loop.replay import replay
 from workers.providers import ModelRequest, ModelResponse
 from workers.providers.scripted import Script, ScriptedProvider
+from workers.records.events import Event
 from workers.records.fork import BootstrapRecord, Status
 from workers.records.journal import JournalEntry, RequestDigests, request_digest
 from workers.tools.registry import Tool, ToolContext, ToolRegistry
@@ -70,8 +71,8 @@ class MemoryJournal:
             self.append(entry)
         del self.inbox[: len(entries)]
 
-    def emit(self, kind: str, data: dict[str, Any]) -> None:
-        self.events.append((kind, data))
+    def emit(self, event: Event) -> None:
+        self.events.append((event.type, event.data.wire()))  # as the stream holds it
 
     def checkpoint(self) -> None:
         reason = self.stop_reason()

@@ -23,6 +23,7 @@ from redis.retry import Retry
 
 from workers.errors import LeaseLost, RecordDecodeError
 from workers.keys import Keys
+from workers.records.events import ModelCallData, ModelCallEvent, StepData, StepEvent
 from workers.records.fork import ForkResult, Status
 from workers.records.journal import JournalEntry
 from workers.records.parked import ParkedCall
@@ -74,6 +75,14 @@ def state_field(client: redis.Redis, fid: str, name: str) -> str | None:
     return None if value is None else value.decode()
 
 
+def model_call(step: int, digest: str = "d") -> ModelCallEvent:
+    return ModelCallEvent(data=ModelCallData(step=step, request_digest=digest))
+
+
+def step_event(step: int) -> StepEvent:
+    return StepEvent(data=StepData(step=step, tool_calls=[]))
+
+
 def result_of(fid: str, status: Status = Status.SUCCEEDED) -> ForkResult:
     return ForkResult(fork_id=fid, status=status, output="done")
 
@@ -119,7 +128,7 @@ def test_claim_sets_the_lease_and_increments_epoch_and_attempt(
     deadline = redis_client.zscore(KEYS.running, fid)
     assert deadline is not None and now_ms + 4000 < deadline <= now_ms + 5000
     started = [e for e in fork_store.events(fid) if e.type == "started"]
-    assert [e.data for e in started] == [{"owner": "worker-a", "attempt": 1, "epoch": 1}]
+    assert [e.wire_data() for e in started] == [{"owner": "worker-a", "attempt": 1, "epoch": 1}]
 
 
 def test_a_fork_that_is_not_queued_cannot_be_claimed(
@@ -210,7 +219,7 @@ def test_fenced_writes_fail_closed_once_the_sweeper_revived_the_fork_of_an_expir
     expire(redis_client, fid)
     assert leases.revive(fid, max_attempts=3) == "revive"  # queued again, not yet claimed: same epoch
 
-    assert leases.emit(claim, [("model_call", {"step": 2})]) == "queued"
+    assert leases.emit(claim, [model_call(2)]) == "queued"
     assert leases.renew([claim]) == [0]
     with pytest.raises(LeaseLost, match=r"refused \(lost\)"):
         leases.append(claim, model_entry(1))
@@ -297,9 +306,9 @@ def test_finish_appends_the_last_entries_and_events_with_the_result_at_their_pos
     leases.append(claim, model_entry(0))
 
     with pytest.raises(LeaseLost, match=r"refused \(seq\)"):  # not where the journal stands: nothing written
-        leases.finish(claim, result_of(fid), model_entry(5, text="late"), events=[("step", {"step": 2})])
+        leases.finish(claim, result_of(fid), model_entry(5, text="late"), events=[step_event(2)])
     assert state_field(redis_client, fid, "status") == "running"
-    leases.finish(claim, result_of(fid), model_entry(1, text="done"), events=[("step", {"step": 2})])
+    leases.finish(claim, result_of(fid), model_entry(1, text="done"), events=[step_event(2)])
 
     assert [e.seq for e in leases.journal(fid)] == [0, 1]
     assert event_types(fork_store, fid)[-2:] == ["step", "finished"]
@@ -322,7 +331,7 @@ def test_release_hands_the_fork_back_at_once_with_a_released_event(
     leases.enqueued(fid)
     assert redis_client.zscore(KEYS.running, fid) is None
     released = [e for e in fork_store.events(fid) if e.type == "released"]
-    assert [e.data for e in released] == [{"reason": "worker shutdown"}]
+    assert [e.wire_data() for e in released] == [{"reason": "worker shutdown"}]
     again = claimed(leases, fid, "worker-b")  # no wait for a TTL
     assert (again.epoch, again.attempt) == (2, 2)
     with pytest.raises(LeaseLost):
@@ -385,10 +394,10 @@ def test_fenced_writes_take_back_a_lapsed_lease_whose_fork_was_never_revived(
     again = make_leases(redis_client, ttl_ms=5000)
 
     # When it checkpoints, appends, checkpoints again and finishes
-    assert again.emit(claim, [("model_call", {"step": 1})]) == "running"
+    assert again.emit(claim, [model_call(1)]) == "running"
     assert redis_client.pttl(KEYS.lease(fid)) > 4000  # the checkpoint took the lease back for a whole TTL
     redis_client.delete(KEYS.lease(fid))  # and it lapses once more
-    again.append(claim, model_entry(0), events=[("step", {"step": 1})])
+    again.append(claim, model_entry(0), events=[step_event(1)])
     assert redis_client.get(KEYS.lease(fid)) == claim.owner.encode()
     redis_client.delete(KEYS.lease(fid))
     again.finish(claim, result_of(fid))
@@ -420,7 +429,7 @@ def test_a_lapsed_lease_is_never_taken_back_once_the_fork_moved_on(
 
     # When the stale run renews, checkpoints and writes
     assert leases.renew([stale]) == [0]
-    assert leases.emit(stale, [("model_call", {"step": 2})]) != "running"
+    assert leases.emit(stale, [model_call(2)]) != "running"
     with pytest.raises(LeaseLost):
         leases.append(stale, model_entry(0))
     with pytest.raises(LeaseLost):
@@ -490,7 +499,7 @@ def test_a_live_lease_of_a_dead_owner_is_ended_and_the_fork_revived_but_only_tha
     assert leases.revive(fid, max_attempts=3, dead_owner=claim.owner) == "revive"
     assert redis_client.exists(KEYS.lease(fid)) == 0
     assert state_field(redis_client, fid, "status") == "queued"
-    revived = [e.data for e in fork_store.events(fid) if e.type == "revived"]
+    revived = [e.wire_data() for e in fork_store.events(fid) if e.type == "revived"]
     assert revived == [{"attempt": 1, "lost": 1, "via": "connection"}]
     # and the dead owner's writes are refused
     with pytest.raises(LeaseLost):
@@ -528,7 +537,7 @@ def test_revive_after_expiry_requeues_the_fork_once(
 
     assert (state_field(redis_client, fid, "status"), state_field(redis_client, fid, "owner")) == ("queued", "")
     revived = [e for e in fork_store.events(fid) if e.type == "revived"]
-    assert [e.data for e in revived] == [{"attempt": 1, "lost": 1, "via": "lease"}]
+    assert [e.wire_data() for e in revived] == [{"attempt": 1, "lost": 1, "via": "lease"}]
     # it stays in the running index, out of the sweepers' way, until its job is confirmed enqueued
     assert fid not in leases.expired()
     leases.enqueued(fid)
@@ -558,7 +567,7 @@ def test_revive_at_the_attempt_limit_fails_the_fork_with_worker_lost(
     assert result is not None and (result.status, result.error) == (Status.FAILED, reason)
     assert redis_client.zscore(KEYS.running, fid) is None
     finished = list(fork_store.events(fid))[-1]
-    assert (finished.type, finished.data) == ("finished", {"status": "failed", "error": reason})
+    assert (finished.type, finished.wire_data()) == ("finished", {"status": "failed", "error": reason})
     assert leases.claim(fid, "worker-c") == Refusal(RefusalReason.NOT_QUEUED, Status.FAILED)
 
 
@@ -809,8 +818,8 @@ def surface_entry() -> JournalEntry:
 
 # each write: (its script, what it does under `claim` through `leases`, the events it publishes)
 LOSSY_WRITES: dict[str, tuple[str, Callable[[Leases, Claim], object], list[str]]] = {
-    "append": (lua.APPEND, lambda ls, c: ls.append(c, model_entry(0), events=[("step", {"step": 1})]), ["step"]),
-    "emit": (lua.EMIT, lambda ls, c: ls.emit(c, [("model_call", {"step": 1})]), ["model_call"]),
+    "append": (lua.APPEND, lambda ls, c: ls.append(c, model_entry(0), events=[step_event(1)]), ["step"]),
+    "emit": (lua.EMIT, lambda ls, c: ls.emit(c, [model_call(1)]), ["model_call"]),
     "finish": (lua.FINISH, lambda ls, c: ls.finish(c, result_of(c.fork_id), model_entry(0)), ["finished"]),
     "release": (lua.RELEASE, lambda ls, c: ls.release(c, "worker shutdown"), ["released"]),
     "pause": (lua.PAUSE, lambda ls, c: ls.pause(c, "a tool is missing"), ["paused"]),
@@ -867,7 +876,7 @@ def test_a_claim_whose_reply_was_lost_is_handed_back_as_granted_and_claims_nothi
         proxy.lose_reply_to(sha(lua.CLAIM))
 
         # When the claim runs in Redis but its reply never arrives
-        first = FirstWrite(record, surface_entry(), {"step": 1})
+        first = FirstWrite(record, surface_entry(), model_call(1))
         claim = make_leases(lossy).claim(fid, "worker-a", digest, first=first)
     finally:
         lossy.close()
@@ -903,7 +912,7 @@ def test_a_fenced_write_waits_out_a_redis_restart_shorter_than_the_lease(fresh_r
         restarter.start()
         started = time.monotonic()
         try:
-            leases.append(claim, model_entry(0), events=[("step", {"step": 1})])
+            leases.append(claim, model_entry(0), events=[step_event(1)])
             waited = time.monotonic() - started
         finally:
             restarter.join()  # the server is restarted while the fixture still owns it
@@ -1021,11 +1030,11 @@ def test_a_stale_runs_checkpoint_publishes_nothing_once_the_fork_moved_on(
     events = fork_store.events(fid)
 
     # When the stale run reaches a checkpoint while the fork runs elsewhere, and again after it finished
-    running = leases.emit(stale, [("model_call", {"step": 2, "request_digest": "stale"})])
+    running = leases.emit(stale, [model_call(2, "stale")])
     assert fork_store.events(fid) == events
     leases.finish(fresh, result_of(fid))
     events = fork_store.events(fid)
-    finished = leases.emit(stale, [("model_call", {"step": 3, "request_digest": "stale"})])
+    finished = leases.emit(stale, [model_call(3, "stale")])
 
     # Then it published nothing and learnt why: the fork is no longer its own
     assert (running, finished) == ("stale", "succeeded")

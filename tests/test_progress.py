@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry
 from broker_config.settings import Settings
 from workers.app import runtime_of
 from workers.client import ForkClient
+from workers.records.events import ModelCallData, ModelCallEvent, StepData, StepEvent, ToolData, ToolEvent
 from workers.records.fork import Status
 from workers.service.metrics import Metrics
 from workers.service.outcome import Outcome
@@ -36,6 +37,14 @@ class Clock:
         return self.now
 
 
+def model_call(step: int) -> ModelCallEvent:
+    return ModelCallEvent(data=ModelCallData(step=step, request_digest="d"))
+
+
+def step_event(**data: Any) -> StepEvent:
+    return StepEvent(data=StepData(**data))
+
+
 def sample(registry: CollectorRegistry, name: str, **labels: str) -> float:
     return registry.get_sample_value(name, labels) or 0.0
 
@@ -46,17 +55,15 @@ def test_model_call_and_step_latencies_tokens_and_tools_are_measured_from_loop_e
     run = RunObserver(Metrics(registry), {"read_file"}, attempt=2, progress=sent.append, clock=clock)
 
     # When step 1 calls the model for 2 s and runs two tools for 1 s, and step 2 answers after 3 s
-    run.observe("model_call", {"step": 1})
+    run.observe(model_call(1))
     clock.now += 2
-    run.observe("step", {"step": 1, "tool_calls": ["read_file", "invented"], "input_tokens": 10, "output_tokens": 3})
-    run.observe("tool", {"step": 1, "tool": "read_file", "ok": True})
-    run.observe("tool", {"step": 1, "tool": "invented", "ok": False})
+    run.observe(step_event(step=1, tool_calls=["read_file", "invented"], input_tokens=10, output_tokens=3))
+    run.observe(ToolEvent(data=ToolData(step=1, tool="read_file", ok=True)))
+    run.observe(ToolEvent(data=ToolData(step=1, tool="invented", ok=False)))
     clock.now += 1
-    run.observe("model_call", {"step": 2})
+    run.observe(model_call(2))
     clock.now += 3
-    run.observe(
-        "step", {"step": 2, "tool_calls": [], "input_tokens": 20, "output_tokens": 5, "cached_input_tokens": 16}
-    )
+    run.observe(step_event(step=2, tool_calls=[], input_tokens=20, output_tokens=5, cached_input_tokens=16))
     assert sample(registry, "forkq_forks_running") == 1
     run.ended(Outcome.SUCCEEDED)
     run.close()
@@ -84,7 +91,7 @@ def test_a_run_stopped_mid_step_does_not_time_the_unfinished_step() -> None:
     registry, clock = CollectorRegistry(), Clock()
     run = RunObserver(Metrics(registry), set(), attempt=1, clock=clock)
 
-    run.observe("model_call", {"step": 1})
+    run.observe(model_call(1))
     clock.now += 5
     run.ended(Outcome.RELEASED)
     run.close()
@@ -110,13 +117,13 @@ def test_a_failing_progress_callback_never_reaches_the_loop(caplog: pytest.LogCa
 
     run = RunObserver(Metrics(CollectorRegistry()), set(), attempt=1, progress=broken)
 
-    run.observe("step", {"step": 1, "tool_calls": [], "input_tokens": 1, "output_tokens": 1})
+    run.observe(step_event(step=1, tool_calls=[], input_tokens=1, output_tokens=1))
 
     assert "progress event of step 1 not sent: broker down" in caplog.text
 
 
 def test_step_progress_carries_the_step_its_tools_and_tokens_and_a_line_for_flower() -> None:
-    fields = step_progress({"step": 3, "tool_calls": ["grep_search"], "input_tokens": 1234, "output_tokens": 56}, 2)
+    fields = step_progress(StepData(step=3, tool_calls=["grep_search"], input_tokens=1234, output_tokens=56), 2)
 
     assert fields == {
         "step": 3,

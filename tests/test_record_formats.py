@@ -184,7 +184,7 @@ def test_a_parked_fork_stores_the_same_json_as_before_and_its_state_reads_it_bac
     # Then the state holds the JSON written before the calls were typed, the event the same calls, and both read back
     assert redis_client.hget(KEYS.state(fid), "pending") == PARKED_JSON.encode()
     event = fork_store.events(fid)[-1]
-    assert (event.type, event.data["calls"]) == ("awaiting_approval", json.loads(PARKED_JSON))
+    assert (event.type, event.wire_data()["calls"]) == ("awaiting_approval", json.loads(PARKED_JSON))
     assert fork_store.state(fid).pending_approval == PARKED
     state = fork_store.state(fid)
     assert state.error is None

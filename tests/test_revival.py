@@ -42,11 +42,12 @@ from workers.keys import Keys
 from workers.loop.child import INTERRUPTED_ERROR
 from workers.loop.replay import replay
 from workers.providers import ModelRequest
+from workers.records.events import StreamEvent
 from workers.records.fork import ForkResult, Status
 from workers.records.journal import request_digest
 from workers.service.job import RunForkJob
 from workers.service.runner import WorkerRuntime, run_fork_job
-from workers.store.forks import ForkEvent, ForkStore
+from workers.store.forks import ForkStore
 from workers.store.lease import Claim, Leases, revival_grace_s
 from workers.store.queue import enqueue_fork
 from workers.store.redis_server import RedisServer
@@ -281,14 +282,14 @@ class Cluster:
     def launch(self, params: dict[str, Any] = FORK, **options: Any) -> str:
         return self.client.launch(self.parent, params, **options).fork_id
 
-    def events(self, fid: str) -> list[ForkEvent]:
+    def events(self, fid: str) -> list[StreamEvent]:
         return self.store.events(fid, count=100_000)
 
-    def of_type(self, fid: str, kind: str) -> list[ForkEvent]:
+    def of_type(self, fid: str, kind: str) -> list[StreamEvent]:
         return [e for e in self.events(fid) if e.type == kind]
 
     def started(self, fid: str) -> list[dict[str, Any]]:
-        return [e.data for e in self.of_type(fid, "started")]
+        return [e.wire_data() for e in self.of_type(fid, "started")]
 
     def owner_pid(self, fid: str, attempt: int) -> int:
         [data] = [d for d in self.started(fid) if d["attempt"] == attempt]
@@ -299,7 +300,7 @@ class Cluster:
         return proc
 
     def has_event(self, fid: str, kind: str, **data: Any) -> bool:
-        return any(all(e.data.get(k) == v for k, v in data.items()) for e in self.of_type(fid, kind))
+        return any(all(e.wire_data().get(k) == v for k, v in data.items()) for e in self.of_type(fid, kind))
 
     def effects(self) -> Counter[str]:
         return Counter(self.effects_path.read_text(encoding="utf-8").split())
@@ -323,7 +324,7 @@ class Cluster:
     def diagnostics(self, fid: str | None) -> str:
         parts = []
         if fid is not None:
-            parts.append(f"events of {fid}:\n" + "\n".join(f"    {e.type} {e.data}" for e in self.events(fid)))
+            parts.append(f"events of {fid}:\n" + "\n".join(f"    {e.type} {e.wire_data()}" for e in self.events(fid)))
         parts.append(f"effects: {dict(self.effects())}")
         for proc in self.procs:
             state = "alive" if proc.alive() else f"exited {proc.process.returncode}"
@@ -336,7 +337,7 @@ class Cluster:
         """The fork ended once, in `status`; its state and result agree."""
         finished = self.of_type(fid, "finished")
         assert len(finished) == 1, self.diagnostics(fid)
-        assert finished[0].data["status"] == status.value
+        assert finished[0].data.status == status.value
         assert self.store.state(fid).status is status
         result = self.store.result(fid)
         assert result is not None and result.status is status, result
@@ -375,7 +376,7 @@ class Cluster:
             rebuilt[entry.step] = request
         sent: defaultdict[int, set[str]] = defaultdict(set)
         for event in self.of_type(fid, "model_call"):
-            sent[event.data["step"] - 1].add(event.data["request_digest"])
+            sent[event.data.step - 1].add(event.data.request_digest)
         recorded = {e.step: e.request_digest for e in entries if e.kind == "model"}
         assert {s: {d} for s, d in recorded.items()} == dict(sent), self.diagnostics(fid)
         return rebuilt
@@ -428,7 +429,7 @@ def test_a_fork_finishes_on_another_worker_after_sigkill_during_a_model_call(clu
     assert effects == Counter({effect_key(fid, 0, "e1"): 1, effect_key(fid, 1, "e2"): 1})
     # the interrupted model call was made again with the identical request; the first one was not re-made
     cluster.assert_requests_replayed_exactly(fid)
-    assert [e.data["step"] for e in cluster.of_type(fid, "model_call")] == [1, 2, 2, 3]
+    assert [e.data.step for e in cluster.of_type(fid, "model_call")] == [1, 2, 2, 3]
 
 
 def test_a_completed_turn_fork_and_a_defined_subagent_are_revived_with_the_scope_they_were_launched_with(
@@ -647,7 +648,7 @@ def test_a_fork_longer_than_the_broker_visibility_timeout_has_one_executor(
     assert result.output == "done"
     cluster.assert_ended_once(fid)
     assert [d["attempt"] for d in cluster.started(fid)] == [1]
-    assert [e.data["step"] for e in cluster.of_type(fid, "model_call")] == [1, 2, 3, 4]
+    assert [e.data.step for e in cluster.of_type(fid, "model_call")] == [1, 2, 3, 4]
     effects = cluster.assert_effects_at_most_once(fid)
     assert effects == Counter({effect_key(fid, i, f"e{i + 1}"): 1 for i in range(3)})
 
@@ -710,7 +711,7 @@ def test_a_dead_workers_fork_is_revived_from_its_closed_connection_long_before_i
     taken_over_s = time.monotonic() - killed_at
     assert taken_over_s < 8
     [revived] = cluster.of_type(fid, "revived")
-    assert revived.data["via"] == "connection"
+    assert revived.data.via == "connection"
     assert cluster.owner_pid(fid, attempt=2) != victim.pid
     cluster.result(fid, timeout=20)
     cluster.assert_ended_once(fid)
@@ -739,7 +740,7 @@ def test_a_stopped_worker_keeps_its_connection_so_its_fork_waits_for_the_lease(
         cluster.wait_for(lambda: cluster.of_type(fid, "revived") != [], 20, "the revival", fid)
         assert time.monotonic() - stopped_at > 4.0
         [revived] = cluster.of_type(fid, "revived")
-        assert revived.data["via"] == "lease"
+        assert revived.data.via == "lease"
         cluster.result(fid, timeout=20)
     finally:
         stalled.send(signal.SIGCONT)
@@ -1126,16 +1127,16 @@ def test_sigterm_releases_forks_in_flight_and_they_finish_on_another_worker_at_o
         assert (cluster.owner_pid(fid, 1), cluster.owner_pid(fid, 2)) == (w1.pid, w2.pid)
         [released] = cluster.of_type(fid, "released")
         second_start = cluster.of_type(fid, "started")[1]
-        assert released.data == {"reason": "worker shutdown"}
+        assert released.wire_data() == {"reason": "worker shutdown"}
         assert second_start.at_ms - released.at_ms < 2000  # re-enqueued, not waiting for a lease to expire
         assert cluster.of_type(fid, "revived") == []
-        assert all(e.data.get("status") != "cancelled" for e in cluster.events(fid))
+        assert all(e.wire_data().get("status") != "cancelled" for e in cluster.events(fid))
         effects = cluster.assert_effects_at_most_once(fid)
         assert effects == Counter({effect_key(fid, i, f"e{i + 1}"): 1 for i in range(3)})
         cluster.assert_requests_replayed_exactly(fid)
         # the stop came at a step boundary: no model call was made twice (a response the model already
         # gave is recorded, not thrown away and paid for again on the next worker)
-        steps = [e.data["step"] for e in cluster.of_type(fid, "model_call")]
+        steps = [e.data.step for e in cluster.of_type(fid, "model_call")]
         assert sorted(steps) == [1, 2, 3, 4], cluster.diagnostics(fid)
 
 

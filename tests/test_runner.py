@@ -398,7 +398,7 @@ def test_a_fork_whose_redis_connections_go_silent_reconnects_within_its_lease(
         app.close()
         proxy.close()
     assert result.status is Status.SUCCEEDED, (result.error, worker.log())
-    assert [e.data["attempt"] for e in events if e.type == "started"] == [1], worker.log()
+    assert [e.data.attempt for e in events if e.type == "started"] == [1], worker.log()
     assert not [e for e in events if e.type == "revived"]
     assert sum(e.type == "tool" for e in events) == 12
 

@@ -346,7 +346,7 @@ def test_a_catastrophic_pattern_in_one_fork_costs_the_forks_beside_it_nothing(
     # Then every bystander succeeded on its first attempt, never losing its lease
     for handle, result in zip(bystanders, results, strict=True):
         assert result.status is Status.SUCCEEDED, (result.error, worker.log())
-        assert [e.data["attempt"] for e in client.events(handle.fork_id) if e.type == "started"] == [1]
+        assert [e.data.attempt for e in client.events(handle.fork_id) if e.type == "started"] == [1]
         assert redis_client.hget(Keys(TEST_NAMESPACE).state(handle.fork_id), "lost") is None
     assert "lease lost" not in worker.log()
     # and the poisoned call got an error naming the time limit, after which that fork went on too

@@ -63,7 +63,7 @@ def test_a_caller_waiting_for_its_subagent_rides_out_a_redis_restart_without_los
         nested_id = f"{caller.fork_id}.0.0"
 
         def in_second_call() -> bool:
-            return any(e.type == "model_call" and e.data.get("step") == 2 for e in client.events(nested_id))
+            return any(e.type == "model_call" and e.data.step == 2 for e in client.events(nested_id))
 
         wait_until(in_second_call, 30, "the subagent's second model call")
 
@@ -81,6 +81,6 @@ def test_a_caller_waiting_for_its_subagent_rides_out_a_redis_restart_without_los
     assert result.output == "report: 1 INCR call"
     assert nested is not None and nested.status is Status.SUCCEEDED
     for fid, fork_events in events.items():
-        assert [e.data["attempt"] for e in fork_events if e.type == "started"] == [1], (fid, worker.log())
+        assert [e.data.attempt for e in fork_events if e.type == "started"] == [1], (fid, worker.log())
         assert not [e for e in fork_events if e.type == "revived"], fid
     assert worker.process.poll() is None

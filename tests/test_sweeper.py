@@ -483,7 +483,7 @@ def test_the_sweep_loop_revives_a_dead_runtimes_fork_long_before_its_lease_ends(
         # Then the loop revives the fork within a few graces, its lease ended, and forgets the runtime
         wait_until(lambda: enqueued.jobs == [(fid, digest, 2)], timeout=5, what="the dead runtime's fork revived")
         assert redis_client.exists(KEYS.lease(fid)) == 0
-        assert [e.data["via"] for e in fork_store.events(fid) if e.type == "revived"] == ["connection"]
+        assert [e.data.via for e in fork_store.events(fid) if e.type == "revived"] == ["connection"]
         wait_until(lambda: redis_client.hget(KEYS.procs, presence.token) is None, what="the entry forgotten")
     finally:
         stop.set()

@@ -34,9 +34,9 @@ from workers.client import ForkClient, ForkHandle
 from workers.errors import ForkTimeout
 from workers.history.selection import build_fork_seed
 from workers.history.snapshot import parse_parent_snapshot
+from workers.records.events import StreamEvent, UnknownEvent, decode_event
 from workers.records.fork import Status, split_seed
 from workers.service.tasks import make_sweeper, previous_run_end
-from workers.store.forks import ForkEvent
 
 FORK = {"description": "write expiry tests", "prompt": "Write the expiry tests.", "subagent_type": "fork"}
 
@@ -288,7 +288,7 @@ def test_a_duplicate_delivery_does_not_run_the_fork_twice(
         assert result.output == "done"
         events = list(client.events(handle.fork_id))
         assert event_types(client, handle.fork_id) == ["queued", "started", "step", "tool", "step", "finished"]
-        assert [e.data["step"] for e in events if e.type == "step"] == [1, 2]
+        assert [e.data.step for e in events if e.type == "step"] == [1, 2]
         assert handle.status().attempt == 1
         retvals = sorted(str(retval) for _, retval, _ in outcomes)
         assert retvals[-1] == "succeeded"
@@ -406,11 +406,29 @@ def test_a_worker_process_survives_a_hostile_message_and_runs_the_next_fork(
 # ── Flower: one final state for every ended delivery ─────────────────────────────────────────
 
 
-def _events(*types: str, attempt: int) -> list[ForkEvent]:
+def _events(*types: str, attempt: int) -> list[StreamEvent]:
     """Fork events newest first: the claim of `attempt`, then `types` (newest first), then the claim before."""
-    claim = [ForkEvent(id="9-0", type="started", data={"attempt": attempt})]
-    older = [ForkEvent(id=f"{8 - n}-0", type=t, data={}) for n, t in enumerate(types)]
-    return [*claim, *older, ForkEvent(id="1-0", type="started", data={"attempt": attempt - 1})]
+    claim = [_event("9-0", "started", attempt)]
+    older = [_event(f"{8 - n}-0", t, attempt) for n, t in enumerate(types)]
+    return [*claim, *older, _event("1-0", "started", attempt - 1)]
+
+
+def _event(event_id: str, kind: str, attempt: int) -> StreamEvent:
+    """An event of type `kind` as the stream holds it, with data of its type's shape."""
+    data = {
+        "started": {"owner": "w", "attempt": attempt, "epoch": attempt},
+        "revived": {"attempt": attempt, "lost": 1},
+        "step": {"step": 1, "tool_calls": []},
+        "model_call": {"step": 1, "request_digest": "d"},
+        "awaiting_approval": {"reason": "r", "calls": []},
+        "finished": {"status": "succeeded"},
+        "approved": {"call_id": "c", "name": "t", "reason": None},
+        "denied": {"call_id": "c", "name": "t", "reason": None},
+        "resumed": {},
+    }.get(kind, {"reason": "r"})
+    event = decode_event(event_id.encode(), {b"type": kind.encode(), b"data": json.dumps(data).encode()})
+    assert not isinstance(event, UnknownEvent), event
+    return event
 
 
 @pytest.mark.parametrize(

@@ -401,10 +401,10 @@ def test_the_compose_topology_runs_forks_shows_them_in_flower_and_survives_a_wor
         assert [r.status for r in results] == [Status.SUCCEEDED] * FORKS, results
         for fid in moved:
             events = list(forks.events(fid))
-            started = [e.data for e in events if e.type == "started"]
+            started = [e.wire_data() for e in events if e.type == "started"]
             assert [s["attempt"] for s in started] == [1, 2]
             assert int(started[-1]["owner"].split(":")[1]) == survivor.process.pid
-            assert [e.data for e in events if e.type == "released"] == [{"reason": "worker shutdown"}]
+            assert [e.wire_data() for e in events if e.type == "released"] == [{"reason": "worker shutdown"}]
 
     # And Flower has every run of the moved forks, with what each delivery did as its result
     def task_info(task_id: str) -> dict[str, Any]:

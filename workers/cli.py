@@ -320,12 +320,13 @@ def cmd_events(args: argparse.Namespace) -> int:
     with _client() as client:
         client.status(args.fork_id)
         for event in client.events(args.fork_id, follow=args.follow):
+            data = event.wire_data()  # as stored, whatever the type (an unknown one too)
             if args.json:
-                line = json.dumps({"id": event.id, "at_ms": event.at_ms, "type": event.type, "data": event.data})
+                line = json.dumps({"id": event.id, "at_ms": event.at_ms, "type": event.type, "data": data})
                 print(line, flush=True)
                 continue
             when = datetime.fromtimestamp(event.at_ms / 1000, tz=UTC).strftime("%H:%M:%S.%f")[:-3]
-            print(f"{when} {event.type:<9} {json.dumps(event.data, ensure_ascii=False)}", flush=True)
+            print(f"{when} {event.type:<9} {json.dumps(data, ensure_ascii=False)}", flush=True)
     return EXIT_OK
 
 

@@ -35,7 +35,7 @@ from workers.records.fork import BootstrapRecord, ForkResult, ForkState, Status
 from workers.records.notification import render_task_notification
 from workers.records.parked import ResumeWait
 from workers.records.seeds import SeedBuilder, SeedChunks
-from workers.store.forks import ForkEvent, ForkStore
+from workers.store.forks import ForkStore
 from workers.store.lease import Leases
 from workers.store.queue import enqueue_again, run_fork_call, send_call, send_ended_event
 from workers.store.replies import Decision, SendReply
@@ -47,6 +47,7 @@ if TYPE_CHECKING:  # a type only: the send-only app is built on the first launch
     from celery import Celery
 
     from broker_config.envelope import JobEnvelopes
+    from workers.records.events import StreamEvent  # and the event models load at the first event read
 
 
 def parked_error(state: ForkState) -> ForkParked:
@@ -154,7 +155,7 @@ class ForkHandle:
         """The `<task-notification>` for the parent's model once the fork has ended (`ForkClient.notification`)."""
         return self.client.notification(self.fork_id)
 
-    def events(self, *, follow: bool = False) -> Iterator[ForkEvent]:
+    def events(self, *, follow: bool = False) -> Iterator[StreamEvent]:
         """The fork's progress events."""
         return self.client.events(self.fork_id, follow=follow)
 
@@ -419,7 +420,7 @@ class ForkClient:
             f"fork {fork_id}: still {outcome.status.value} after {timeout} s; wait longer, or {hint}", fork_id=fork_id
         )
 
-    def events(self, fork_id: str, *, follow: bool = False) -> Iterator[ForkEvent]:
+    def events(self, fork_id: str, *, follow: bool = False) -> Iterator[StreamEvent]:
         """The fork's events so far, or (`follow`) until its terminal event."""
         if follow:
             return self.store.follow(fork_id)

@@ -17,7 +17,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,8 +35,16 @@ from workers.demo_report import clip, report, say
 from workers.errors import ConfigurationError
 from workers.history.messages import Content
 from workers.history.selection import is_real_user_turn
+from workers.records.events import (
+    FinishedEvent,
+    ModelCallEvent,
+    QueuedEvent,
+    StartedEvent,
+    StepEvent,
+    StreamEvent,
+    ToolEvent,
+)
 from workers.records.fork import ForkResult, Status
-from workers.store.forks import ForkEvent
 from workers.store.redis_server import RedisServer
 
 EXAMPLE_PARENT = Path(__file__).parent / "examples" / "parent.json"
@@ -398,35 +406,31 @@ def _stream_order(event_id: str) -> tuple[int, int]:
     return int(millis), int(seq or 0)
 
 
-def _detail(event: ForkEvent, worker_names: Mapping[str, str]) -> str:
+def _detail(event: StreamEvent, worker_names: Mapping[str, str]) -> str:
     """The event's data in words; other event types as `key value` pairs."""
-    data = event.data
-
-    def _short(key: str) -> str:
-        return f"{str(data.get(key, ''))[:12]}…"
-
-    describe: dict[str, Callable[[], str]] = {
-        "queued": lambda: f"{data.get('kind')}, seed of {data.get('messages')} messages, digest {_short('digest')}",
-        "started": lambda: (
-            f"claimed by {_worker_of(str(data.get('owner', '')), worker_names)}, attempt {data.get('attempt', 1)}"
-        ),
-        "model_call": lambda: f"model call {data.get('step')} sent, request digest {_short('request_digest')}",
-        "step": lambda: (
-            f"model call {data.get('step')} answered: {_calls(data.get('tool_calls'))}, "
-            f"{data.get('input_tokens', 0):,} tokens in / {data.get('output_tokens', 0):,} out"
-        ),
-        "tool": lambda: f"{data.get('tool')} {'ok' if data.get('ok') else 'error'}",
-        "finished": lambda: str(data.get("status")) + (f" ({data['error']})" if data.get("error") else ""),
-    }
-    if event.type in describe:
-        return describe[event.type]()
-    return clip(", ".join(f"{key} {value}" for key, value in data.items()), 90)
+    match event:
+        case QueuedEvent(data=data):
+            text = f"{data.kind}, seed of {data.messages} messages, digest {data.digest[:12]}…"
+        case StartedEvent(data=data):
+            text = f"claimed by {_worker_of(data.owner, worker_names)}, attempt {data.attempt}"
+        case ModelCallEvent(data=data):
+            text = f"model call {data.step} sent, request digest {data.request_digest[:12]}…"
+        case StepEvent(data=data):
+            text = (
+                f"model call {data.step} answered: {_calls(data.tool_calls)}, "
+                f"{data.input_tokens:,} tokens in / {data.output_tokens:,} out"
+            )
+        case ToolEvent(data=data):
+            text = f"{data.tool} {'ok' if data.ok else 'error'}"
+        case FinishedEvent(data=data):
+            text = data.status.value + (f" ({data.error})" if data.error else "")
+        case _:
+            text = clip(", ".join(f"{key} {value}" for key, value in event.wire_data().items()), 90)
+    return text
 
 
-def _calls(tool_calls: object) -> str:
-    if isinstance(tool_calls, list) and tool_calls:
-        return "calls " + ", ".join(map(str, tool_calls))
-    return "final answer"
+def _calls(tool_calls: list[str]) -> str:
+    return "calls " + ", ".join(tool_calls) if tool_calls else "final answer"
 
 
 def _worker_of(owner: str, worker_names: Mapping[str, str]) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI
 
@@ -20,6 +21,7 @@ from workers.api.bodies import BodyLimit
 from workers.api.launches import Launcher
 from workers.api.problems import install_error_handlers
 from workers.api.routes import Services, fork_router
+from workers.api.sse import document_events
 from workers.api.ui import UI_PATHS, ui_router
 from workers.cli_args import package_version
 from workers.client import ForkClient
@@ -35,6 +37,16 @@ NO_TOKENS = (
 )
 
 
+class _Api(FastAPI):
+    """forkq's app: FastAPI's, with the event stream documented as the event union (`document_events`)."""
+
+    def openapi(self) -> dict[str, Any]:
+        """The OpenAPI document (built once)."""
+        built = self.openapi_schema is not None
+        document = super().openapi()
+        return document if built else document_events(document)
+
+
 def make_api(settings: Settings, *, require_auth: bool = True) -> FastAPI:
     """The app for `settings`: every endpoint but `/healthz` behind FORKQ_API_TOKENS unless `require_auth` is False.
 
@@ -46,7 +58,7 @@ def make_api(settings: Settings, *, require_auth: bool = True) -> FastAPI:
     tokens = TokenSet.parse(settings.api_tokens)
     if require_auth and not tokens:
         raise ConfigurationError(NO_TOKENS, field="FORKQ_API_TOKENS")
-    app = FastAPI(
+    app = _Api(
         title="forkq",
         version=package_version(),
         summary="Launch and follow forked LLM subagents (docs/api.md).",

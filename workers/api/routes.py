@@ -35,11 +35,12 @@ from workers.api.models import (
     SessionForks,
 )
 from workers.api.problems import ErrorBody
-from workers.api.sse import EVENT_ID_PATTERN, event_stream
+from workers.api.sse import DESCRIBED, EVENT_ID_PATTERN, event_stream
 from workers.api.transcript import Transcript, build_transcript
 from workers.client import ForkClient
 from workers.errors import ForkNotEnded
 from workers.keys import FORK_ID_RE, SESSION_RE
+from workers.records.events import ForkEvent
 from workers.records.fork import ForkResult, ForkState
 from workers.records.notification import render_task_notification
 from workers.store.health import check_redis
@@ -252,9 +253,7 @@ def fork_router(*, secured: bool) -> APIRouter:
         fork_events,
         methods=["GET"],
         response_class=StreamingResponse,
-        responses=_errors(
-            404, other={200: {"content": {"text/event-stream": {}}, "description": "Server-Sent Events"}}
-        ),
+        responses=_errors(404, other={200: {"model": ForkEvent, "description": DESCRIBED}}),  # `document_events`
     )
     v1.add_api_route(
         "/forks/{fork_id}/transcript",

@@ -14,11 +14,11 @@ import json
 import logging
 import re
 from collections.abc import AsyncIterator
-from typing import Final
+from typing import Any, Final
 
 import redis
 
-from workers.store.forks import ForkEvent
+from workers.records.events import StreamEvent
 from workers.store.reader import AsyncForkReader
 
 EVENT_ID_RE: Final = re.compile(r"[0-9]{1,20}-[0-9]{1,20}")
@@ -26,12 +26,46 @@ EVENT_ID_PATTERN: Final = f"^{EVENT_ID_RE.pattern}$"
 KEEP_ALIVE: Final = b": keep-alive\n\n"
 READ_COUNT: Final = 100  # events per read: a long backlog goes out in pieces, each flushed
 
+EVENTS_PATH: Final = "/v1/forks/{fork_id}/events"
+DESCRIBED: Final = (
+    "Server-Sent Events: one message per event of the fork (a `ForkEvent`): `id:` the event's id, `event:` its "
+    "type, `data:` its data as one line of JSON. An event of a type added by a newer server goes out too, with "
+    "its own type and data. The stream ends after the `finished` event."
+)
+
 log = logging.getLogger("forkq.api")
 
 
-def frame(event: ForkEvent) -> bytes:
-    """One SSE message: `id`, `event` and one line of JSON `data` (JSON never holds a raw newline)."""
-    data = json.dumps(event.data, ensure_ascii=False, separators=(",", ":"))
+def document_events(document: dict[str, Any]) -> dict[str, Any]:
+    """`document` with the event stream's `text/event-stream` schema: one message per `ForkEvent` member.
+
+    The route declares the `ForkEvent` union as its model (so the union and each type's schemas are in the
+    components, for clients' types), which FastAPI puts under `application/json`. A stream's schema
+    describes one SSE message, whose `data` is a string: here it is one `oneOf` member per event type, its
+    `event` the type and its `data` that type's data as JSON (`contentSchema`).
+    """
+    schemas = document["components"]["schemas"]
+    ok = document["paths"][EVENTS_PATH]["get"]["responses"]["200"]
+    union = ok["content"].pop("application/json")["schema"]["$ref"].rsplit("/", 1)[1]
+    messages = []
+    for kind, ref in schemas[union]["discriminator"]["mapping"].items():
+        data = schemas[ref.rsplit("/", 1)[1]]["properties"]["data"]
+        message = {
+            "id": {"type": "string", "pattern": EVENT_ID_PATTERN},
+            "event": {"const": kind},
+            "data": {"type": "string", "contentMediaType": "application/json", "contentSchema": data},
+        }
+        messages.append({"type": "object", "properties": message, "required": ["id", "event", "data"]})
+    ok["content"]["text/event-stream"] = {"schema": {"oneOf": messages, "description": DESCRIBED}}
+    return document
+
+
+def frame(event: StreamEvent) -> bytes:
+    """One SSE message: `id`, `event` and one line of JSON `data` (JSON never holds a raw newline).
+
+    An event of a type this version does not know (`UnknownEvent`) goes out too, as it was stored.
+    """
+    data = json.dumps(event.wire_data(), ensure_ascii=False, separators=(",", ":"))
     return f"id: {event.id}\nevent: {event.type}\ndata: {data}\n\n".encode()
 
 

@@ -29,6 +29,19 @@ from workers.loop.policy import (
 from workers.loop.replay import LoopState, replay
 from workers.providers import ModelProvider, ModelRequest
 from workers.records.conversation import PendingCall, calls_of, visible_text
+from workers.records.events import (
+    Event,
+    FeedbackData,
+    FeedbackEvent,
+    MessageData,
+    MessageEvent,
+    ModelCallData,
+    ModelCallEvent,
+    StepData,
+    StepEvent,
+    ToolData,
+    ToolEvent,
+)
 from workers.records.fork import BootstrapRecord, ForkResult, Status, Usage
 from workers.records.journal import EntryKind, JournalEntry, RequestDigests
 from workers.records.notification import NO_OUTPUT
@@ -39,7 +52,7 @@ from workers.tools.registry import Tool, ToolContext, ToolRegistry, never_cancel
 class ForkIO(Protocol):
     """The loop's link to Redis: buffered progress events and fenced journal writes."""
 
-    def emit(self, kind: str, data: dict[str, Any]) -> None:
+    def emit(self, event: Event) -> None:
         """Queue a progress event (published with the next checkpoint or append)."""
         ...
 
@@ -226,7 +239,7 @@ class ChildLoop:
             return None, f"output_schema: the final answer did not match the schema after {tries} tries: {problem}"
         content = Content(role="user", parts=[Part(text=feedback_text(problem))])
         self._write(state, step=state.step, kind=EntryKind.FEEDBACK, content=content)
-        self.io.emit("feedback", {"step": state.step, "error": problem[:500]})
+        self.io.emit(FeedbackEvent(data=FeedbackData(step=state.step, error=problem[:500])))
         return None, None
 
     def _deliver(self, state: LoopState) -> bool:
@@ -243,7 +256,7 @@ class ChildLoop:
             )
             for i, text in enumerate(texts)
         ]
-        self.io.emit("message", {"step": state.step, "count": len(entries)})
+        self.io.emit(MessageEvent(data=MessageData(step=state.step, count=len(entries))))
         self.io.deliver(entries)
         for entry in entries:
             state.apply(entry)
@@ -258,21 +271,19 @@ class ChildLoop:
     def _model_step(self, state: LoopState) -> None:
         request = self._request(state.step, state.messages)
         digest = self._primed_digest(request) or self.digests.digest(request)  # what the model sees (no directive)
-        self.io.emit("model_call", model_call_event(state.step, digest))
+        self.io.emit(model_call_event(state.step, digest))
         self.io.checkpoint()
         response = self.provider.generate(request)
         content = response.content
         calls = calls_of(content)
-        self.io.emit(
-            "step",
-            {
-                "step": state.step + 1,
-                "tool_calls": [c.name for _, c in calls],
-                "input_tokens": response.usage.input_tokens,
-                "output_tokens": response.usage.output_tokens,
-                "cached_input_tokens": response.usage.cached_input_tokens,
-            },
+        answered = StepData(
+            step=state.step + 1,
+            tool_calls=[c.name for _, c in calls],
+            input_tokens=response.usage.input_tokens,
+            output_tokens=response.usage.output_tokens,
+            cached_input_tokens=response.usage.cached_input_tokens,
         )
+        self.io.emit(StepEvent(data=answered))
         self._write(
             state,
             step=state.step,
@@ -294,7 +305,7 @@ class ChildLoop:
                 return  # run() ends the fork at its wall-clock limit
             call = pending.call
             outcome = self._outcome(state, step, pending)
-            self.io.emit("tool", {"step": step + 1, "tool": call.name, "ok": "error" not in outcome})
+            self.io.emit(ToolEvent(data=ToolData(step=step + 1, tool=call.name, ok="error" not in outcome)))
             self._write(
                 state,
                 step=step,
@@ -441,9 +452,9 @@ def model_request(
     )
 
 
-def model_call_event(step: int, digest: str) -> dict[str, Any]:
-    """The data of the `model_call` event published before model call `step` (0-based) is made."""
-    return {"step": step + 1, "request_digest": digest}
+def model_call_event(step: int, digest: str) -> ModelCallEvent:
+    """The `model_call` event published before model call `step` (0-based) is made."""
+    return ModelCallEvent(data=ModelCallData(step=step + 1, request_digest=digest))
 
 
 @dataclass(frozen=True, slots=True)
@@ -457,8 +468,8 @@ class PrimedCall:
     messages: list[Content]
     digest: str
 
-    def event(self) -> dict[str, Any]:
-        """The `model_call` event data of this call."""
+    def event(self) -> ModelCallEvent:
+        """The `model_call` event of this call."""
         return model_call_event(self.step, self.digest)
 
     def matches(self, declarations: list[dict[str, Any]], step: int, messages: list[Content]) -> bool:

@@ -14,6 +14,7 @@ from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 from typing import Any
 
+from workers.records.events import Event, ModelCallEvent, StepData, StepEvent, ToolEvent
 from workers.service.metrics import Metrics
 from workers.service.outcome import FINISHED, Outcome
 
@@ -22,17 +23,17 @@ log = logging.getLogger("forkq.worker")
 Progress = Callable[[dict[str, Any]], None]  # called once per step with `step_progress` fields
 
 
-def step_progress(data: dict[str, Any], attempt: int) -> dict[str, Any]:
+def step_progress(data: StepData, attempt: int) -> dict[str, Any]:
     """The fields of a `task-progress` event for a loop `step` event.
 
     `result` repeats them as one line: Flower shows only Celery's own task fields, and `result` is
     the one it shows while a task runs (its final value replaces it when the task ends).
     """
-    tools = [str(name) for name in data.get("tool_calls", [])]
-    tokens_in, tokens_out = int(data.get("input_tokens", 0)), int(data.get("output_tokens", 0))
-    summary = f"step {data.get('step')}: " + (f"called {', '.join(tools)}" if tools else "answered")
+    tools = list(data.tool_calls)
+    tokens_in, tokens_out = data.input_tokens, data.output_tokens
+    summary = f"step {data.step}: " + (f"called {', '.join(tools)}" if tools else "answered")
     return {
-        "step": data.get("step"),
+        "step": data.step,
         "attempt": attempt,
         "tools": tools,
         "input_tokens": tokens_in,
@@ -58,22 +59,22 @@ class RunObserver:
         self.metrics.attempts.observe(self.attempt)
         self.metrics.forks_running.inc()
 
-    def observe(self, kind: str, data: dict[str, Any]) -> None:
+    def observe(self, event: Event) -> None:
         """One loop event (`FencedChannel.emit` calls this as the loop emits it)."""
         now = self.clock()
-        if kind == "model_call":
+        if isinstance(event, ModelCallEvent):
             self._end_step(now)
             self._model_started = self._step_started = now
-        elif kind == "step":
+        elif isinstance(event, StepEvent):
             if self._model_started is not None:
                 self.metrics.model_call_seconds.observe(now - self._model_started)
                 self._model_started = None
-            self.metrics.tokens.labels(direction="input").inc(int(data.get("input_tokens", 0)))
-            self.metrics.tokens.labels(direction="output").inc(int(data.get("output_tokens", 0)))
-            self.metrics.cached_input_tokens.inc(int(data.get("cached_input_tokens", 0)))
-            self._report(step_progress(data, self.attempt))
-        elif kind == "tool":
-            self.metrics.tool_call(str(data.get("tool")), ok=bool(data.get("ok")), known=self.tools)
+            self.metrics.tokens.labels(direction="input").inc(event.data.input_tokens)
+            self.metrics.tokens.labels(direction="output").inc(event.data.output_tokens)
+            self.metrics.cached_input_tokens.inc(event.data.cached_input_tokens)
+            self._report(step_progress(event.data, self.attempt))
+        elif isinstance(event, ToolEvent):
+            self.metrics.tool_call(event.data.tool, ok=event.data.ok, known=self.tools)
 
     def ended(self, outcome: Outcome) -> Outcome:
         """Count how the run ended; returns `outcome`."""

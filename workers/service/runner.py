@@ -21,6 +21,7 @@ from workers.loop.child import STOP_REASONS, ChildLoop, Parked, PrimedCall, Spaw
 from workers.providers import ModelProvider
 from workers.providers.routing import ProviderRouter
 from workers.records.conversation import fold, is_final_answer
+from workers.records.events import Event
 from workers.records.fork import BootstrapRecord, ChunkCache, Declarations, ForkResult, Status
 from workers.records.journal import EntryKind, JournalEntry, RequestDigests
 from workers.service.job import FirstStep, RunForkJob, executable, first_step, load_inputs
@@ -172,19 +173,19 @@ class FencedChannel:
     lost: threading.Event
     stopping: threading.Event
     pending_entries: list[JournalEntry] = field(default_factory=list)  # written with the next append
-    pending_events: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
-    observe: Callable[[str, dict[str, Any]], None] | None = None  # metrics and Flower progress, as emitted
-    published: list[tuple[str, dict[str, Any]]] = field(default_factory=list)  # by the claim (`Claim.primed`)
+    pending_events: list[Event] = field(default_factory=list)
+    observe: Callable[[Event], None] | None = None  # metrics and Flower progress, as emitted
+    published: list[Event] = field(default_factory=list)  # by the claim (`Claim.primed`)
     mail: bool = False  # messages wait in the inbox (as the claim, or the last fenced write, found it)
     mail_items: list[bytes] = field(default_factory=list)  # read by `take_mail`, moved by `deliver`
 
-    def emit(self, kind: str, data: dict[str, Any]) -> None:
+    def emit(self, event: Event) -> None:
         """Queue a progress event."""
-        self.pending_events.append((kind, data))
+        self.pending_events.append(event)
         if self.observe is not None:
-            self.observe(kind, data)
+            self.observe(event)
 
-    def _take_events(self) -> list[tuple[str, dict[str, Any]]]:
+    def _take_events(self) -> list[Event]:
         events, self.pending_events = self.pending_events, []
         return events
 
@@ -330,7 +331,7 @@ def _run_claimed(
     claim: Claim,
     lost: threading.Event,
     *,
-    observe: Callable[[str, dict[str, Any]], None] | None = None,
+    observe: Callable[[Event], None] | None = None,
     first: FirstStep | None = None,
 ) -> Outcome:
     fid = job.fork_id
@@ -362,7 +363,7 @@ def _prepare(
     claim: Claim,
     lost: threading.Event,
     *,
-    observe: Callable[[str, dict[str, Any]], None] | None,
+    observe: Callable[[Event], None] | None,
     first: FirstStep | None,
 ) -> Prepared:
     """The run's inputs (the job's, when they are the stored record's bytes), journal, channel and tools."""
@@ -380,7 +381,7 @@ def _prepare(
     entries = [JournalEntry.decode(raw, fork_id=job.fork_id) for raw in claim.journal]
     channel = FencedChannel(runtime.leases, claim, lost, runtime.stopping, observe=observe, mail=claim.mail > 0)
     if primed is not None:  # the claim published the first call's `model_call`: its checkpoint costs no round trip
-        channel.published = [("model_call", primed.event())]
+        channel.published = [primed.event()]
     declared = runtime.declarations.of(record)
     missing = _check_tool_surface(runtime, declared, entries, channel)
     spawner = runtime.spawner

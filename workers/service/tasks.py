@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
 from typing import Any, Final
 
 from celery import Celery, Task
@@ -14,13 +15,22 @@ from pydantic import ValidationError
 from broker_config.celery import RUN_FORK_TASK, SWEEP_TASK
 from workers.errors import ForkNotFound, RecordDecodeError, RecordIntegrityError
 from workers.keys import Keys
+from workers.records.events import (
+    AwaitingApprovalEvent,
+    Event,
+    FinishedEvent,
+    PausedEvent,
+    ReleasedEvent,
+    RevivedEvent,
+    StartedEvent,
+    StreamEvent,
+)
 from workers.service.job import RunForkJob
 from workers.service.outcome import Outcome, RunOutcome
 from workers.service.progress import Progress
 from workers.service.runner import WorkerRuntime, run_fork_job
 from workers.service.sweeper import Sweeper
 from workers.store import queue as job_queue
-from workers.store.forks import ForkEvent
 from workers.store.lease import Claim
 from workers.store.presence import PresenceWatch
 from workers.store.queue import send_ended_event
@@ -103,21 +113,25 @@ class WorkerEvents:
 # the fork's events that end a run without a final event from its own worker, newest first from the claim
 # of the next run: a revival (its worker was lost: LOST), a park (AWAITING_APPROVAL or PAUSED until the
 # fork runs again: RESUMED); a release ended with its own RELEASED
-_RUN_ENDED_BY: Final = {"revived": "task-lost", "awaiting_approval": "task-resumed", "paused": "task-resumed"}
-_RUN_ENDS: Final = {*_RUN_ENDED_BY, "released", "started", "finished"}
+_RUN_ENDED_BY: Final[dict[type[Event], str]] = {
+    RevivedEvent: "task-lost",
+    AwaitingApprovalEvent: "task-resumed",
+    PausedEvent: "task-resumed",
+}
+_RUN_ENDS: Final[tuple[type[Event], ...]] = (*_RUN_ENDED_BY, ReleasedEvent, StartedEvent, FinishedEvent)
 EVENTS_SCANNED: Final = 200  # events read back from a re-claim to the end of the run before it
 
 
-def previous_run_end(events: list[ForkEvent], attempt: int) -> str | None:
+def previous_run_end(events: Sequence[StreamEvent], attempt: int) -> str | None:
     """The Celery event that ends run `attempt - 1` in Flower, from the fork's events newest first
     (the claim of run `attempt` among them); None when that run ended with an event of its own."""
     seen_claim = False
     for event in events:
         if not seen_claim:
-            seen_claim = event.type == "started" and event.data.get("attempt") == attempt
+            seen_claim = isinstance(event, StartedEvent) and event.data.attempt == attempt
             continue
-        if event.type in _RUN_ENDS:
-            return _RUN_ENDED_BY.get(event.type)
+        if isinstance(event, _RUN_ENDS):
+            return _RUN_ENDED_BY.get(type(event))
     return None
 
 

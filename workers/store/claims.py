@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import TYPE_CHECKING, Final
 
 from workers.errors import RecordDecodeError
 from workers.records.fork import Status
 from workers.records.journal import JournalEntry
+
+if TYPE_CHECKING:  # a type only: the event models load at the first event read or written
+    from workers.records.events import ModelCallEvent
 
 
 class RefusalReason(enum.StrEnum):
@@ -61,4 +64,4 @@ class FirstWrite:
 
     record: bytes  # the stored record bytes it was built from (the claim primes only if they are the fork's)
     surface: JournalEntry  # the tool surface entry (journal entry 0)
-    model_call: dict[str, Any]  # the first `model_call` event's data
+    model_call: ModelCallEvent  # the first `model_call` event

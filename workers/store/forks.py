@@ -8,14 +8,12 @@ each is atomic; timestamps come from Redis `TIME`, never from worker clocks.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final, cast
+from typing import TYPE_CHECKING, Any, Final, Literal, cast
 
 import redis
 from redis.commands.core import Script
@@ -42,6 +40,9 @@ from workers.store.script_parts import NOW, lua_script
 if TYPE_CHECKING:  # types only: the store keeps dead letters and queues jobs without loading kombu or Celery
     from broker_config.connection import Rejected
     from broker_config.envelope import QueuedJob
+
+    # and reads no event models until it reads or writes an event: `forkq status` starts without them
+    from workers.records.events import StreamEvent
 
 WAIT_TIMEOUT_MS: Final = 1000
 KNOWN_CHUNKS_MAX: Final = 4096  # chunk keys a client remembers writing, so that it does not send them again
@@ -251,25 +252,6 @@ return {CONTINUED, waiting}
 )
 
 
-@dataclass(frozen=True, slots=True)
-class ForkEvent:
-    """One progress event of a fork; `id` is the stream id (Redis milliseconds-sequence)."""
-
-    id: str
-    type: str
-    data: dict[str, Any]
-
-    @property
-    def at_ms(self) -> int:
-        """When Redis recorded the event (Unix milliseconds)."""
-        return int(self.id.split("-", 1)[0])
-
-    @property
-    def terminal(self) -> bool:
-        """True for the event that ends a fork."""
-        return self.type == "finished"
-
-
 class ForkStore:
     """One fork store per process: a Redis client (with its connection pool) and the key schema."""
 
@@ -331,9 +313,11 @@ class ForkStore:
             RecordExistsError: a different record already exists under this fork id.
             RecordIntegrityError: the number of seed chunks is not the number the record names.
         """
+        from workers.records.events import QueuedData  # noqa: PLC0415 (see the TYPE_CHECKING imports)
+
         fid = record.fork_id
         session = record.parent_session
-        data = json.dumps({"kind": record.kind, "digest": digest_hex, "messages": record.message_count})
+        data = QueuedData(kind=record.kind, digest=digest_hex, messages=record.message_count).to_json()
         context = record.context_blob()
         index = record.seed_index_blob() if seed_chunks else None
         chunks = [context, *([index] if index is not None else []), *seed_chunks]
@@ -517,6 +501,9 @@ class ForkStore:
         Otherwise `recorded` (other calls still wait). Raises ForkNotFound; InvalidApproval when
         the fork is not awaiting approval or has no such pending call.
         """
+        from workers.records.events import DecisionData, decision_event  # noqa: PLC0415 (see TYPE_CHECKING)
+
+        verdict: Literal["approve", "deny"] = "approve" if decision == "approve" else "deny"
         for _ in range(DECIDE_ATTEMPTS):  # the journal length can only change under us if a decision races
             state = self.state(fork_id)
             call = next((p for p in state.pending_approval if p.call_id == call_id), None)
@@ -530,11 +517,10 @@ class ForkStore:
                 call_index=call.index,
                 call_id=call_id,
                 name=call.name,
-                decision="approve" if decision == "approve" else "deny",
+                decision=verdict,
                 reason=reason or None,
             )
-            event = json.dumps({"call_id": call_id, "name": call.name, "reason": reason})
-            event_type = "approved" if entry.decision == "approve" else "denied"
+            event = decision_event(verdict, DecisionData(call_id=call_id, name=call.name, reason=reason))
             outcome = self._decide(
                 keys=[
                     self.keys.state(fork_id),
@@ -542,7 +528,7 @@ class ForkStore:
                     self.keys.events(fork_id),
                     self.keys.running,
                 ],
-                args=[call_id, entry.encode(), seq, event_type, event, DECISION_GRACE_MS, fork_id],
+                args=[call_id, entry.encode(), seq, *event.encoded(), DECISION_GRACE_MS, fork_id],
             )
             word = cast(bytes, outcome).decode()
             if word != Refused.SEQ:
@@ -584,17 +570,17 @@ class ForkStore:
 
     def events(
         self, fork_id: str, *, after: str = "0-0", block_ms: int | None = None, count: int = 1000
-    ) -> list[ForkEvent]:
+    ) -> list[StreamEvent]:
         """Events after stream id `after`; with `block_ms`, wait up to that long for new ones."""
         entries = reads.run(self.client, reads.events(self.keys, fork_id, after=after, block_ms=block_ms, count=count))
         return [decode_event(*entry) for entry in entries]
 
-    def latest_events(self, fork_id: str, *, count: int) -> list[ForkEvent]:
+    def latest_events(self, fork_id: str, *, count: int) -> list[StreamEvent]:
         """The fork's newest `count` events, newest first."""
         entries = reads.run(self.client, reads.latest_events(self.keys, fork_id, count=count))
         return [decode_event(*entry) for entry in entries]
 
-    def follow(self, fork_id: str, *, after: str = "0-0", block_ms: int = 1000) -> Iterator[ForkEvent]:
+    def follow(self, fork_id: str, *, after: str = "0-0", block_ms: int = 1000) -> Iterator[StreamEvent]:
         """Every event from `after` on, waiting for new ones, until the fork's terminal event."""
         while True:
             for event in self.events(fork_id, after=after, block_ms=block_ms):
@@ -611,7 +597,8 @@ def _approval_refusal(state: ForkState, call_id: str) -> str:
     return f"fork {state.fork_id}: no pending call {call_id!r}; calls awaiting approval: {waiting}"
 
 
-def decode_event(event_id: bytes, fields: dict[bytes, bytes]) -> ForkEvent:
-    """A `ForkEvent` from one XREAD/XRANGE entry."""
-    data = json.loads(fields.get(b"data", b"{}"))
-    return ForkEvent(id=event_id.decode(), type=fields.get(b"type", b"").decode(), data=data)
+def decode_event(event_id: bytes, fields: dict[bytes, bytes]) -> StreamEvent:
+    """The event of one XREAD/XRANGE entry (`workers.records.events.decode_event`, loaded at the first read)."""
+    from workers.records import events  # noqa: PLC0415 (see the TYPE_CHECKING imports)
+
+    return events.decode_event(event_id, fields)

@@ -21,7 +21,6 @@ attempt ran (only its reply was lost) is recognised by its script and not writte
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 import threading
@@ -29,7 +28,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Final, TypeVar, cast
 
 import redis
 
@@ -43,6 +42,9 @@ from workers.store import reads
 from workers.store.claims import FirstWrite, Refusal
 from workers.store.presence import owns
 from workers.store.replies import FencedReply, RevivalReply, Written, fenced_reply, revival_reply
+
+if TYPE_CHECKING:  # the event models load at the first write, not with the client (`forkq status` starts without)
+    from workers.records.events import Event
 
 log = logging.getLogger("forkq.lease")
 
@@ -59,6 +61,11 @@ LAPSE_MARGIN_S: Final = 1.0
 GRACE_MARGIN_S: Final = 0.5
 # leases one renewal script call renews: Redis runs a call of this many in about a millisecond
 RENEW_BATCH: Final = 500
+
+
+def _event_fields(events: Sequence[Event]) -> list[str]:
+    """The events as a script's (type, data) argument pairs."""
+    return [field for event in events for field in event.encoded()]
 
 
 def revival_grace_s(heartbeat_s: float) -> float:
@@ -209,7 +216,7 @@ class Leases:
         """
         record, entry, event = b"", b"", ""
         if first is not None and digest:
-            record, entry, event = first.record, first.surface.encode(), json.dumps(first.model_call)
+            record, entry, event = first.record, first.surface.encode(), first.model_call.data.to_json()
         k = self.keys
         keys = [
             k.state(fork_id),
@@ -260,7 +267,7 @@ class Leases:
             )
         return reply
 
-    def append(self, claim: Claim, *entries: JournalEntry, events: Sequence[tuple[str, dict[str, Any]]] = ()) -> bool:
+    def append(self, claim: Claim, *entries: JournalEntry, events: Sequence[Event] = ()) -> bool:
         """Append journal entries (and publish events) under the claim, in one round trip; True when messages
         wait in the fork's inbox (`deliver` moves them into the journal).
 
@@ -271,7 +278,7 @@ class Leases:
         fid = claim.fork_id
         args: list[Any] = [claim.epoch, claim.owner, self.ttl_ms, entries[0].seq if entries else 0, len(entries)]
         args += [e.encode() for e in entries]
-        args += [item for kind, data in events for item in (kind, json.dumps(data))]
+        args += _event_fields(events)
         what = "journal entries " + (", ".join(f"{e.seq} ({e.kind})" for e in entries) or "events")
         keys = [k.state(fid), k.lease(fid), k.journal(fid), k.events(fid), k.inbox(fid)]
         return self._fenced(claim, self._write(claim, what, self._append, keys, args), what) is Written.MAIL
@@ -285,7 +292,7 @@ class Leases:
         claim: Claim,
         entries: Sequence[JournalEntry],
         items: Sequence[bytes],
-        events: Sequence[tuple[str, dict[str, Any]]] = (),
+        events: Sequence[Event] = (),
     ) -> bool:
         """Append `entries` (any held entry, then one `message` entry per item) and take `items` (the inbox's
         oldest) from the inbox, at once and once; True while more messages wait.
@@ -298,12 +305,12 @@ class Leases:
         fid = claim.fork_id
         args: list[Any] = [claim.epoch, claim.owner, self.ttl_ms, entries[0].seq, len(entries), len(items)]
         args += [e.encode() for e in entries] + list(items)
-        args += [item for kind, data in events for item in (kind, json.dumps(data))]
+        args += _event_fields(events)
         keys = [k.state(fid), k.lease(fid), k.journal(fid), k.events(fid), k.inbox(fid)]
         what = f"{len(entries)} message(s)"
         return self._fenced(claim, self._write(claim, what, self._deliver, keys, args), what) is Written.MAIL
 
-    def emit(self, claim: Claim, events: Sequence[tuple[str, dict[str, Any]]]) -> FencedReply:
+    def emit(self, claim: Claim, events: Sequence[Event]) -> FencedReply:
         """Publish events under the claim and read the fork's status, in one round trip.
 
         `running` when the events were published; otherwise none was, and the reply is the fork's
@@ -313,7 +320,7 @@ class Leases:
         fid = claim.fork_id
         mark = uuid.uuid4().hex  # lets a retry whose first attempt ran see that it did
         args = [claim.epoch, claim.owner, mark, self.ttl_ms]
-        args += [item for kind, data in events for item in (kind, json.dumps(data))]
+        args += _event_fields(events)
         return self._write(claim, "checkpoint", self._emit, [k.state(fid), k.lease(fid), k.events(fid)], args)
 
     def journal(self, fork_id: str) -> list[JournalEntry]:
@@ -325,7 +332,7 @@ class Leases:
         claim: Claim,
         result: ForkResult,
         *entries: JournalEntry,
-        events: Sequence[tuple[str, dict[str, Any]]] = (),
+        events: Sequence[Event] = (),
     ) -> Written:
         """Write the final result and end the lease (LeaseLost when refused), appending the last
         journal entries and publishing the last events in the same round trip.
@@ -335,7 +342,9 @@ class Leases:
         """
         k = self.keys
         fid = claim.fork_id
-        data = json.dumps({"status": result.status.value, "error": result.error, "usage": result.usage.model_dump()})
+        from workers.records.events import FinishedData  # noqa: PLC0415 (loaded at the first write: see forks.py)
+
+        data = FinishedData(status=result.status, error=result.error, usage=result.usage).to_json()
         keys = [k.state(fid), k.lease(fid), k.events(fid), k.running, k.result(fid), k.journal(fid), k.bootstrap(fid)]
         keys.append(k.inbox(fid))
         args = [
@@ -350,7 +359,7 @@ class Leases:
             entries[0].seq if entries else 0,
             len(entries),
             *(e.encode() for e in entries),
-            *(item for kind, data in events for item in (kind, json.dumps(data))),
+            *_event_fields(events),
         ]
         return self._fenced(claim, self._write(claim, "result", self._finish, keys, args), "result")
 
@@ -368,21 +377,25 @@ class Leases:
 
     def pause(self, claim: Claim, reason: str) -> None:
         """Park the fork (`paused`, lease deleted) with a reason, until an operator resumes it."""
+        from workers.records.events import ReasonData  # noqa: PLC0415 (loaded at the first write: see forks.py)
+
         k = self.keys
         fid = claim.fork_id
         keys = [k.state(fid), k.lease(fid), k.events(fid), k.running]
-        args = [claim.epoch, claim.owner, fid, reason, Status.PAUSED.value, "", json.dumps({"reason": reason})]
+        # the status is also the type of the event the script writes (`PausedEvent`), with this data
+        args = [claim.epoch, claim.owner, fid, reason, Status.PAUSED.value, "", ReasonData(reason=reason).to_json()]
         self._fenced(claim, self._write(claim, "pause", self._pause, keys, args), "pause")
 
     def park(self, claim: Claim, pending: Sequence[ParkedCall]) -> None:
         """Park the fork as `awaiting_approval` on `pending` calls: no lease, no worker, not revived."""
+        from workers.records.events import AwaitingApprovalData  # noqa: PLC0415 (loaded at the first write)
+
         k = self.keys
         fid = claim.fork_id
         names = ", ".join(f"{p.name} ({p.call_id})" for p in pending)
         reason = f"awaiting approval of {names}: forkq approve {fid} CALL_ID, or forkq deny {fid} CALL_ID"
+        event = AwaitingApprovalData(reason=reason, calls=list(pending)).to_json()  # `AwaitingApprovalEvent`'s data
         calls = encode_parked(pending)
-        wire = [p.wire() for p in pending]
-        event = json.dumps({"reason": reason, "calls": wire}, ensure_ascii=False, separators=(",", ":"))
         keys = [k.state(fid), k.lease(fid), k.events(fid), k.running]
         # the state's wait is the calls (`pending`): no reason text, and no CLI command, in the state
         args = [claim.epoch, claim.owner, fid, "", Status.AWAITING_APPROVAL.value, calls, event]

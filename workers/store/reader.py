@@ -9,6 +9,7 @@ an event what `ForkStore.events` returns, a session's listing what `ForkClient.l
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import redis.asyncio
 
@@ -16,8 +17,11 @@ from workers.keys import Keys
 from workers.records.fork import BootstrapRecord, ForkResult, ForkState, Status
 from workers.records.journal import JournalEntry
 from workers.store import reads
-from workers.store.forks import ForkEvent, decode_event
+from workers.store.forks import decode_event
 from workers.store.reads import SessionFork
+
+if TYPE_CHECKING:  # a type only: the event models load at the first event read
+    from workers.records.events import StreamEvent
 
 
 class AsyncForkReader:
@@ -45,7 +49,7 @@ class AsyncForkReader:
 
     async def events(
         self, fork_id: str, *, after: str = "0-0", block_ms: int | None = None, count: int = 100
-    ) -> list[ForkEvent]:
+    ) -> list[StreamEvent]:
         """Events after stream id `after`; with `block_ms` (1 or more), wait up to that long for new ones."""
         read = reads.events(self.keys, fork_id, after=after, block_ms=block_ms, count=count)
         return [decode_event(*entry) for entry in await reads.run_async(self.client, read)]

@@ -17,9 +17,8 @@ export function typeOf(schema) {
   if (schema.$ref) return schema.$ref.split("/").pop();
   if (schema.const !== undefined) return JSON.stringify(schema.const);
   if (schema.enum) return schema.enum.map((value) => JSON.stringify(value)).join(" | ");
-  // a tagged union (pydantic's discriminated union: `oneOf` with a discriminator) is a union of its members
-  const union = schema.anyOf ?? schema.oneOf;
-  if (union) return [...new Set(union.map(typeOf))].join(" | ");
+  if (schema.anyOf) return [...new Set(schema.anyOf.map(typeOf))].join(" | ");
+  if (schema.oneOf) return schema.oneOf.map(typeOf).join(" | "); // a tagged union: its members name their tag
   switch (schema.type) {
     case "string":
       return "string";
@@ -92,7 +91,7 @@ export function generate(document) {
       const comment = doc ? `/** ${doc} */\n` : "";
       if (schema.type === "object" && schema.properties) {
         const body = members(schema, inputs.has(name)).map((line) => `  ${line}`);
-        return `${comment}export interface ${name} {\n${body.join("\n")}\n}\n`;
+        return `${comment}export interface ${name} {${body.length ? `\n${body.join("\n")}\n` : ""}}\n`;
       }
       return `${comment}export type ${name} = ${typeOf(schema)};\n`;
     });

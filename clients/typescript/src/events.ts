@@ -1,16 +1,14 @@
 import { ForkqApiError, boundedText, describe, errorOf } from "./errors.js";
 import type { EventsOptions } from "./client.js";
-import type { ForkState } from "./schema.js";
+import type { ForkEvent, ForkState } from "./schema.js";
 import { SseParser, type SseMessage } from "./sse.js";
 
-/** One event of a fork (docs/api.md: events): its stream id, its type and its data. */
-export interface ForkEvent {
-  /** The Redis stream id (`<ms>-<seq>`): pass it as `lastEventId` to resume after this event. */
-  id: string;
-  /** `queued`, `started`, `model_call`, `step`, `tool`, `awaiting_approval`, `approved`, `finished`, ... */
-  type: string;
-  data: Record<string, unknown>;
-}
+/**
+ * One event of a fork (docs/api.md: events): its stream id (pass it as `lastEventId` to resume after it), its
+ * type, and its data, typed by its type: narrow on `type` (`if (event.type === "step") event.data.tool_calls`).
+ * A newer server may send a type this client does not know, with its own data: give a `switch` a default.
+ */
+export type { ForkEvent };
 
 /** What `readEvents` needs of the client. */
 export interface EventSource {
@@ -81,7 +79,8 @@ function toEvent(forkId: string, message: SseMessage): ForkEvent {
   if (data === null || typeof data !== "object" || Array.isArray(data)) {
     throw new ForkqApiError(200, `event ${message.id} of fork ${forkId}: its data is not a JSON object`);
   }
-  return { id: message.id, type: message.event, data: data as Record<string, unknown> };
+  // the server sends each event as its type's model (the OpenAPI document's ForkEvent)
+  return { id: message.id, type: message.event, data } as ForkEvent;
 }
 
 /** One connection's messages; any failure is a ForkqApiError (status 0: no answer, or the connection dropped). */
