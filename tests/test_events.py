@@ -52,6 +52,7 @@ from workers.records.parked import ParkedCall
 from workers.store.claims import FirstWrite
 from workers.store.forks import ForkStore
 from workers.store.lease import Claim, Leases
+from workers.store.replies import Decision, SendReply, Written
 
 ROOT = Path(__file__).resolve().parents[1]
 KEYS = Keys(TEST_NAMESPACE)
@@ -115,16 +116,16 @@ def test_events_written_by_every_script_and_writer_read_back_as_their_own_types(
         ],
     )
     leases.park(claim, PARKED)
-    assert fork_store.decide("f-all", "w1", "approve") == "recorded"
-    assert fork_store.decide("f-all", "w2", "deny", "not now") == "queued"
+    assert fork_store.decide("f-all", "w1", "approve") is Decision.RECORDED
+    assert fork_store.decide("f-all", "w2", "deny", "not now") is Decision.QUEUED
     claim = again(leases, "f-all")
     leases.pause(claim, "a declared tool is missing")
     assert fork_store.resume("f-all")
     claim = again(leases, "f-all")
-    assert fork_store.send("f-all", "and the tests too", inbox_limit=10)[0] == "inbox"
+    assert fork_store.send("f-all", "and the tests too", inbox_limit=10)[0] is SendReply.QUEUED
     leases.release(claim, "worker shutdown")
     claim = again(leases, "f-all")
-    assert leases.finish(claim, ForkResult(fork_id="f-all", status=Status.SUCCEEDED, output="ok")) == "continued"
+    assert leases.finish(claim, ForkResult(fork_id="f-all", status=Status.SUCCEEDED, output="ok")) is Written.CONTINUED
     redis_client.delete(KEYS.inbox("f-all"))
     claim = again(leases, "f-all")
     leases.finish(claim, ForkResult(fork_id="f-all", status=Status.SUCCEEDED, output="ok"))
