@@ -21,7 +21,7 @@ JOB_MAP_ENTRIES_MAX: Final = 64
 JOB_STR_MAX_BYTES: Final = 64 * 1024  # fork ids and digests; chunk bytes are msgpack `bin`
 JOB_BODY_MAX_BYTES: Final = 2 * INLINE_JOB_MAX_BYTES + 5 * JOB_ELEMENTS_MAX + 64 * 1024
 # bytes of a refused item forkq's dead-letter record keeps (the broker's list: all); here, not in
-# broker_config.connection, so the store keeps dead letters without loading kombu or Celery
+# workers.broker.connection, so the store keeps dead letters without loading kombu or Celery
 RAW_KEPT: Final = 64 * 1024
 
 

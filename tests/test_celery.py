@@ -16,8 +16,8 @@ from live import envelopes, wait_until
 
 from broker_config import celery as celery_module
 from broker_config.celery import RUN_FORK_TASK, celery_config
-from broker_config.connection import DEAD_ITEMS_OPTION
 from broker_config.settings import Settings
+from workers.broker.connection import DEAD_ITEMS_OPTION
 from workers.client import ForkClient
 from workers.keys import Keys
 from workers.records.fork import Status

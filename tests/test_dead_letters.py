@@ -8,7 +8,7 @@ import json
 import redis
 from conftest import TEST_NAMESPACE
 
-from broker_config.connection import RAW_KEPT, Rejected
+from workers.broker.connection import RAW_KEPT, Rejected
 from workers.keys import Keys
 from workers.store.dead_letters import DEAD_LETTERS_MAX, dead_letter
 

@@ -12,6 +12,7 @@ import pytest
 import redis
 
 from workers import codec
+from workers.demo.redis_server import RedisServer
 from workers.errors import (
     ForkNotFound,
     InvalidApproval,
@@ -36,7 +37,6 @@ from workers.records.journal import JournalEntry
 from workers.records.parked import ParkedCall
 from workers.store.forks import ForkStore
 from workers.store.lease import Claim, Leases
-from workers.store.redis_server import RedisServer
 
 TTL_S = 3600
 

@@ -218,7 +218,7 @@ def test_a_repeated_delivery_counts_as_a_skipped_duplicate(
 ) -> None:
     from live import wait_until
 
-    from workers.store.queue import enqueue_fork
+    from workers.broker.queue import enqueue_fork
 
     # Given a fork that ran to its end
     start_live_worker(app)

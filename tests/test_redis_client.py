@@ -24,9 +24,9 @@ from broker_config.redis_client import QUIET_CHECK_S, async_redis_client, close_
 from broker_config.settings import Settings
 from workers.app import make_app
 from workers.client import ForkClient
+from workers.demo.redis_server import RedisServer
 from workers.keys import Keys
 from workers.records.fork import Status
-from workers.store.redis_server import RedisServer
 
 FORK = {"description": "d", "prompt": "Summarise the session.", "subagent_type": "fork", "fork_turns": "1"}
 

@@ -37,7 +37,9 @@ from live import kombu_envelope, stop_redis
 
 from broker_config.settings import Settings
 from workers.app import make_app
+from workers.broker.queue import enqueue_fork
 from workers.client import ForkClient
+from workers.demo.redis_server import RedisServer
 from workers.keys import Keys
 from workers.loop.child import INTERRUPTED_ERROR
 from workers.loop.replay import replay
@@ -48,8 +50,6 @@ from workers.service.job import RunForkJob
 from workers.service.runner import WorkerRuntime, run_fork_job
 from workers.store.forks import ForkEvent, ForkStore
 from workers.store.lease import Claim, Leases, revival_grace_s
-from workers.store.queue import enqueue_fork
-from workers.store.redis_server import RedisServer
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 

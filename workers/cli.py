@@ -500,9 +500,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    """Run the newcomer's demo (see workers/demo.py)."""
+    """Run the newcomer's demo (see workers/demo/run.py)."""
     require_extra("demo", "forkq demo")
-    from workers.demo import run_demo
+    from workers.demo.run import run_demo
 
     code: int = run_demo(private_redis=args.private_redis)
     return code

@@ -141,7 +141,7 @@ class Keys:
 
     @property
     def dead_items(self) -> str:
-        """Refused queue items, whole, on the broker's Redis (`broker_config.connection`)."""
+        """Refused queue items, whole, on the broker's Redis (`workers.broker.connection`)."""
         return f"{self.namespace}:dead:items"
 
     def session_names(self, parent_session: str) -> str:

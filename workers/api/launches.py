@@ -16,10 +16,10 @@ import time
 from dataclasses import dataclass
 from typing import Any, Final
 
+from workers.api.idempotency import Claim, IdempotencyKeys
 from workers.api.models import LaunchRequest
 from workers.client import ForkClient, new_fork_id
 from workers.errors import ForkNotFound, IdempotencyConflict
-from workers.store.idempotency import Claim, IdempotencyKeys
 
 IN_FLIGHT_WAIT_S: Final = 10.0  # how long a repeat waits for the first launch with its key to write its fork
 IN_FLIGHT_POLL_S: Final = 0.05

@@ -34,7 +34,7 @@ from workers.store.presence import PresenceWatch, refused
 
 log = logging.getLogger("forkq.sweeper")
 
-# fork id, digest, attempt: sends the job, then confirms it enqueued (`workers.store.queue.enqueue_again`)
+# fork id, digest, attempt: sends the job, then confirms it enqueued (`workers.broker.queue.enqueue_again`)
 Enqueue = Callable[[str, str, int], None]
 
 

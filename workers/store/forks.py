@@ -38,8 +38,8 @@ from workers.store import dead_letters
 from workers.store.script_parts import NOW, lua_script
 
 if TYPE_CHECKING:  # types only: the store keeps dead letters and queues jobs without loading kombu or Celery
-    from broker_config.connection import Rejected
-    from broker_config.envelope import QueuedJob
+    from workers.broker.connection import Rejected
+    from workers.broker.envelope import QueuedJob
 
 WAIT_TIMEOUT_MS: Final = 1000
 KNOWN_CHUNKS_MAX: Final = 4096  # chunk keys a client remembers writing, so that it does not send them again
@@ -317,7 +317,7 @@ class ForkStore:
         caller sends the job.
 
         `job` goes to this store's Redis, so only a broker on the same server may pass one
-        (`broker_config.envelope`).
+        (`workers.broker.envelope`).
 
         A chunk this store wrote before is not sent again: its TTL is refreshed, and if it is gone
         (expired, deleted) it is written again, before the caller enqueues the job. `seed_chunks` are
