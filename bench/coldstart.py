@@ -34,8 +34,8 @@ if str(ROOT) not in sys.path:  # `python bench/coldstart.py` puts bench/, not th
 
 import redis  # noqa: E402
 
+from workers.base.keys import Keys  # noqa: E402
 from workers.demo.redis_server import RedisServer  # noqa: E402
-from workers.keys import Keys  # noqa: E402
 from workers.records.fork import BootstrapRecord  # noqa: E402
 from workers.store.forks import ForkStore  # noqa: E402
 

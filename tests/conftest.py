@@ -21,10 +21,10 @@ from celery.worker import WorkController
 
 from broker_config.settings import Settings
 from workers.app import make_app
+from workers.base.keys import Keys
 from workers.client import ForkClient
 from workers.demo.redis_server import RedisServer, find_redis_server
 from workers.errors import ConfigurationError
-from workers.keys import Keys
 from workers.records.fork import BootstrapRecord
 from workers.store.forks import ForkStore
 

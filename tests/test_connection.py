@@ -22,6 +22,7 @@ from live import job_body, kombu_envelope, stop_redis, wait_until
 
 from broker_config.settings import Settings
 from workers.app import make_app
+from workers.base.keys import Keys
 from workers.broker.connection import (
     DEAD_ITEMS_MAX,
     DEAD_ITEMS_TTL_S,
@@ -33,7 +34,6 @@ from workers.broker.connection import (
 )
 from workers.client import ForkClient
 from workers.demo.redis_server import RedisServer
-from workers.keys import Keys
 from workers.records.fork import Status
 
 SENTINELS = "sentinel://:pw@s1:26379;sentinel://s2:26379"

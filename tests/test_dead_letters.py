@@ -8,8 +8,8 @@ import json
 import redis
 from conftest import TEST_NAMESPACE
 
+from workers.base.keys import Keys
 from workers.broker.connection import RAW_KEPT, Rejected
-from workers.keys import Keys
 from workers.store.dead_letters import DEAD_LETTERS_MAX, dead_letter
 
 

@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 import redis
 
-from workers import codec
+from workers.base import codec
+from workers.base.keys import Keys
 from workers.demo.redis_server import RedisServer
 from workers.errors import (
     ForkNotFound,
@@ -23,7 +24,6 @@ from workers.errors import (
 )
 from workers.history.selection import ForkSeed, build_fork_seed
 from workers.history.snapshot import parse_parent_snapshot
-from workers.keys import Keys
 from workers.records.fork import (
     SEED_INDEX_MIN_CHUNKS,
     BootstrapRecord,

@@ -21,11 +21,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # (package or module prefix, rank); the longest matching prefix decides a module's layer
 LAYERS: dict[str, int] = {
-    "workers.errors": 0,
-    "workers.codec": 0,
-    "workers.keys": 0,
-    "workers.limits": 0,
-    "workers.extras": 0,
+    "workers.errors": 0,  # the error tree callers catch: a public path (README), the base's one root module
+    "workers.base": 0,
     "broker_config.settings": 0,
     "workers.history": 1,
     "workers.providers": 2,
@@ -55,10 +52,7 @@ LAYERS: dict[str, int] = {
 # the base modules form one group: they may import each other; so do the broker's configuration and wire
 GROUPS = {
     "workers.errors": "base",
-    "workers.codec": "base",
-    "workers.keys": "base",
-    "workers.limits": "base",
-    "workers.extras": "base",
+    "workers.base": "base",
     "broker_config.settings": "base",
     "broker_config.redis_client": "broker",
     "broker_config.celery": "broker",

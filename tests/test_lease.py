@@ -21,9 +21,9 @@ from live import stop_redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from workers.base.keys import Keys
 from workers.demo.redis_server import RedisServer
 from workers.errors import LeaseLost, RecordDecodeError
-from workers.keys import Keys
 from workers.records.fork import ForkResult, Status
 from workers.records.journal import JournalEntry
 from workers.records.parked import ParkedCall

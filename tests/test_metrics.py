@@ -273,7 +273,7 @@ def test_the_sweeper_counts_each_revival_once(
 ) -> None:
     from conftest import TEST_NAMESPACE
 
-    from workers.keys import Keys
+    from workers.base.keys import Keys
     from workers.service.sweeper import Sweeper
     from workers.store.lease import Claim, Leases
 

@@ -11,8 +11,8 @@ import pytest
 import redis
 from conftest import TEST_NAMESPACE
 
+from workers.base.keys import Keys
 from workers.demo.redis_server import RedisServer
-from workers.keys import Keys
 from workers.store.presence import Presence, PresenceWatch, owner_mark, owner_token, owns, presence_token
 
 KEYS = Keys(TEST_NAMESPACE)

@@ -10,9 +10,9 @@ import redis
 from kombu.exceptions import OperationalError
 
 from broker_config.settings import Settings
+from workers.base.keys import Keys
 from workers.broker.queue import enqueue_again
 from workers.broker.sender import sender_app
-from workers.keys import Keys
 from workers.store.forks import ForkStore
 from workers.store.lease import Leases
 

@@ -17,9 +17,9 @@ import pytest
 import redis
 from conftest import TEST_NAMESPACE
 
-from workers import codec
+from workers.base import codec
+from workers.base.keys import Keys
 from workers.errors import RecordDecodeError
-from workers.keys import Keys
 from workers.records.fork import BootstrapRecord, ForkOptions, ForkResult, ForkState, Status, chunk_digest
 from workers.records.parked import ParkedCall, decode_parked, encode_parked
 from workers.store.forks import ForkStore

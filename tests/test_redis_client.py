@@ -23,9 +23,9 @@ from redis.sentinel import MasterNotFoundError
 from broker_config.redis_client import QUIET_CHECK_S, async_redis_client, close_async_client, redis_client
 from broker_config.settings import Settings
 from workers.app import make_app
+from workers.base.keys import Keys
 from workers.client import ForkClient
 from workers.demo.redis_server import RedisServer
-from workers.keys import Keys
 from workers.records.fork import Status
 
 FORK = {"description": "d", "prompt": "Summarise the session.", "subagent_type": "fork", "fork_turns": "1"}

@@ -37,10 +37,10 @@ from live import kombu_envelope, stop_redis
 
 from broker_config.settings import Settings
 from workers.app import make_app
+from workers.base.keys import Keys
 from workers.broker.queue import enqueue_fork
 from workers.client import ForkClient
 from workers.demo.redis_server import RedisServer
-from workers.keys import Keys
 from workers.loop.child import INTERRUPTED_ERROR
 from workers.loop.replay import replay
 from workers.providers import ModelRequest

@@ -18,8 +18,8 @@ import redis
 from conftest import TEST_NAMESPACE
 from kombu.exceptions import OperationalError
 
+from workers.base.keys import Keys
 from workers.demo.redis_server import RedisServer
-from workers.keys import Keys
 from workers.records.fork import BootstrapRecord, Status
 from workers.service.sweeper import Sweeper, outage_gap_s
 from workers.store.claims import Refusal, RefusalReason

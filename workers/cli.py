@@ -22,6 +22,8 @@ from typing import Any
 import redis
 
 from broker_config.settings import Settings, load_settings, redact_url
+from workers.base.extras import require_extra
+from workers.base.limits import MAX_SCHEMA_FILE_BYTES
 from workers.cli_args import build_parser
 from workers.errors import (
     ConfigurationError,
@@ -34,9 +36,7 @@ from workers.errors import (
     InvalidParentSnapshot,
     MessageRefused,
 )
-from workers.extras import require_extra
 from workers.history.snapshot import load_parent_snapshot, read_json_file
-from workers.limits import MAX_SCHEMA_FILE_BYTES
 from workers.store.health import check_redis
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_PARKED = 0, 1, 2, 3

@@ -16,6 +16,8 @@ import redis
 from broker_config.celery import RUN_FORK_TASK
 from broker_config.redis_client import redis_client as connect_redis
 from broker_config.settings import Settings
+from workers.base.keys import Keys
+from workers.base.limits import MAX_INBOX_MESSAGES, MAX_MESSAGE_BYTES, shown, text_problem
 from workers.broker.queue import enqueue_again, run_fork_call, send_call, send_ended_event
 from workers.errors import (
     ForkNotEnded,
@@ -29,8 +31,6 @@ from workers.errors import (
 )
 from workers.history.params import AgentParams, ApprovalPolicy, SeedMode, revalidate, validate_agent_params
 from workers.history.snapshot import ParentSnapshot, parse_parent_snapshot
-from workers.keys import Keys
-from workers.limits import MAX_INBOX_MESSAGES, MAX_MESSAGE_BYTES, shown, text_problem
 from workers.records.fork import BootstrapRecord, ForkResult, ForkState, Status
 from workers.records.journal import exchanges
 from workers.records.notification import render_task_notification

@@ -11,8 +11,8 @@ from typing import Annotated, Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
+from workers.base.keys import FORK_ID_RE
 from workers.errors import InvalidAgentParams
-from workers.keys import FORK_ID_RE
 from workers.records.fork import Usage
 
 MAX_WAIT_S: Final = 60.0  # a long poll holds a connection, never a thread; under proxies' usual idle timeouts

@@ -22,9 +22,9 @@ from broker_config.celery import (
     celery_config,
 )
 from broker_config.settings import Settings
+from workers.base.codec import MessageBounds, decode_message, encode_message
+from workers.base.keys import Keys
 from workers.broker.connection import DEAD_ITEMS_OPTION, ForkqAMQP
-from workers.codec import MessageBounds, decode_message, encode_message
-from workers.keys import Keys
 
 JOB_BOUNDS: Final = MessageBounds(
     containers=JOB_CONTAINERS_MAX,

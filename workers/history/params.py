@@ -8,8 +8,8 @@ from typing import Any, Final, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict
 
+from workers.base.limits import shown, text_problem
 from workers.errors import InvalidAgentParams
-from workers.limits import shown, text_problem
 
 FORK_TYPE: Final = "fork"
 FORK_TURNS_PATTERN: Final = "^[1-9][0-9]*$"

@@ -12,10 +12,10 @@ from celery.worker.request import Request
 from pydantic import ValidationError
 
 from broker_config.celery import RUN_FORK_TASK, SWEEP_TASK
+from workers.base.keys import Keys
 from workers.broker import queue as job_queue
 from workers.broker.queue import send_ended_event
 from workers.errors import ForkNotFound, RecordDecodeError, RecordIntegrityError
-from workers.keys import Keys
 from workers.service.job import RunForkJob
 from workers.service.outcome import Outcome, RunOutcome
 from workers.service.progress import Progress

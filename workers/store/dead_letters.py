@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Final
 import redis
 
 from broker_config.celery import RAW_KEPT
-from workers.keys import Keys
+from workers.base.keys import Keys
 
 if TYPE_CHECKING:  # a type only: keeping a dead letter loads no kombu nor Celery
     from workers.broker.connection import Rejected

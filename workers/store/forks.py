@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING, Any, Final, cast
 import redis
 from redis.commands.core import Script
 
+from workers.base.keys import Keys
 from workers.errors import ForkNotFound, InvalidApproval, RecordExistsError, RecordIntegrityError
 from workers.history.selection import ForkSeed
-from workers.keys import Keys
 from workers.records.fork import (
     BootstrapRecord,
     ChunkCache,

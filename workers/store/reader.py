@@ -14,9 +14,9 @@ from typing import Any, Final, cast
 
 import redis.asyncio
 
-from workers import codec
+from workers.base import codec
+from workers.base.keys import Keys
 from workers.errors import ForkNotFound, RecordDecodeError
-from workers.keys import Keys
 from workers.records.fork import BootstrapRecord, ForkResult, ForkState, Status
 from workers.records.journal import JournalEntry
 from workers.store.forks import ForkEvent, decode_event

@@ -11,6 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from workers.base.keys import FORK_ID_RE
+from workers.base.limits import MAX_LAUNCH_TURNS, MAX_LAUNCH_WALL_S, bad_text, nesting_problem, shown, too_deep
 from workers.errors import InvalidAgentParams
 from workers.history.params import (
     APPROVAL_POLICIES,
@@ -21,8 +23,6 @@ from workers.history.params import (
 )
 from workers.history.snapshot import ApprovalMode, ParentSnapshot
 from workers.history.structured import check_schema
-from workers.keys import FORK_ID_RE
-from workers.limits import MAX_LAUNCH_TURNS, MAX_LAUNCH_WALL_S, bad_text, nesting_problem, shown, too_deep
 from workers.records.fork import BootstrapRecord, ForkOptions
 from workers.subagents.capabilities import check_capabilities
 from workers.subagents.definitions import GENERAL_PURPOSE, AgentDefinition, Catalog
@@ -93,7 +93,7 @@ def launch_options(
 
 
 def _limits(max_wall_s: float | None, max_turns: int | None) -> dict[str, Any]:
-    """A launch's own limits, checked: each positive, finite, at most its bound (workers.limits)."""
+    """A launch's own limits, checked: each positive, finite, at most its bound (workers.base.limits)."""
     options: dict[str, Any] = {}
     if max_wall_s is not None:
         # `not 0 < x <= max` also refuses NaN and infinity, which compare false or past the bound

@@ -27,7 +27,7 @@ Each key: type; content; TTL; writer → readers.
   owner, a person's `approval` entries); retention; worker, approve/deny → worker (replay), inspect.
   A `message` entry is a user message `send` gave the fork, moved there from its inbox by the worker.
 - `{ns}:{<fork_id>}:inbox`: list; UTF-8 texts of messages `send` gave the fork, oldest first, at most
-  `workers.limits.MAX_INBOX_MESSAGES`; retention; send → worker (which moves them, under its epoch, into
+  `workers.base.limits.MAX_INBOX_MESSAGES`; retention; send → worker (which moves them, under its epoch, into
   the journal before a model call, or when the fork would otherwise end).
 - `{ns}:running`: sorted set; fork ids of running forks scored by their lease deadline (Redis ms);
   none; worker (claim, heartbeat, finish) → sweeper. The one key shared by all forks.
