@@ -67,7 +67,8 @@ BANNED: dict[str, tuple[str, ...]] = {
     "workers.loop": RUNTIMES + MODEL_SDKS,
     "workers.providers": RUNTIMES,
     "workers.subagents": RUNTIMES + MODEL_SDKS,
-    "workers.store": ("celery", "prometheus_client", "flower", *MODEL_SDKS),
+    # Redis records and their scripts: the broker's wire and the Celery app are someone else's
+    "workers.store": ("celery", "kombu", "prometheus_client", "flower", *MODEL_SDKS),
     # job sending takes the app as a parameter: Celery is the sender's to load (listed before its package)
     "workers.broker.queue": ("celery", "kombu", "prometheus_client", "flower", *MODEL_SDKS),
     "workers.broker": ("prometheus_client", "flower", *MODEL_SDKS),
@@ -75,6 +76,17 @@ BANNED: dict[str, tuple[str, ...]] = {
     "workers.client": ("prometheus_client", "flower", *MODEL_SDKS),
     # the HTTP API launches through the client: no worker side, and Celery only through it (on the first launch)
     "workers.api": ("celery", "kombu", "prometheus_client", "flower", *MODEL_SDKS),
+}
+# the workers/ root: the entry points and the import paths outside callers use, nothing else
+ROOT_MODULES = {
+    "workers.app": "`celery -A workers.app`",
+    "workers.celery_commands": "Celery's `flower` command (pyproject entry point)",
+    "workers.cli": "the `forkq` command",
+    "workers.cli_args": "the `forkq` command's parser, kept light so `forkq --help` starts fast",
+    "workers.client": "`from workers.client import ForkClient`",
+    "workers.errors": "the error tree callers catch (README: `from workers.errors import ForkParked`)",
+    "workers.messages": "the fork-history contract's path",
+    "workers.params": "the fork-history contract's path",
 }
 # packages the client must not reach even though they rank below it: they are the worker side
 CLIENT_NEVER = ("workers.service", "workers.loop", "workers.tools", "workers.providers", "workers.app")
@@ -304,6 +316,11 @@ def test_the_closure_follows_a_chain_through_a_package_init_but_not_into_a_funct
     ]
     loaded = loaded_with("workers.client", imports)
     assert "workers.service.tasks" in loaded and "celery" not in loaded
+
+
+def test_the_workers_root_holds_only_entry_points_and_public_paths() -> None:
+    root = {module_name(p, ROOT) for p in (ROOT / "workers").glob("*.py")} - {"workers"}
+    assert sorted(root) == sorted(ROOT_MODULES)
 
 
 def test_nothing_inside_forkq_imports_the_contract_paths_kept_for_outside_callers() -> None:

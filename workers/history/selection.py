@@ -41,7 +41,6 @@ __all__ = [
     "is_real_user_turn",
     "is_system_reminder_content",
     "is_system_reminder_text",
-    "normalize_fork_turns",
     "repair_fork_end",
     "select_fork_history",
     "select_fork_parts",
