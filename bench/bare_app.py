@@ -9,7 +9,7 @@ nothing of forkq: S sleeps of L seconds (the model calls), a directory listing a
 Its worker starts every thread of its pool first, as forkq's does (`workers.app.prestart_threads`), so the
 baseline has the same pool tuning and differs from a forkq worker only in what a task does.
 
-`bench.bare_app:conn_app` is the same app with forkq's broker connection (`broker_config.connection`,
+`bench.bare_app:conn_app` is the same app with forkq's broker connection (`workers.broker.connection`,
 one Redis client per channel instead of one per publish): the second baseline of the throughput
 figure, which shows how much of forkq's ratio that connection accounts for.
 """
@@ -26,9 +26,9 @@ import redis
 from celery import Celery, bootsteps
 
 from broker_config.celery import celery_config
-from broker_config.connection import ForkqAMQP
 from broker_config.settings import Settings
 from workers.app import prestart_threads
+from workers.broker.connection import ForkqAMQP
 
 BARE_QUEUE = "bench-bare"
 CONN_QUEUE = "bench-bare-conn"

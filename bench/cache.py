@@ -49,8 +49,8 @@ from fakeapi import FakeAPI, Received, Reply  # noqa: E402
 from bench.procs import fleet  # noqa: E402
 from broker_config.settings import Settings  # noqa: E402
 from workers.client import ForkClient, ForkHandle  # noqa: E402
+from workers.demo.redis_server import RedisServer  # noqa: E402
 from workers.history.selection import FORK_BEGIN_PROMPT  # noqa: E402
-from workers.store.redis_server import RedisServer  # noqa: E402
 
 EXAMPLE_PARENT = ROOT / "workers" / "examples" / "parent.json"
 MODELS = {"openai": "gpt-4.1-mini", "gemini": "gemini-2.5-flash"}

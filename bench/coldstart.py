@@ -34,10 +34,10 @@ if str(ROOT) not in sys.path:  # `python bench/coldstart.py` puts bench/, not th
 
 import redis  # noqa: E402
 
-from workers.keys import Keys  # noqa: E402
+from workers.base.keys import Keys  # noqa: E402
+from workers.demo.redis_server import RedisServer  # noqa: E402
 from workers.records.fork import BootstrapRecord  # noqa: E402
 from workers.store.forks import ForkStore  # noqa: E402
-from workers.store.redis_server import RedisServer  # noqa: E402
 
 TARGET = 1.25  # forkq status within 1.25 x the floor
 FLOOR = "import redis, pydantic_settings, msgpack"

@@ -56,9 +56,9 @@ from bench.concurrency_bare import BareRun, run_bare  # noqa: E402
 from bench.procs import Fleet, Proc, fleet, worker_env  # noqa: E402
 from broker_config.settings import Settings  # noqa: E402
 from workers.client import ForkClient, new_fork_id  # noqa: E402
+from workers.demo.redis_server import RedisServer, _free_tcp_port  # noqa: E402
 from workers.history.snapshot import ParentSnapshot, parse_parent_snapshot  # noqa: E402
 from workers.records.events import StreamEvent  # noqa: E402
-from workers.store.redis_server import RedisServer, _free_tcp_port  # noqa: E402
 
 EXAMPLE_PARENT = ROOT / "workers" / "examples" / "parent.json"
 PARAMS = {"description": "concurrency bench fork", "prompt": "List the project files.", "subagent_type": "fork"}

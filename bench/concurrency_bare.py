@@ -19,7 +19,7 @@ import redis
 from bench.bare_app import SLOW_ENDS, SLOW_STARTS, SLOW_TASK, make_bare_app
 from bench.procs import ROOT, fleet
 from broker_config.settings import Settings
-from workers.store.redis_server import RedisServer
+from workers.demo.redis_server import RedisServer
 
 BARE_QUEUE = "bench-slow"
 POLL_S = 0.5

@@ -52,11 +52,11 @@ from bench.procs import Proc as Worker  # noqa: E402
 from bench.procs import wait_ready, worker_env, workers  # noqa: E402
 from broker_config.settings import Settings  # noqa: E402
 from workers.client import ForkClient, new_fork_id  # noqa: E402
+from workers.demo.redis_server import RedisServer  # noqa: E402
 from workers.history.messages import parse_history  # noqa: E402
 from workers.history.selection import build_fork_seed  # noqa: E402
 from workers.history.snapshot import ParentSnapshot, parse_parent_snapshot  # noqa: E402
 from workers.records.fork import split_seed  # noqa: E402
-from workers.store.redis_server import RedisServer  # noqa: E402
 
 EXAMPLE_PARENT = ROOT / "workers" / "examples" / "parent.json"
 PARAMS = {"description": "bench fork", "prompt": "Review the lease code.", "subagent_type": "fork"}

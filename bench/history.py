@@ -18,7 +18,7 @@ from typing import Any
 
 import msgpack
 
-from workers import codec
+from workers.base import codec
 from workers.history.messages import parse_history
 from workers.history.selection import build_fork_seed
 

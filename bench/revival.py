@@ -65,12 +65,12 @@ from bench.revival_stock import (  # noqa: E402
 )
 from broker_config.settings import Settings  # noqa: E402
 from workers.client import ForkClient  # noqa: E402
+from workers.demo.redis_server import RedisServer  # noqa: E402
 from workers.history.snapshot import ParentSnapshot, parse_parent_snapshot  # noqa: E402
 from workers.records.events import StreamEvent  # noqa: E402
 from workers.records.fork import Status  # noqa: E402
 from workers.store.forks import ForkStore  # noqa: E402
 from workers.store.lease import Leases  # noqa: E402
-from workers.store.redis_server import RedisServer  # noqa: E402
 from workers.tools.registry import Tool, ToolContext  # noqa: E402
 
 EXAMPLE_PARENT = ROOT / "workers" / "examples" / "parent.json"

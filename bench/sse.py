@@ -37,7 +37,7 @@ import httpx  # noqa: E402
 from bench.procs import Proc, fleet, worker_env, workers  # noqa: E402
 from broker_config.settings import Settings  # noqa: E402
 from workers.client import ForkClient  # noqa: E402
-from workers.store.redis_server import RedisServer  # noqa: E402
+from workers.demo.redis_server import RedisServer  # noqa: E402
 
 TOKEN = "bench-sse-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

@@ -11,7 +11,7 @@ SWEEP_TASK = "forkq.sweep"
 JOB_TASKS = (RUN_FORK_TASK, SWEEP_TASK)  # all a forkq queue carries (its channel refuses other items)
 JOB_CONTENT_TYPE = "application/x-msgpack"  # the task serializer's content type; never compressed
 
-# What a legal job body can hold (workers.codec.decode_message refuses more before it is all built):
+# What a legal job body can hold (workers.base.codec.decode_message refuses more before it is all built):
 # inline seed chunks (or the seed's chunk digests) of at most INLINE_JOB_MAX_BYTES, a record as large,
 # msgpack framing of at most 5 bytes per element, and a handful of containers ([args, kwargs, embed])
 INLINE_JOB_MAX_BYTES: Final = 4 * 1024 * 1024
@@ -21,7 +21,7 @@ JOB_MAP_ENTRIES_MAX: Final = 64
 JOB_STR_MAX_BYTES: Final = 64 * 1024  # fork ids and digests; chunk bytes are msgpack `bin`
 JOB_BODY_MAX_BYTES: Final = 2 * INLINE_JOB_MAX_BYTES + 5 * JOB_ELEMENTS_MAX + 64 * 1024
 # bytes of a refused item forkq's dead-letter record keeps (the broker's list: all); here, not in
-# broker_config.connection, so the store keeps dead letters without loading kombu or Celery
+# workers.broker.connection, so the store keeps dead letters without loading kombu or Celery
 RAW_KEPT: Final = 64 * 1024
 
 

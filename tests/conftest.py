@@ -21,12 +21,12 @@ from celery.worker import WorkController
 
 from broker_config.settings import Settings
 from workers.app import make_app
+from workers.base.keys import Keys
 from workers.client import ForkClient
+from workers.demo.redis_server import RedisServer, find_redis_server
 from workers.errors import ConfigurationError
-from workers.keys import Keys
 from workers.records.fork import BootstrapRecord
 from workers.store.forks import ForkStore
-from workers.store.redis_server import RedisServer, find_redis_server
 
 # the tool tests' fixtures (work, registry, fifo, live), shared by the files named after each tools module, and the
 # HTTP API's (serve_api, api, http, scripted_worker), shared by tests/test_api*.py

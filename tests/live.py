@@ -24,7 +24,7 @@ from conftest import REPO_ROOT, TEST_NAMESPACE, TEST_QUEUE
 
 from broker_config.celery import RUN_FORK_TASK
 from workers.client import ForkClient
-from workers.store.redis_server import RedisServer
+from workers.demo.redis_server import RedisServer
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float = 15.0, what: str = "condition") -> None:

@@ -27,7 +27,7 @@ from conftest import missing_tool
 from playwright.sync_api import Browser, Locator, Page, expect, sync_playwright
 
 from workers.api.ui import CONTENT_SECURITY_POLICY
-from workers.keys import Keys
+from workers.base.keys import Keys
 from workers.store.lease import Claim, Leases
 
 CHROMIUM = "/usr/bin/chromium"  # Debian's; Playwright's own browser downloads are never used

@@ -43,10 +43,10 @@ from loop_support import (
 
 from broker_config.settings import Settings
 from workers.app import runtime_of
+from workers.base.keys import Keys
 from workers.cli import main
 from workers.client import ForkClient
 from workers.errors import ForkNotEnded, InvalidAgentParams, InvalidApproval
-from workers.keys import Keys
 from workers.loop.child import Stopped
 from workers.providers import ModelRequest, ModelResponse
 from workers.records.fork import BootstrapRecord, Status

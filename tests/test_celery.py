@@ -16,10 +16,10 @@ from live import envelopes, wait_until
 
 from broker_config import celery as celery_module
 from broker_config.celery import RUN_FORK_TASK, celery_config
-from broker_config.connection import DEAD_ITEMS_OPTION
 from broker_config.settings import Settings
+from workers.base.keys import Keys
+from workers.broker.connection import DEAD_ITEMS_OPTION
 from workers.client import ForkClient
-from workers.keys import Keys
 from workers.records.fork import Status
 
 FORK = {"description": "d", "prompt": "Check the config.", "subagent_type": "fork", "fork_turns": "1"}
@@ -106,7 +106,7 @@ def test_the_app_and_the_run_fork_task_carry_the_configuration(app: Celery, sett
     task = app.tasks[RUN_FORK_TASK]
 
     expected = celery_config(settings)
-    # make_app adds where the broker channels keep refused items (a key of workers/keys.py)
+    # make_app adds where the broker channels keep refused items (a key of workers/base/keys.py)
     expected["broker_transport_options"] |= {DEAD_ITEMS_OPTION: Keys(settings.namespace).dead_items}
     for name, value in expected.items():
         assert app.conf[name] == value, name

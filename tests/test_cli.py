@@ -21,11 +21,11 @@ from celery.worker import WorkController
 from cli_support import FORKQ, PARENT, PROMPT, Run, launch, wait_for
 
 from broker_config.settings import Settings
+from workers.base.keys import Keys
 from workers.cli import main
 from workers.history.params import MSG_FORK_TURNS_VALUE
 from workers.history.selection import build_fork_seed
 from workers.history.snapshot import load_parent_snapshot
-from workers.keys import Keys
 from workers.store.lease import Claim, Leases
 
 INSPECT_KEYS = {

@@ -15,7 +15,7 @@ import redis
 from celery.worker import WorkController
 from live import MILESTONES, wait_until
 
-from workers import codec
+from workers.base import codec
 from workers.client import ForkClient, ForkHandle
 from workers.errors import (
     ForkNotEnded,

@@ -1,4 +1,4 @@
-"""Examples for workers.codec: canonical msgpack records and their digest (docs/fork-history.md §7)."""
+"""Examples for workers.base.codec: canonical msgpack records and their digest (docs/fork-history.md §7)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import msgpack
 import pytest
 from factories import agent_call, call, media, model, reminder, response, thought, user
 
-from workers.codec import (
+from workers.base.codec import (
     MessageBounds,
     decode,
     decode_message,

@@ -20,7 +20,10 @@ from kombu import Exchange, Producer, Queue
 from kombu.transport import redis as kombu_redis
 from live import job_body, kombu_envelope, stop_redis, wait_until
 
-from broker_config.connection import (
+from broker_config.settings import Settings
+from workers.app import make_app
+from workers.base.keys import Keys
+from workers.broker.connection import (
     DEAD_ITEMS_MAX,
     DEAD_ITEMS_TTL_S,
     MAX_ENVELOPE_BYTES,
@@ -29,12 +32,9 @@ from broker_config.connection import (
     Rejected,
     SentinelTransport,
 )
-from broker_config.settings import Settings
-from workers.app import make_app
 from workers.client import ForkClient
-from workers.keys import Keys
+from workers.demo.redis_server import RedisServer
 from workers.records.fork import Status
-from workers.store.redis_server import RedisServer
 
 SENTINELS = "sentinel://:pw@s1:26379;sentinel://s2:26379"
 FORK = {"description": "list files", "prompt": "List the files.", "subagent_type": "fork", "fork_turns": "1"}

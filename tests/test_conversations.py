@@ -27,9 +27,9 @@ from test_e2e_providers import (  # noqa: F401  (fixtures)
 )
 from test_openai_compat import completion, tool_call
 
+from workers.base.limits import MAX_INBOX_MESSAGES, MAX_MESSAGE_BYTES
 from workers.client import ForkClient
 from workers.errors import ForkNotFound, InvalidAgentParams, MessageRefused
-from workers.limits import MAX_INBOX_MESSAGES, MAX_MESSAGE_BYTES
 from workers.records.fork import Status
 
 FORK = {"description": "summarise", "prompt": "Summarise notes.txt.", "subagent_type": "fork", "fork_turns": "1"}

@@ -8,8 +8,9 @@ import json
 import redis
 from conftest import TEST_NAMESPACE
 
-from broker_config.connection import RAW_KEPT, Rejected
-from workers.keys import Keys
+from broker_config.celery import RAW_KEPT
+from workers.base.keys import Keys
+from workers.broker.connection import Rejected
 from workers.store.dead_letters import DEAD_LETTERS_MAX, dead_letter
 
 

@@ -12,7 +12,7 @@ import pytest
 import redis
 
 from broker_config.settings import Settings
-from workers.demo import DEMO_FORKS, _worker_env, run_demo
+from workers.demo.run import DEMO_FORKS, _worker_env, run_demo
 
 LABELS = [fork.label for fork in DEMO_FORKS]
 DEMO_TIMEOUT_S = 120

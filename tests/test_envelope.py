@@ -13,17 +13,17 @@ import pytest
 import redis
 from celery import Celery
 
-from broker_config.envelope import JobEnvelopes, QueuedJob
-from broker_config.sender import sender_app
 from broker_config.settings import Settings
+from workers.base.codec import decode_message
+from workers.base.keys import Keys
+from workers.broker.envelope import JobEnvelopes, QueuedJob
+from workers.broker.queue import run_fork_call, send_call
+from workers.broker.sender import sender_app
 from workers.client import ForkClient
-from workers.codec import decode_message
 from workers.history.selection import ForkSeed, build_fork_seed
 from workers.history.snapshot import parse_parent_snapshot
-from workers.keys import Keys
 from workers.records.fork import BootstrapRecord, chunk_digest, split_seed
 from workers.store.forks import ForkStore
-from workers.store.queue import run_fork_call, send_call
 
 QUEUE = "env-jobs"
 
@@ -96,7 +96,7 @@ def test_the_job_is_the_item_send_task_puts_on_the_queue(
 
 
 def sender_bounds() -> Any:
-    from broker_config.sender import JOB_BOUNDS
+    from workers.broker.sender import JOB_BOUNDS
 
     return JOB_BOUNDS
 

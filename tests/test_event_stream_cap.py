@@ -11,7 +11,7 @@ import pytest
 import redis
 from conftest import TEST_NAMESPACE, put_queued_fork
 
-from workers.keys import Keys
+from workers.base.keys import Keys
 from workers.records.events import ModelCallData, ModelCallEvent, StepData, StepEvent
 from workers.records.fork import ForkResult, Status
 from workers.records.journal import JournalEntry

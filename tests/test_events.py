@@ -22,8 +22,8 @@ from cli_support import call, step
 from conftest import TEST_NAMESPACE, put_queued_fork
 
 from broker_config.settings import Settings
+from workers.base.keys import Keys
 from workers.client import ForkClient
-from workers.keys import Keys
 from workers.records.events import (
     EVENT_TYPES,
     AwaitingApprovalData,

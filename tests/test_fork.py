@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from factories import call, model, response, user
 
-from workers import codec
+from workers.base import codec
 from workers.errors import RecordDecodeError, RecordIntegrityError
 from workers.history.messages import Content, dump_contents
 from workers.history.selection import ForkSeed

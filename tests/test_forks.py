@@ -17,7 +17,9 @@ from hypothesis import strategies as st
 from test_replay import cases as replay_cases
 from test_replay import drive, first_entries
 
-from workers import codec
+from workers.base import codec
+from workers.base.keys import Keys
+from workers.demo.redis_server import RedisServer
 from workers.errors import (
     ForkNotFound,
     InvalidApproval,
@@ -29,7 +31,6 @@ from workers.errors import (
 from workers.history.messages import Content
 from workers.history.selection import ForkSeed, build_fork_seed
 from workers.history.snapshot import parse_parent_snapshot
-from workers.keys import Keys
 from workers.records.conversation import fold, journal_usage
 from workers.records.fork import (
     SEED_INDEX_MIN_CHUNKS,
@@ -44,7 +45,6 @@ from workers.records.journal import EntryKind, JournalEntry
 from workers.records.parked import ParkedCall, ResumeWait
 from workers.store.forks import ForkStore
 from workers.store.lease import Claim, Leases
-from workers.store.redis_server import RedisServer
 
 TTL_S = 3600
 

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from factories import model, user
 
-from workers.codec import encode
+from workers.base.codec import encode
 from workers.errors import LeaseLost, RecordDecodeError
 from workers.history.messages import Content
 from workers.history.selection import ForkSeed

@@ -9,9 +9,9 @@ import pytest
 import redis
 from redis.crc import key_slot
 
-from workers import keys as keys_module
+from workers.base import keys as keys_module
+from workers.base.keys import Keys
 from workers.client import ForkClient
-from workers.keys import Keys
 
 FORK_ID = "f-0123456789abcdef01234567"
 

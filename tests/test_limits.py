@@ -1,4 +1,4 @@
-"""workers.limits: nesting depth measured without recursion, and messages that never fail to print a value."""
+"""workers.base.limits: nesting depth measured without recursion, and messages that never fail to print a value."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from workers.limits import (
+from workers.base.limits import (
     MAX_NESTING_DEPTH,
     bad_text,
     find_bad_text,

@@ -218,7 +218,7 @@ def test_a_repeated_delivery_counts_as_a_skipped_duplicate(
 ) -> None:
     from live import wait_until
 
-    from workers.store.queue import enqueue_fork
+    from workers.broker.queue import enqueue_fork
 
     # Given a fork that ran to its end
     start_live_worker(app)
@@ -273,7 +273,7 @@ def test_the_sweeper_counts_each_revival_once(
 ) -> None:
     from conftest import TEST_NAMESPACE
 
-    from workers.keys import Keys
+    from workers.base.keys import Keys
     from workers.service.sweeper import Sweeper
     from workers.store.lease import Claim, Leases
 

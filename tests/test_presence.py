@@ -11,9 +11,9 @@ import pytest
 import redis
 from conftest import TEST_NAMESPACE
 
-from workers.keys import Keys
+from workers.base.keys import Keys
+from workers.demo.redis_server import RedisServer
 from workers.store.presence import Presence, PresenceWatch, owner_mark, owner_token, owns, presence_token
-from workers.store.redis_server import RedisServer
 
 KEYS = Keys(TEST_NAMESPACE)
 GRACE_S = 0.6

@@ -1,4 +1,4 @@
-"""workers.store.queue: a re-sent fork's job reaches the broker first, and only then leaves the running index."""
+"""workers.broker.queue: a re-sent fork's job reaches the broker first, and only then leaves the running index."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ import pytest
 import redis
 from kombu.exceptions import OperationalError
 
-from broker_config.sender import sender_app
 from broker_config.settings import Settings
-from workers.keys import Keys
+from workers.base.keys import Keys
+from workers.broker.queue import enqueue_again
+from workers.broker.sender import sender_app
 from workers.store.forks import ForkStore
 from workers.store.lease import Leases
-from workers.store.queue import enqueue_again
 
 
 def running_fork(

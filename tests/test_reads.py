@@ -9,8 +9,8 @@ from typing import Any
 import redis
 import redis.asyncio
 
+from workers.base.keys import Keys
 from workers.client import ForkClient
-from workers.keys import Keys
 from workers.records.fork import ForkResult, ForkState, Status
 from workers.store import reads
 from workers.store.reads import Command

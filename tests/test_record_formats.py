@@ -17,10 +17,10 @@ import pytest
 import redis
 from conftest import TEST_NAMESPACE
 
-from workers import codec
+from workers.base import codec
+from workers.base.keys import Keys
 from workers.errors import RecordDecodeError
 from workers.history.messages import Content
-from workers.keys import Keys
 from workers.records.fork import BootstrapRecord, ForkOptions, ForkResult, ForkState, Status, chunk_digest
 from workers.records.journal import EntryKind, JournalEntry
 from workers.records.parked import ApprovalWait, ParkedCall, ResumeWait, WaitingCall, decode_parked, encode_parked

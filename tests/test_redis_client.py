@@ -23,10 +23,10 @@ from redis.sentinel import MasterNotFoundError
 from broker_config.redis_client import QUIET_CHECK_S, async_redis_client, close_async_client, redis_client
 from broker_config.settings import Settings
 from workers.app import make_app
+from workers.base.keys import Keys
 from workers.client import ForkClient
-from workers.keys import Keys
+from workers.demo.redis_server import RedisServer
 from workers.records.fork import Status
-from workers.store.redis_server import RedisServer
 
 FORK = {"description": "d", "prompt": "Summarise the session.", "subagent_type": "fork", "fork_turns": "1"}
 

@@ -1,4 +1,4 @@
-"""Examples for workers.store.redis_server: a private redis-server that starts, dies, restarts and freezes on demand."""
+"""Examples for workers.demo.redis_server: a private redis-server that starts, dies, restarts and freezes on demand."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from workers.demo import redis_server as redis_server_module
+from workers.demo.redis_server import RedisServer, find_redis_server
 from workers.errors import ConfigurationError
-from workers.store import redis_server as redis_server_module
-from workers.store.redis_server import RedisServer, find_redis_server
 
 
 def quick_client(url: str, timeout: float = 0.5) -> redis.Redis:

@@ -21,7 +21,7 @@ from typing import Any, Final
 import pytest
 from test_journal import MemoryJournal
 
-from workers import codec
+from workers.base import codec
 from workers.errors import RecordDecodeError
 from workers.history.messages import Content
 from workers.history.selection import ForkSeed

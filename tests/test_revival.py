@@ -37,8 +37,10 @@ from live import kombu_envelope, stop_redis
 
 from broker_config.settings import Settings
 from workers.app import make_app
+from workers.base.keys import Keys
+from workers.broker.queue import enqueue_fork
 from workers.client import ForkClient
-from workers.keys import Keys
+from workers.demo.redis_server import RedisServer
 from workers.loop.child import INTERRUPTED_ERROR
 from workers.loop.replay import replay
 from workers.providers import ModelRequest
@@ -49,8 +51,6 @@ from workers.service.job import RunForkJob
 from workers.service.runner import WorkerRuntime, run_fork_job
 from workers.store.forks import ForkStore
 from workers.store.lease import Claim, Leases, revival_grace_s
-from workers.store.queue import enqueue_fork
-from workers.store.redis_server import RedisServer
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 

@@ -19,6 +19,7 @@ from live import FreezingProxy, forkq_environment, sweeper_process, wait_until
 from broker_config.settings import Settings
 from workers.app import make_app
 from workers.client import ForkClient
+from workers.demo.redis_server import RedisServer
 from workers.history.messages import Content, FunctionCall, Part
 from workers.loop.child import STOP_REASONS
 from workers.providers import ModelRequest, ModelResponse
@@ -37,7 +38,6 @@ from workers.service.runner import (
 from workers.service.spawn import POLL_MS
 from workers.store.forks import WAIT_TIMEOUT_MS
 from workers.store.lease import Leases
-from workers.store.redis_server import RedisServer
 from workers.tools.registry import Tool, ToolContext, ToolRegistry
 
 

@@ -22,9 +22,9 @@ from conftest import TEST_NAMESPACE, WorkerProcess
 from loop_support import FORK, call, parent_for, step, tool_results, workdir, write_script
 from tools_support import MARGIN_S, context, error, journal_of, output, run, run_bounded
 
+from workers.base.keys import Keys
 from workers.client import ForkClient
 from workers.history.messages import FunctionCall
-from workers.keys import Keys
 from workers.records.fork import Status
 from workers.tools import search
 from workers.tools.registry import ToolError, ToolRegistry

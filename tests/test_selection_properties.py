@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from pydantic import BaseModel
 from strategies import FORK_TURNS, GeneratedHistory, parent_histories
 
-from workers.codec import decode, digest, encode
+from workers.base.codec import decode, digest, encode
 from workers.history.messages import Content, dump_contents, parse_history
 from workers.history.selection import (
     FORK_ACK_TEXT,

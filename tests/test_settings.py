@@ -15,9 +15,9 @@ from pydantic import ValidationError
 from broker_config.settings import Settings, is_sentinel_url, load_settings, redact_url, sentinel_nodes
 from workers.app import make_app
 from workers.client import ForkClient
+from workers.demo.redis_server import RedisServer
 from workers.errors import ConfigurationError
 from workers.records.fork import Status
-from workers.store.redis_server import RedisServer
 
 FORK = {"description": "d", "prompt": "Summarise the session.", "subagent_type": "fork", "fork_turns": "1"}
 

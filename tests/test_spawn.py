@@ -20,8 +20,8 @@ from live import forkq_environment, stop_redis, sweeper_process, wait_until
 from broker_config.settings import Settings
 from workers.app import make_app
 from workers.client import ForkClient
+from workers.demo.redis_server import RedisServer
 from workers.records.fork import Status
-from workers.store.redis_server import RedisServer
 
 REGULAR = {"description": "delegate", "prompt": "Have a subagent count the calls.", "subagent_type": "general-purpose"}
 NESTED = {"description": "count calls", "prompt": "Count the INCR calls.", "subagent_type": "general-purpose"}

@@ -18,14 +18,14 @@ import redis
 from conftest import TEST_NAMESPACE
 from kombu.exceptions import OperationalError
 
-from workers.keys import Keys
+from workers.base.keys import Keys
+from workers.demo.redis_server import RedisServer
 from workers.records.fork import BootstrapRecord, Status
 from workers.service.sweeper import Sweeper, outage_gap_s
 from workers.store.claims import Refusal, RefusalReason
 from workers.store.forks import ForkStore
 from workers.store.lease import Claim, Leases
 from workers.store.presence import Presence, PresenceWatch, owner_token, presence_token
-from workers.store.redis_server import RedisServer
 
 KEYS = Keys(TEST_NAMESPACE)
 SHORT_TTL_MS = 200
@@ -58,7 +58,7 @@ def make_sweeper(
     leases = Leases(client, KEYS, ttl_ms=ttl_ms, retention_s=3600)
 
     def enqueue_again(fork_id: str, digest: str, attempt: int) -> None:
-        # as workers.store.queue.enqueue_again: the job sent (to the stand-in), then confirmed enqueued
+        # as workers.broker.queue.enqueue_again: the job sent (to the stand-in), then confirmed enqueued
         enqueue(fork_id, digest, attempt)
         leases.enqueued(fork_id)
 

@@ -28,8 +28,8 @@ from live import body, envelopes, event_types, job_body, push_raw, queue_drained
 
 from broker_config.celery import RUN_FORK_TASK
 from broker_config.settings import Settings
-from workers import codec
 from workers.app import make_app, runtime_of
+from workers.base import codec
 from workers.client import ForkClient, ForkHandle
 from workers.errors import ForkTimeout
 from workers.history.selection import build_fork_seed

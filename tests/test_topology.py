@@ -36,8 +36,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from broker_config.settings import Settings
 from workers.app import make_app
 from workers.client import ForkClient
+from workers.demo.redis_server import find_redis_server
 from workers.records.fork import Status
-from workers.store.redis_server import find_redis_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
 

@@ -13,9 +13,9 @@ from typing import Any
 from celery import Celery, bootsteps
 from celery.exceptions import CPendingDeprecationWarning
 
-from broker_config.connection import Rejected
-from broker_config.sender import sender_app
 from broker_config.settings import Settings
+from workers.broker.connection import Rejected
+from workers.broker.sender import sender_app
 from workers.errors import ConfigurationError
 from workers.providers.routing import provider_problems
 from workers.service.heartbeat import Heartbeat

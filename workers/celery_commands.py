@@ -11,8 +11,8 @@ from typing import cast
 
 import click
 
+from workers.base.extras import missing_modules
 from workers.errors import MissingExtra
-from workers.extras import missing_modules
 
 
 def _flower_command() -> click.Command:

@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any
 import redis
 
 from broker_config.settings import Settings, load_settings, redact_url
+from workers.base.extras import require_extra
+from workers.base.limits import MAX_SCHEMA_FILE_BYTES
 from workers.cli_args import build_parser
 from workers.errors import (
     ConfigurationError,
@@ -34,9 +36,7 @@ from workers.errors import (
     InvalidParentSnapshot,
     MessageRefused,
 )
-from workers.extras import require_extra
 from workers.history.snapshot import load_parent_snapshot, read_json_file
-from workers.limits import MAX_SCHEMA_FILE_BYTES
 from workers.store.health import check_redis
 
 if TYPE_CHECKING:  # a type only: `forkq status` starts without the records it reads
@@ -524,9 +524,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    """Run the newcomer's demo (see workers/demo.py)."""
+    """Run the newcomer's demo (see workers/demo/run.py)."""
     require_extra("demo", "forkq demo")
-    from workers.demo import run_demo
+    from workers.demo.run import run_demo
 
     code: int = run_demo(private_redis=args.private_redis)
     return code

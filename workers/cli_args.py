@@ -14,8 +14,8 @@ from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
-from workers.keys import FORK_ID_RE
-from workers.limits import shown, text_problem
+from workers.base.keys import FORK_ID_RE
+from workers.base.limits import shown, text_problem
 
 Parser = argparse.ArgumentParser
 

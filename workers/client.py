@@ -16,6 +16,9 @@ import redis
 from broker_config.celery import RUN_FORK_TASK
 from broker_config.redis_client import redis_client as connect_redis
 from broker_config.settings import Settings
+from workers.base.keys import Keys
+from workers.base.limits import MAX_INBOX_MESSAGES, MAX_MESSAGE_BYTES, shown, text_problem
+from workers.broker.queue import enqueue_again, run_fork_call, send_call, send_ended_event
 from workers.errors import (
     ForkNotEnded,
     ForkNotFound,
@@ -28,8 +31,6 @@ from workers.errors import (
 )
 from workers.history.params import AgentParams, ApprovalPolicy, SeedMode, validate_agent_params
 from workers.history.snapshot import ParentSnapshot, parse_parent_snapshot
-from workers.keys import Keys
-from workers.limits import MAX_INBOX_MESSAGES, MAX_MESSAGE_BYTES, shown, text_problem
 from workers.records.conversation import exchanges
 from workers.records.fork import BootstrapRecord, ForkResult, ForkState, Status
 from workers.records.notification import render_task_notification
@@ -37,16 +38,15 @@ from workers.records.parked import ResumeWait
 from workers.records.seeds import SeedBuilder, SeedChunks
 from workers.store.forks import ForkStore
 from workers.store.lease import Leases
-from workers.store.queue import enqueue_again, run_fork_call, send_call, send_ended_event
 from workers.store.replies import Decision, SendReply
 from workers.subagents.capabilities import providers
 from workers.subagents.definitions import CatalogCache
 from workers.subagents.launch import LaunchOptions, launch_settings, plan_launch
 
-if TYPE_CHECKING:  # a type only: the send-only app is built on the first launch (broker_config.sender)
+if TYPE_CHECKING:  # a type only: the send-only app is built on the first launch (workers.broker.sender)
     from celery import Celery
 
-    from broker_config.envelope import JobEnvelopes
+    from workers.broker.envelope import JobEnvelopes
     from workers.records.events import StreamEvent  # and the event models load at the first event read
 
 
@@ -203,7 +203,7 @@ class ForkClient:
     def app(self) -> Celery:
         """The app jobs are sent through: the one given, else a send-only app built on first use (no Celery before)."""
         if self._app is None:
-            from broker_config.sender import sender_app  # noqa: PLC0415  (Celery and kombu: only once a job is sent)
+            from workers.broker.sender import sender_app  # noqa: PLC0415  (Celery and kombu: only once a job is sent)
 
             self._app = sender_app(self.settings)
         return self._app
@@ -365,7 +365,7 @@ class ForkClient:
         reached by this client at the address the broker URL names.
         """
         if self._job_envelopes is False:
-            from broker_config.envelope import JobEnvelopes  # noqa: PLC0415  (kombu: only once a job is sent)
+            from workers.broker.envelope import JobEnvelopes  # noqa: PLC0415  (kombu: only once a job is sent)
 
             same = self.settings.broker_url is None and not self.settings.broker_uses_sentinel
             self._job_envelopes = JobEnvelopes.for_app(self.app, self.settings.queue, self.redis) if same else None

@@ -18,16 +18,16 @@ from broker_config.redis_client import async_redis_client, close_async_client
 from broker_config.settings import Settings
 from workers.api.auth import OPEN_PATHS, BearerAuth, TokenSet
 from workers.api.bodies import BodyLimit
+from workers.api.idempotency import IdempotencyKeys
 from workers.api.launches import Launcher
 from workers.api.problems import install_error_handlers
 from workers.api.routes import Services, fork_router
 from workers.api.sse import document_events
 from workers.api.ui import UI_PATHS, ui_router
+from workers.base.keys import Keys
 from workers.cli_args import package_version
 from workers.client import ForkClient
 from workers.errors import ConfigurationError
-from workers.keys import Keys
-from workers.store.idempotency import IdempotencyKeys
 from workers.store.reader import AsyncForkReader
 
 READ_MARGIN_S = 5.0  # how long Redis may take past a blocking read's own bound before the read fails

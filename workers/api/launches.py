@@ -14,11 +14,11 @@ import time
 from dataclasses import dataclass
 from typing import Final
 
+from workers.api.idempotency import Claim, IdempotencyKeys
 from workers.api.models import LaunchRequest
 from workers.client import ForkClient, new_fork_id
 from workers.errors import ForkNotFound, IdempotencyConflict
 from workers.records.fork import Status
-from workers.store.idempotency import Claim, IdempotencyKeys
 from workers.subagents.launch import LaunchOptions
 
 IN_FLIGHT_WAIT_S: Final = 10.0  # how long a repeat waits for the first launch with its key to write its fork

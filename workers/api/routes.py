@@ -37,9 +37,9 @@ from workers.api.models import (
 from workers.api.problems import ErrorBody
 from workers.api.sse import DESCRIBED, EVENT_ID_PATTERN, event_stream
 from workers.api.transcript import Transcript, build_transcript
+from workers.base.keys import FORK_ID_RE, SESSION_RE
 from workers.client import ForkClient
 from workers.errors import ForkNotEnded
-from workers.keys import FORK_ID_RE, SESSION_RE
 from workers.records.events import ForkEvent
 from workers.records.fork import ForkResult, ForkState
 from workers.records.notification import render_task_notification

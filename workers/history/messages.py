@@ -15,8 +15,8 @@ from typing import Any, Final, Literal
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 from pydantic.alias_generators import to_camel
 
+from workers.base.limits import MAX_NESTING_DEPTH, bad_text, has_bad_text, nesting_problem, shown, too_deep
 from workers.errors import InvalidHistory
-from workers.limits import MAX_NESTING_DEPTH, bad_text, has_bad_text, nesting_problem, shown, too_deep
 
 Role = Literal["user", "model"]
 
@@ -144,7 +144,7 @@ def parse_history(raw: object) -> list[Content]:
 
     Raises:
         InvalidHistory: naming the first bad message (`.index`) and what is wrong with it, including a
-            message nested deeper than `workers.limits.MAX_NESTING_DEPTH` or holding a string that is not
+            message nested deeper than `workers.base.limits.MAX_NESTING_DEPTH` or holding a string that is not
             valid Unicode text (a lone surrogate).
     """
     if not isinstance(raw, list):

@@ -18,8 +18,8 @@ from pydantic import (
 from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import CoreSchema
 
+from workers.base.limits import shown, text_problem
 from workers.errors import InvalidAgentParams
-from workers.limits import shown, text_problem
 
 FORK_TYPE: Final = "fork"
 FORK_TURNS_PATTERN: Final = "^[1-9][0-9]*$"

@@ -41,7 +41,6 @@ __all__ = [
     "is_real_user_turn",
     "is_system_reminder_content",
     "is_system_reminder_text",
-    "normalize_fork_turns",
     "repair_fork_end",
     "select_fork_history",
     "select_fork_parts",
@@ -89,7 +88,7 @@ class ForkSeed(BaseModel):
     task_prompt: str
 
     def to_wire(self) -> dict[str, Any]:
-        """The seed as plain data (wire Contents), ready for `workers.codec.encode`."""
+        """The seed as plain data (wire Contents), ready for `workers.base.codec.encode`."""
         return {
             "schema_version": self.schema_version,
             "initial_messages": dump_contents(self.initial_messages),

@@ -9,9 +9,7 @@ from typing import Annotated, Any, Final, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
-from workers.errors import ForkqError, InvalidHistory, InvalidParentSnapshot
-from workers.history.messages import Content, check_history_text, dump_contents, parse_history
-from workers.limits import (
+from workers.base.limits import (
     MAX_NESTING_DEPTH,
     MAX_PARENT_FILE_BYTES,
     MAX_SNAPSHOT_DEPTH,
@@ -21,6 +19,8 @@ from workers.limits import (
     text_problem,
     too_deep,
 )
+from workers.errors import ForkqError, InvalidHistory, InvalidParentSnapshot
+from workers.history.messages import Content, check_history_text, dump_contents, parse_history
 
 ApprovalMode = Literal["plan", "default", "auto-edit", "yolo"]
 
@@ -41,7 +41,7 @@ class ParentSnapshot(BaseModel):
     """The launching parent: session, system instruction, tools, model, mode, cwd, history, depth.
 
     Strict: `"depth": "0"` is refused, not read as 0. Tool declarations, the system instruction and
-    each history message are bounded in nesting (`workers.limits.MAX_NESTING_DEPTH`).
+    each history message are bounded in nesting (`workers.base.limits.MAX_NESTING_DEPTH`).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)

@@ -12,7 +12,7 @@ from typing import Any, Final, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
-from workers import codec
+from workers.base import codec
 from workers.errors import RecordDecodeError, RecordIntegrityError
 from workers.history.messages import Content, dump_contents, load_contents
 from workers.history.params import ApprovalPolicy

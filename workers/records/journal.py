@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Final, Literal
 from pydantic import BaseModel, ConfigDict
 from pydantic_core import to_jsonable_python
 
-from workers import codec
+from workers.base import codec
 from workers.errors import RecordDecodeError
 from workers.history.messages import Content
 

@@ -20,7 +20,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from workers import codec
+from workers.base import codec
 from workers.history.completed import completed_task_prompt, select_completed_parts
 from workers.history.messages import Content, dump_contents
 from workers.history.params import ForkTurns, SeedMode

@@ -4,6 +4,6 @@ It needs the `worker` extra (metrics, the model SDKs, the search engine): withou
 (`celery -A workers.app worker`, `forkq sweep`) fails at once naming the extra, not deep in a module.
 """
 
-from workers.extras import require_extra
+from workers.base.extras import require_extra
 
 require_extra("worker", "the forkq worker side (forkq worker, forkq sweep, celery -A workers.app)")

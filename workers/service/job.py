@@ -9,10 +9,10 @@ from typing import Any, Final
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from broker_config.celery import INLINE_JOB_MAX_BYTES
-from workers import codec
+from workers.base import codec
+from workers.base.keys import FORK_ID_RE
 from workers.errors import RecordDecodeError, RecordIntegrityError
 from workers.history.selection import ForkSeed
-from workers.keys import FORK_ID_RE
 from workers.loop.child import PrimedCall, first_model_call
 from workers.records.fork import BootstrapRecord, Declarations
 from workers.records.journal import EntryKind, JournalEntry, RequestDigests

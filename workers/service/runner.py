@@ -13,10 +13,10 @@ import redis
 
 from broker_config.redis_client import redis_client
 from broker_config.settings import Settings
+from workers.base.keys import Keys
+from workers.base.limits import INBOX_DELIVERY_BATCH
 from workers.errors import ForkNotFound, ForkqError, LeaseLost, RecordIntegrityError
 from workers.history.selection import ForkSeed
-from workers.keys import Keys
-from workers.limits import INBOX_DELIVERY_BATCH
 from workers.loop.child import STOP_REASONS, ChildLoop, Parked, PrimedCall, Spawner, Stopped, StopReason
 from workers.providers import ModelProvider
 from workers.providers.routing import ProviderRouter

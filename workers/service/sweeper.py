@@ -36,7 +36,7 @@ from workers.store.replies import Revival, RevivalReply
 
 log = logging.getLogger("forkq.sweeper")
 
-# fork id, digest, attempt: sends the job, then confirms it enqueued (`workers.store.queue.enqueue_again`)
+# fork id, digest, attempt: sends the job, then confirms it enqueued (`workers.broker.queue.enqueue_again`)
 Enqueue = Callable[[str, str, int], None]
 
 

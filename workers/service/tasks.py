@@ -13,8 +13,10 @@ from celery.worker.request import Request
 from pydantic import ValidationError
 
 from broker_config.celery import RUN_FORK_TASK, SWEEP_TASK
+from workers.base.keys import Keys
+from workers.broker import queue as job_queue
+from workers.broker.queue import send_ended_event
 from workers.errors import ForkNotFound, RecordDecodeError, RecordIntegrityError
-from workers.keys import Keys
 from workers.records.events import (
     AwaitingApprovalEvent,
     Event,
@@ -30,16 +32,14 @@ from workers.service.outcome import Outcome, RunOutcome
 from workers.service.progress import Progress
 from workers.service.runner import WorkerRuntime, run_fork_job
 from workers.service.sweeper import Sweeper
-from workers.store import queue as job_queue
 from workers.store.lease import Claim
 from workers.store.presence import PresenceWatch
-from workers.store.queue import send_ended_event
 
 log = logging.getLogger("forkq.worker")
 
 
 def enqueue_again(app: Celery, runtime: WorkerRuntime, fork_id: str, digest: str, attempt: int) -> None:
-    """`workers.store.queue.enqueue_again` on the runtime's store and leases: send the job, then confirm it."""
+    """`workers.broker.queue.enqueue_again` on the runtime's store and leases: send the job, then confirm it."""
     job_queue.enqueue_again(
         app, fork_id, digest, attempt, queue=runtime.settings.queue, store=runtime.store, leases=runtime.leases
     )

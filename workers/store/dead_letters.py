@@ -1,7 +1,7 @@
 """forkq's dead letters: `{ns}:dead`, the jobs and queue items a worker refused, with the reason, for operators.
 
 A queue item the broker channel refused is kept whole on the broker first (`{ns}:dead:items`,
-`broker_config.connection`); its record here keeps its first bytes (`RAW_KEPT`), size and digest.
+`workers.broker.connection`); its record here keeps its first bytes (`RAW_KEPT`), size and digest.
 Read them with `LRANGE forkq:dead 0 -1`.
 """
 
@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING, Any, Final
 import redis
 
 from broker_config.celery import RAW_KEPT
-from workers.keys import Keys
+from workers.base.keys import Keys
 
 if TYPE_CHECKING:  # a type only: keeping a dead letter loads no kombu nor Celery
-    from broker_config.connection import Rejected
+    from workers.broker.connection import Rejected
 
 DEAD_LETTERS_MAX: Final = 1000  # newest first; older ones are trimmed
 REASON_MAX: Final = 2000  # characters of a reason a dead letter keeps

@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any, Final, Literal, cast
 import redis
 from redis.commands.core import Script
 
+from workers.base.keys import Keys
 from workers.errors import ForkNotFound, InvalidApproval, RecordExistsError, RecordIntegrityError
 from workers.history.selection import ForkSeed
-from workers.keys import Keys
 from workers.records.conversation import journal_usage
 from workers.records.fork import (
     BootstrapRecord,
@@ -38,8 +38,8 @@ from workers.store.replies import Decision, Refused, SendReply, Written, fenced_
 from workers.store.script_parts import NOW, lua_script
 
 if TYPE_CHECKING:  # types only: the store keeps dead letters and queues jobs without loading kombu or Celery
-    from broker_config.connection import Rejected
-    from broker_config.envelope import QueuedJob
+    from workers.broker.connection import Rejected
+    from workers.broker.envelope import QueuedJob
 
     # and reads no event models until it reads or writes an event: `forkq status` starts without them
     from workers.records.events import StreamEvent
@@ -303,7 +303,7 @@ class ForkStore:
         caller sends the job.
 
         `job` goes to this store's Redis, so only a broker on the same server may pass one
-        (`broker_config.envelope`).
+        (`workers.broker.envelope`).
 
         A chunk this store wrote before is not sent again: its TTL is refreshed, and if it is gone
         (expired, deleted) it is written again, before the caller enqueues the job. `seed_chunks` are

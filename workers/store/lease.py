@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING, Any, Final, TypeVar, cast
 
 import redis
 
+from workers.base.keys import Keys
 from workers.errors import LeaseLost
-from workers.keys import Keys
 from workers.records.fork import ForkResult, Status
 from workers.records.journal import JournalEntry
 from workers.records.parked import ParkedCall, encode_parked

@@ -34,7 +34,7 @@ from typing import Final, cast
 
 import redis
 
-from workers.keys import Keys
+from workers.base.keys import Keys
 
 log = logging.getLogger("forkq.presence")
 

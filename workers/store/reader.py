@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import redis.asyncio
 
-from workers.keys import Keys
+from workers.base.keys import Keys
 from workers.records.fork import BootstrapRecord, ForkResult, ForkState, Status
 from workers.records.journal import JournalEntry
 from workers.store import reads

@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Any, Final, NamedTuple, TypeVar, cast
 
 import redis
 
-from workers import codec
+from workers.base import codec
+from workers.base.keys import Keys
 from workers.errors import ForkNotFound, RecordDecodeError
-from workers.keys import Keys
 from workers.records.fork import BootstrapRecord, ForkResult, ForkState, Status
 from workers.records.journal import JournalEntry
 

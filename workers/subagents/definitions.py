@@ -20,8 +20,8 @@ from typing import Any, Final
 
 from pydantic import BaseModel, ConfigDict
 
+from workers.base.limits import MAX_LAUNCH_TURNS, shown
 from workers.errors import InvalidAgentDefinition
-from workers.limits import MAX_LAUNCH_TURNS, shown
 
 MAX_DEFINITION_BYTES: Final = 256 * 1024  # one definition file
 MAX_DEFINITIONS: Final = 1000  # files one folder may hold

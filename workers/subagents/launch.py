@@ -16,6 +16,8 @@ from typing import Annotated, Any, Final
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 from pydantic.json_schema import SkipJsonSchema
 
+from workers.base.keys import FORK_ID_RE
+from workers.base.limits import MAX_LAUNCH_TURNS, MAX_LAUNCH_WALL_S, bad_text, nesting_problem, shown, too_deep
 from workers.errors import InvalidAgentParams
 from workers.history.params import (
     APPROVAL_POLICIES,
@@ -28,8 +30,6 @@ from workers.history.params import (
 )
 from workers.history.snapshot import ApprovalMode, ParentSnapshot
 from workers.history.structured import check_schema
-from workers.keys import FORK_ID_RE
-from workers.limits import MAX_LAUNCH_TURNS, MAX_LAUNCH_WALL_S, bad_text, nesting_problem, shown, too_deep
 from workers.records.fork import BootstrapRecord, ForkOptions
 from workers.subagents.capabilities import check_capabilities
 from workers.subagents.definitions import GENERAL_PURPOSE, AgentDefinition, Catalog

@@ -15,9 +15,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
+from workers.base.limits import shown, text_problem
 from workers.errors import InvalidAgentParams
 from workers.history.params import is_agent_tool, is_valid_tool_pattern, tool_allowed
-from workers.limits import shown, text_problem
 from workers.subagents.definitions import ALL_TOOLS, AgentDefinition
 
 MAX_PERSONA_CHARS: Final = 256 * 1024

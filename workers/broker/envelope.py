@@ -28,7 +28,7 @@ from celery.utils.time import utcoffset
 from kombu.transport import redis as kombu_redis
 
 from broker_config.celery import JOB_CONTENT_TYPE
-from workers.codec import encode_message
+from workers.base.codec import encode_message
 
 if TYPE_CHECKING:
     import redis

@@ -21,10 +21,10 @@ from broker_config.celery import (
     JOB_STR_MAX_BYTES,
     celery_config,
 )
-from broker_config.connection import DEAD_ITEMS_OPTION, ForkqAMQP
 from broker_config.settings import Settings
-from workers.codec import MessageBounds, decode_message, encode_message
-from workers.keys import Keys
+from workers.base.codec import MessageBounds, decode_message, encode_message
+from workers.base.keys import Keys
+from workers.broker.connection import DEAD_ITEMS_OPTION, ForkqAMQP
 
 JOB_BOUNDS: Final = MessageBounds(
     containers=JOB_CONTAINERS_MAX,
@@ -60,7 +60,7 @@ def register_job_serializer() -> None:
 def sender_app(settings: Settings) -> Celery:
     """A Celery app configured for forkq that sends jobs and events by task name; it registers no task."""
     register_job_serializer()
-    # ForkqAMQP: connections whose Redis channels reuse one client (broker_config/connection.py)
+    # ForkqAMQP: connections whose Redis channels reuse one client (workers/broker/connection.py)
     app = Celery("forkq", set_as_current=False, amqp=ForkqAMQP)
     app.conf.update(celery_config(settings))
     # the channels keep refused queue items whole on the broker's Redis, under forkq's namespace

@@ -31,7 +31,8 @@ from redis.retry import Retry
 
 from broker_config.settings import Settings, load_settings, redact_url
 from workers.client import ForkClient, ForkHandle
-from workers.demo_report import clip, report, say
+from workers.demo.redis_server import RedisServer
+from workers.demo.report import clip, report, say
 from workers.errors import ConfigurationError
 from workers.history.messages import Content
 from workers.history.selection import is_real_user_turn
@@ -45,13 +46,12 @@ from workers.records.events import (
     ToolEvent,
 )
 from workers.records.fork import ForkResult, Status
-from workers.store.redis_server import RedisServer
 
-EXAMPLE_PARENT = Path(__file__).parent / "examples" / "parent.json"
+EXAMPLE_PARENT = Path(__file__).parent.parent / "examples" / "parent.json"
 # FORKQ_SCRIPT of the demo's workers: every fork's k-th model call gets step k (look, read, answer)
-DEMO_SCRIPT = Path(__file__).parent / "examples" / "demo-script.json"
+DEMO_SCRIPT = Path(__file__).parent.parent / "examples" / "demo-script.json"
 # FORKQ_AGENTS_DIR of the demo: one subagent definition (a read-only reviewer)
-DEMO_AGENTS = Path(__file__).parent / "examples" / "agents"
+DEMO_AGENTS = Path(__file__).parent.parent / "examples" / "agents"
 SHARED_REDIS_URL = "redis://127.0.0.1:6379/0"
 WORKER_NAMES = ("demo1", "demo2")
 WORKER_CONCURRENCY = 4

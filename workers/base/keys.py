@@ -29,7 +29,7 @@ Each key: type; content; TTL; writer → readers.
   inspect, transcript: each reads it through the journal's fold (`workers.records.conversation`).
   A `message` entry is a user message `send` gave the fork, moved there from its inbox by the worker.
 - `{ns}:{<fork_id>}:inbox`: list; UTF-8 texts of messages `send` gave the fork, oldest first, at most
-  `workers.limits.MAX_INBOX_MESSAGES`; retention; send → worker (which moves them, under its epoch, into
+  `workers.base.limits.MAX_INBOX_MESSAGES`; retention; send → worker (which moves them, under its epoch, into
   the journal before a model call, or when the fork would otherwise end).
 - `{ns}:running`: sorted set; fork ids of running forks scored by their lease deadline (Redis ms);
   none; worker (claim, heartbeat, finish) → sweeper. The one key shared by all forks.
@@ -143,7 +143,7 @@ class Keys:
 
     @property
     def dead_items(self) -> str:
-        """Refused queue items, whole, on the broker's Redis (`broker_config.connection`)."""
+        """Refused queue items, whole, on the broker's Redis (`workers.broker.connection`)."""
         return f"{self.namespace}:dead:items"
 
     def session_names(self, parent_session: str) -> str:

@@ -62,7 +62,7 @@ MAX_ENVELOPE_BYTES: Final = 4 * -(-JOB_BODY_MAX_BYTES // 3) + 64 * 1024
 MAX_ENVELOPE_BRACKETS: Final = 4096
 ENVELOPE_KEYS: Final = frozenset({"body", "content-encoding", "content-type", "headers", "properties"})
 HELD_MAX: Final = 16  # refused items a transport keeps until it has a sink (a worker's first restore comes first)
-# the transport option naming the broker's list of refused items, whole (workers.keys `{ns}:dead:items`)
+# the transport option naming the broker's list of refused items, whole (workers.base.keys `{ns}:dead:items`)
 DEAD_ITEMS_OPTION: Final = "forkq_dead_items"
 DEAD_ITEMS_MAX: Final = 16  # items that list keeps, newest first: at most 16 envelope limits (~186 MiB)
 DEAD_ITEMS_TTL_S: Final = 7 * 24 * 3600  # and it expires a week after the last refusal

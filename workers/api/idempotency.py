@@ -13,7 +13,7 @@ from typing import Final, cast
 
 import redis
 
-from workers.keys import Keys
+from workers.base.keys import Keys
 
 # KEYS: the claim. ARGV: the value it must hold. Deletes it only if it is still this launch's.
 _RELEASE: Final = """
