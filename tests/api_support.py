@@ -1,4 +1,5 @@
-"""Fixtures of the HTTP API's tests (test_api*.py): `forkq serve`'s app under uvicorn, on a free port, in a thread.
+"""Fixtures of the HTTP API's tests (tests/api/, and the e2e and CLI tests that serve it): `forkq serve`'s app
+under uvicorn, on a free port, in a thread.
 
 tests/conftest.py loads this module as a plugin. The app runs against the private Redis of the session
 (`make_settings`), beside in-process workers on the same Redis, namespace and queue; the tests talk to it
@@ -85,13 +86,6 @@ def serve_api(make_settings: Callable[..., Settings]) -> Iterator[Callable[..., 
 def api(serve_api: Callable[..., Api]) -> Api:
     """The API with the test tokens (a plain one and one given as its SHA-256)."""
     return serve_api()
-
-
-@pytest.fixture
-def http(api: Api) -> Iterator[httpx.Client]:
-    """An httpx client of `api` with a valid token."""
-    with api.client() as client:
-        yield client
 
 
 @pytest.fixture

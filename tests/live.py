@@ -20,9 +20,9 @@ from typing import Any
 import msgpack
 import pytest
 import redis
-from conftest import REPO_ROOT, TEST_NAMESPACE, TEST_QUEUE
 
 from broker_config.celery import RUN_FORK_TASK
+from tests.conftest import REPO_ROOT, TEST_NAMESPACE, TEST_QUEUE
 from workers.client import ForkClient
 from workers.store.redis_server import RedisServer
 

@@ -7,8 +7,8 @@ from typing import Any
 
 import msgpack
 import pytest
-from factories import agent_call, call, media, model, reminder, response, thought, user
 
+from tests.factories import agent_call, call, media, model, reminder, response, thought, user
 from workers.codec import (
     MessageBounds,
     decode,
