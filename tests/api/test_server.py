@@ -7,7 +7,6 @@ import os
 import signal
 import socket
 import subprocess
-import time
 from collections.abc import Callable
 
 import httpx
@@ -16,6 +15,7 @@ import pytest
 from broker_config.settings import Settings
 from tests.api_support import TOKEN
 from tests.cli_support import FORKQ, Run
+from tests.live import wait_until
 from workers.api.server import is_loopback
 
 
@@ -96,14 +96,15 @@ def test_the_installed_forkq_serve_answers_and_stops_on_sigterm(
     )
     try:
         base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 20
-        while True:
+
+        def healthz() -> httpx.Response | None:
             try:
-                health = httpx.get(f"{base}/healthz", timeout=2)
-                break
+                return httpx.get(f"{base}/healthz", timeout=2)
             except httpx.TransportError:
-                assert server.poll() is None and time.monotonic() < deadline, "forkq serve did not start"
-                time.sleep(0.05)
+                assert server.poll() is None, "forkq serve exited before it served"
+                return None
+
+        health = wait_until(healthz, 20, "forkq serve to start")
 
         # Then it serves the fork's state to a caller with the token, and stops cleanly on SIGTERM
         state = httpx.get(f"{base}/v1/forks/{fork_id}", headers={"Authorization": f"Bearer {TOKEN}"})

@@ -447,7 +447,7 @@ def test_a_worker_with_a_fork_in_flight_keeps_running_through_a_broker_restart(
         # When Redis stops and starts again: Celery loses its broker connection, closes its channels (whose
         # unacked message cannot be restored while Redis is down) and reconnects
         stop_redis(fresh_redis)
-        time.sleep(1.0)
+        time.sleep(1.0)  # not a synchronization: the outage, a fault injected for this long
         fresh_redis.restart()
 
         # Then the worker lives on: the fork in flight finishes, and a fork launched afterwards runs too

@@ -4,6 +4,7 @@ Sentinel runs forks."""
 from __future__ import annotations
 
 import asyncio
+import select
 import socket
 import subprocess
 import threading
@@ -22,6 +23,7 @@ from redis.sentinel import MasterNotFoundError
 
 from broker_config.redis_client import QUIET_CHECK_S, async_redis_client, close_async_client, redis_client
 from broker_config.settings import Settings
+from tests.live import wait_until
 from workers.app import make_app
 from workers.client import ForkClient
 from workers.keys import Keys
@@ -73,18 +75,20 @@ def start_sentinel(redis_executable: str, tmp_path: Path) -> Iterator[Callable[.
         node = SentinelNode(port, master, process)
         nodes.append(node)
         with redis.Redis(port=port, password=requirepass or None, socket_timeout=1) as probe:
-            deadline = time.monotonic() + 10
-            while True:
+
+            def log() -> str:
+                return (tmp_path / f"sentinel-{port}.log").read_text()
+
+            def answers() -> bool:
                 try:
-                    if probe.execute_command("SENTINEL", "GET-MASTER-ADDR-BY-NAME", master):
-                        return node
+                    return bool(probe.execute_command("SENTINEL", "GET-MASTER-ADDR-BY-NAME", master))
                 except redis.ConnectionError:
-                    pass
-                if process.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail(
-                        f"Sentinel on port {port} did not start: {(tmp_path / f'sentinel-{port}.log').read_text()}"
-                    )
-                time.sleep(0.02)
+                    if process.poll() is not None:
+                        pytest.fail(f"Sentinel on port {port} exited: {log()}")
+                    return False
+
+            wait_until(answers, 10, lambda: f"Sentinel on port {port} to start: {log()}")
+            return node
 
     yield start
     for node in nodes:
@@ -110,9 +114,8 @@ def _waited_for_the_held_connection(client: redis.Redis, observed_url: str) -> f
     blocked = threading.Thread(target=client.blpop, args=(["forkq-test-nothing"], 1))
     blocked.start()
     with redis.Redis.from_url(observed_url) as observer:
-        deadline = time.monotonic() + 10
-        while not any(c.get("cmd") == "blpop" for c in observer.client_list()) and time.monotonic() < deadline:
-            time.sleep(0.01)
+        blocking = lambda: any(c.get("cmd") == "blpop" for c in observer.client_list())  # noqa: E731
+        wait_until(blocking, 10, "the BLPOP to hold the connection")
     try:
         started = time.monotonic()
         assert client.ping()
@@ -306,10 +309,12 @@ def test_a_connection_with_a_reply_unread_still_asks_the_socket_and_says_so(sett
     client = redis_client(settings, max_connections=1)
     client.set("k", "value")
     conn = client.connection_pool.get_connection()
-    counted = _CountedSocket(conn._sock)
+    raw = conn._sock
+    counted = _CountedSocket(raw)
     conn._sock = conn._parser._buffer._sock = counted
     conn.send_command("GET", "k")
-    time.sleep(0.05)
+    # the reply is waiting on the socket (select on the socket itself leaves the counted wrapper untouched)
+    assert select.select([raw], [], [], 10)[0], "no reply arrived within 10 s"
 
     # Then the check the pool makes asks the socket, and reports the reply waiting (as redis-py's own does)
     assert conn.can_read() is True
@@ -329,7 +334,7 @@ def test_a_connection_the_server_closed_while_idle_is_opened_again(settings: Set
     client.client_setname("quick-check-idle")
     victim = [c["id"] for c in admin.client_list() if c.get("name") == "quick-check-idle"]
     admin.client_kill_filter(_id=victim[0])
-    time.sleep(QUIET_CHECK_S + 0.1)
+    time.sleep(QUIET_CHECK_S + 0.1)  # not a synchronization: idle past the quiet window, what the test is about
 
     # Then the next command opens a new connection and succeeds (redis-py's check ran: the socket was asked)
     assert client.get("k") == b"v"

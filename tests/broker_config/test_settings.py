@@ -201,7 +201,11 @@ def test_a_script_that_is_not_a_file_is_refused_naming_the_variable(tmp_path: Pa
 
 @pytest.mark.parametrize(("name", "value"), [("FORKQ_INLINE_SEED_MAX_BYTES", "-1"), ("FORKQ_RECORD_TTL_S", "0")])
 def test_negative_sizes_and_empty_retention_are_refused(name: str, value: str) -> None:
-    error_of(**{name: value})
+    message = error_of(**{name: value})
+
+    # the error names the setting and the bound it broke (a size may be 0, a retention must be more)
+    assert name.removeprefix("FORKQ_").lower() in message
+    assert "should be greater than" in message
 
 
 def test_settings_are_frozen() -> None:

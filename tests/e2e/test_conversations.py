@@ -9,11 +9,11 @@ session while they live, and reachable by name.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
 import pytest
+import redis
 
 from tests.e2e.test_providers import (  # noqa: F401  (fixtures)
     forkq,
@@ -235,13 +235,21 @@ def test_racing_launches_of_one_teammate_name_give_it_to_exactly_one(client: For
     assert client.store.teammate(parent["session_id"], "racer") == winner
 
 
+def redis_ms(client: redis.Redis) -> int:
+    """Redis's clock in ms, the one the store's scripts use."""
+    seconds, micros = client.time()
+    return int(seconds) * 1000 + int(micros) // 1000
+
+
 def test_a_sessions_forks_are_listed_newest_first_with_kind_name_and_status(
     client: ForkClient, parent: dict, forkq_env: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from workers.cli import main
 
     fork = client.launch(parent, FORK)
-    time.sleep(0.01)  # the index orders by launch time in ms
+    # the index orders by launch time in ms (Redis's clock): the next launch comes a millisecond later at least
+    launched_ms = client.redis.zscore(client.store.keys.session_forks(parent["session_id"]), fork.fork_id)
+    wait_until(lambda: redis_ms(client.redis) > launched_ms, 5, "the next millisecond of Redis time")
     teammate = client.launch(parent, {"description": "review the diff", "prompt": "Review.", "name": "ann"})
     client.cancel(fork.fork_id)
     listed = client.list(parent["session_id"])

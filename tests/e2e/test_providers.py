@@ -16,7 +16,7 @@ import json
 import re
 import socket
 import threading
-import time
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -490,7 +490,8 @@ def test_a_provider_that_keeps_failing_ends_the_fork_failed_with_a_terminal_erro
     state = client.status(handle.fork_id)
     assert (state.status, state.error) == (Status.FAILED, error)
     assert event_types(client, handle.fork_id)[-1] == "finished"
-    time.sleep(0.3)  # nothing runs it again: no redelivery, no loop
+    # nothing runs it again: no redelivery, no loop (once the job is acknowledged, none can come)
+    wait_until(queue_drained(client.redis, client.settings.queue), 15, "the job to be acknowledged")
     assert len(api.received) == 1 + attempts
 
 
@@ -751,6 +752,7 @@ class Monitor:
         parts = urlsplit(url)
         self._sock = socket.create_connection((parts.hostname or "127.0.0.1", parts.port or 6379))
         self._sock.sendall(b"MONITOR\r\n")
+        self._url = url
         self._data = bytearray()
         self._thread = threading.Thread(target=self._read, daemon=True)
         self._thread.start()
@@ -769,7 +771,11 @@ class Monitor:
     def stop(self) -> bytes:
         """Stop monitoring (idempotent); what was seen."""
         if self._thread.is_alive():
-            time.sleep(0.1)  # let the last commands arrive
+            # a marker after the last command: once MONITOR shows it, every command executed before it has arrived
+            marker = f"forkq-monitor-end-{uuid.uuid4().hex}"
+            with redis.Redis.from_url(self._url) as probe:
+                probe.echo(marker)
+            wait_until(lambda: marker.encode() in self._data, 10, "MONITOR to show the last commands")
             with contextlib.suppress(OSError):
                 self._sock.shutdown(socket.SHUT_RDWR)
             self._sock.close()

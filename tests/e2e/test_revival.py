@@ -35,7 +35,7 @@ from celery.exceptions import Reject
 
 from broker_config.settings import Settings
 from tests.conftest import PARENT_PATH, REPO_ROOT, TEST_NAMESPACE, TEST_QUEUE
-from tests.live import kombu_envelope, stop_redis
+from tests.live import kombu_envelope, stop_redis, wait_until
 from workers.app import make_app
 from workers.client import ForkClient
 from workers.keys import Keys
@@ -80,7 +80,7 @@ def _record(ctx):
 
 def _count(args, ctx):
     _record(ctx)
-    time.sleep(float(args.get("sleep_s") or 0))
+    time.sleep(float(args.get("sleep_s") or 0))  # the tool's work, as long as the script says
     return "done " + ctx.idempotency_key
 
 
@@ -314,11 +314,14 @@ class Cluster:
         return [value for proc in self.procs for value in proc.task_returns(task_id)]
 
     def wait_for(self, predicate: Callable[[], bool], timeout: float, what: str, fid: str | None = None) -> None:
-        deadline = time.monotonic() + timeout
-        while not predicate():
-            if time.monotonic() > deadline:
-                pytest.fail(f"timed out after {timeout} s waiting for {what}\n{self.diagnostics(fid)}")
-            time.sleep(0.05)
+        wait_until(predicate, timeout, lambda: f"{what}\n{self.diagnostics(fid)}")
+
+    def wait_for_sweeps(self, for_s: float, fid: str | None = None) -> None:
+        """Wait until a sweeper starts a pass `for_s` seconds of Redis time from now: sweeping went on that long."""
+        seconds, micros = self.redis.time()
+        after_ms = seconds * 1000 + micros // 1000 + for_s * 1000
+        swept = lambda: int(self.redis.hget(self.keys.sweep, "last") or 0) >= after_ms  # noqa: E731
+        self.wait_for(swept, for_s + 15, f"the sweepers to sweep on for {for_s} s", fid)
 
     def diagnostics(self, fid: str | None) -> str:
         parts = []
@@ -484,9 +487,8 @@ def test_a_continuation_is_revived_on_another_worker_after_sigkill_with_its_mess
     cluster.proc_of(int(owner.split(":")[1])).send(signal.SIGKILL)
 
     # Then the continuation finishes elsewhere: the message delivered once, no side effect twice, same requests
-    deadline = time.monotonic() + REVIVAL_S + 8
-    while (result := cluster.store.result(fid)) is None and time.monotonic() < deadline:
-        time.sleep(0.1)
+    cluster.wait_for(lambda: cluster.store.result(fid) is not None, REVIVAL_S + 8, "the continuation's result", fid)
+    result = cluster.store.result(fid)
     assert result is not None and result.output == "2nd", cluster.diagnostics(fid)
     assert len(cluster.of_type(fid, "revived")) == 1
     messages = [e for e in cluster.leases.journal(fid) if e.kind == "message"]
@@ -608,7 +610,7 @@ def test_a_stall_shorter_than_the_lease_is_not_revived(make_cluster: Callable[..
     cluster.wait_for(lambda: cluster.has_event(fid, "model_call", step=1), 10, "the first model call", fid)
     worker = cluster.proc_of(cluster.owner_pid(fid, attempt=1))
     worker.send(signal.SIGSTOP)
-    time.sleep(1.5)
+    time.sleep(1.5)  # not a synchronization: the stall, a fault injected for this long
     worker.send(signal.SIGCONT)
 
     # Then nobody revived the fork behind its back: the same worker finishes it
@@ -772,7 +774,7 @@ def test_a_workers_connections_killed_for_a_second_revive_none_of_its_forks(
                 with contextlib.suppress(redis.ResponseError):  # gone meanwhile
                     killed += killer.client_kill_filter(_id=entry["id"], skipme=True)
         ports |= {c.laddr.port for c in psutil.Process(worker.pid).net_connections(kind="tcp") if c.raddr}
-        time.sleep(0.05)
+        time.sleep(0.05)  # not a synchronization: the blip's rhythm, a kill every 50 ms for a second
     killer.close()
 
     # Then no fork was revived: each succeeds on its first attempt with every side effect once
@@ -827,7 +829,7 @@ def test_a_fork_completes_after_redis_is_killed_and_restarted_from_its_aof(
     # When Redis is SIGKILLed during the second model call and restarted from its files
     cluster.wait_for(lambda: cluster.has_event(fid, "model_call", step=2), 10, "the second model call", fid)
     fresh_redis.kill()
-    time.sleep(0.5)
+    time.sleep(0.5)  # not a synchronization: the outage, a fault injected for this long
     fresh_redis.restart()
 
     # Then the fork completes, once, with no side effect repeated
@@ -881,9 +883,9 @@ def test_three_redis_restarts_of_a_second_cost_four_long_forks_no_attempt_and_no
     # in its AOF already) and started again three times, down about a second each time
     for _ in range(3):
         stop_redis(fresh_redis) if stop == "SIGTERM" else fresh_redis.kill()
-        time.sleep(1.0)
+        time.sleep(1.0)  # not a synchronization: the outage, a fault injected for this long
         fresh_redis.restart()
-        time.sleep(2.0)
+        time.sleep(2.0)  # not a synchronization: the fault's rhythm, up 2 s between outages
 
     # Then every fork succeeds on its first attempt, without a revival or a repeated side effect
     for fid in forks:
@@ -909,7 +911,7 @@ def test_a_redis_outage_longer_than_a_heartbeat_and_shorter_than_the_lease_costs
     # left, and one that lapsed anyway (a late beat on a loaded machine) would be taken back: the sweeper
     # leaves it to its worker for 6.5 s more, so the margin is about 9 s
     stop_redis(fresh_redis)
-    time.sleep(7.0)
+    time.sleep(7.0)  # not a synchronization: the outage, a fault injected for this long
     fresh_redis.restart()
 
     # Then both forks succeed on their first attempt, without a revival or a repeated side effect
@@ -949,7 +951,7 @@ def test_a_lease_that_lapses_during_a_redis_outage_shorter_than_its_ttl_is_taken
     cluster.wait_for(lambda: 0 < cluster.redis.pttl(lease) < (ttl_s - 3.0) * 1000, heartbeat_s + 5, "a late moment")
     left_ms = int(cluster.redis.pttl(lease))
     back = go_silent(fresh_redis, how)
-    time.sleep(ttl_s - 2.0)
+    time.sleep(ttl_s - 2.0)  # not a synchronization: the outage, a fault injected for this long
     back()
 
     # Then both forks succeed on their first attempt, never revived: their worker took its lapsed leases back
@@ -976,7 +978,7 @@ def test_after_a_redis_outage_longer_than_the_lease_every_fork_still_succeeds(
 
     # When Redis is down for 20 s, past every lease
     stop_redis(fresh_redis)
-    time.sleep(20.0)
+    time.sleep(20.0)  # not a synchronization: the outage, a fault injected for this long
     fresh_redis.restart()
 
     # Then every fork succeeds, once. A run whose lease lapsed less than the sweeper's grace (6.5 s) before
@@ -1162,7 +1164,7 @@ def test_three_sweeper_processes_revive_each_of_fifty_expired_forks_once(
         lambda: all(cluster.store.state(f).status is Status.QUEUED for f in forks), 15, "every fork to be revived"
     )
     cluster.wait_for(lambda: cluster.redis.llen(TEST_QUEUE) >= 50, 5, "the revival jobs")
-    time.sleep(4 * 0.2)  # a few more passes of every sweeper: none may revive a fork again
+    cluster.wait_for_sweeps(4 * 0.2)  # a few more passes of the sweepers: none may revive a fork again
     revived = {fid: len(cluster.of_type(fid, "revived")) for fid in forks}
     assert revived == dict.fromkeys(forks, 1)
     jobs = [json.loads(raw) for raw in cluster.redis.lrange(TEST_QUEUE, 0, -1)]
@@ -1185,7 +1187,7 @@ def test_a_fork_cancelled_while_its_dead_workers_lease_runs_out_is_never_run_aga
     cluster.wait_for(
         lambda: cluster.redis.zscore(cluster.keys.running, fid) is None, REVIVAL_S + 2, "the sweeper to see it", fid
     )
-    time.sleep(2 * SWEEP_S)  # and a couple more sweeps
+    cluster.wait_for_sweeps(2 * SWEEP_S, fid)  # and a couple more sweeps
 
     # Then it stays cancelled and never runs again
     cluster.assert_ended_once(fid, Status.CANCELLED)
@@ -1205,7 +1207,8 @@ def test_a_fork_cancelled_after_its_revival_and_before_a_claim_is_never_run_agai
 
     # When `forkq sweep --once` revives it once its lease expired and the grace passed (its job is now queued)
     cluster.wait_for(lambda: not cluster.redis.exists(cluster.keys.lease(fid)), LEASE_TTL_S + 2, "the lease to expire")
-    time.sleep(revival_grace_s(HEARTBEAT_S))  # a sweep leaves a lapsed lease to its worker for this long
+    # not a synchronization: time passes for the grace to lapse, as a sweep leaves a lapsed lease to its worker
+    time.sleep(revival_grace_s(HEARTBEAT_S))
     swept = subprocess.run(
         [sys.executable, "-m", "workers.cli", "sweep", "--once"],
         cwd=REPO_ROOT,

@@ -19,7 +19,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Mapping
@@ -34,6 +33,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from broker_config.settings import Settings
+from tests.live import wait_until
 from workers.app import make_app
 from workers.client import ForkClient
 from workers.records.fork import Status
@@ -286,16 +286,17 @@ def sample(samples: Mapping[tuple[str, tuple[tuple[str, str], ...]], float], nam
 
 def poll(predicate: Callable[[], Any], timeout: float, what: str, procs: list[Proc]) -> Any:
     """Poll until `predicate` returns something truthy; on timeout or a dead process, fail with the logs."""
-    deadline = time.monotonic() + timeout
-    while True:
+
+    def logs() -> str:
+        return "\n".join(f"── {p.name} (exit {p.process.poll()}):\n{p.log()[-3000:]}" for p in procs)
+
+    def holds() -> Any:
         value = predicate()
-        if value:
-            return value
-        dead = [p for p in procs if not p.alive() and p.name != "victim"]
-        if dead or time.monotonic() > deadline:
-            logs = "\n".join(f"── {p.name} (exit {p.process.poll()}):\n{p.log()[-3000:]}" for p in procs)
-            pytest.fail(f"{'process died' if dead else f'timed out after {timeout} s'} waiting for {what}\n{logs}")
-        time.sleep(0.1)
+        if not value and any(not p.alive() and p.name != "victim" for p in procs):
+            pytest.fail(f"process died waiting for {what}\n{logs()}")
+        return value
+
+    return wait_until(holds, timeout, lambda: f"{what}\n{logs()}")
 
 
 # ── the test ─────────────────────────────────────────────────────────────────────────────────

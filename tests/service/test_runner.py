@@ -351,7 +351,7 @@ def _connections_once_they_stop_growing(holding: Callable[[], int], slots: int, 
     deadline = time.monotonic() + within_s
     held, grew = holding(), time.monotonic()
     while held < slots and time.monotonic() < deadline:
-        time.sleep(0.1)
+        time.sleep(0.1)  # the sampling interval of a measurement (connections held once they stop growing)
         now = holding()
         if now > held:
             held, grew = now, time.monotonic()

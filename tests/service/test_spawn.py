@@ -69,7 +69,7 @@ def test_a_caller_waiting_for_its_subagent_rides_out_a_redis_restart_without_los
 
         # When Redis stops and starts again (1.5 s down) while the caller waits for its subagent
         stop_redis(fresh_redis)
-        time.sleep(1.5)
+        time.sleep(1.5)  # not a synchronization: the outage, a fault injected for this long
         fresh_redis.restart()
 
         # Then both end succeeded on their first attempt: the caller's wait retried its reads, nobody revived it

@@ -7,6 +7,7 @@ owner that never renews, and the test waits until Redis has dropped the lease ke
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from collections import Counter
@@ -18,6 +19,7 @@ import redis
 from kombu.exceptions import OperationalError
 
 from tests.conftest import TEST_NAMESPACE
+from tests.live import wait_until
 from workers.keys import Keys
 from workers.records.fork import BootstrapRecord, Status
 from workers.service.sweeper import Sweeper, outage_gap_s
@@ -29,15 +31,6 @@ from workers.store.redis_server import RedisServer
 
 KEYS = Keys(TEST_NAMESPACE)
 SHORT_TTL_MS = 200
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
-    """Poll `predicate` until it holds; fail the test after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.01)
 
 
 @dataclass
@@ -283,7 +276,9 @@ def test_cancels_racing_sweepers_never_resurrect_a_fork(
     assert max(Counter(fid for fid, _, _ in enqueued.jobs).values(), default=0) <= 1
 
 
-def test_the_sweep_loop_survives_a_redis_outage_and_stops_when_asked(fresh_redis: RedisServer) -> None:
+def test_the_sweep_loop_survives_a_redis_outage_and_stops_when_asked(
+    fresh_redis: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
     # Given a sweeper looping over a Redis that goes away and comes back with an expired fork
     client = redis.Redis.from_url(fresh_redis.url, socket_timeout=2)
     store = ForkStore(client, KEYS, ttl_s=3600)
@@ -293,8 +288,10 @@ def test_the_sweep_loop_survives_a_redis_outage_and_stops_when_asked(fresh_redis
     thread = threading.Thread(target=sweeper.run, args=(stop,))
     thread.start()
     try:
+        caplog.set_level(logging.INFO, logger="forkq.sweeper")
         fresh_redis.kill()
-        time.sleep(0.3)  # a few sweep intervals against a dead server
+        failed = lambda: sum(r.getMessage().startswith("sweep failed") for r in caplog.records) >= 3  # noqa: E731
+        wait_until(failed, what="a few sweeps against the dead server")
         assert thread.is_alive()
         fresh_redis.restart()
         record = BootstrapRecord(
@@ -347,17 +344,21 @@ def test_a_revival_whose_enqueue_failed_is_enqueued_by_a_later_sweep(
     assert broker.jobs == []
 
     # When the broker is back and the sweeper keeps sweeping
-    deadline = time.monotonic() + 5
-    while not broker.jobs and time.monotonic() < deadline:
+    def swept_a_job() -> bool:
         with contextlib.suppress(OperationalError):
             sweeper.sweep_once()
-        time.sleep(0.05)
+        return bool(broker.jobs)
+
+    def seen() -> str:
+        return (
+            f"its job: fork is {fork_store.state(fid).status.value}, in the running index: "
+            f"{redis_client.zscore(KEYS.running, fid) is not None}; no job was ever enqueued for it"
+        )
+
+    wait_until(swept_a_job, 5, seen)
 
     # Then the fork's job is enqueued after all: a revived fork is never left queued without a job
-    assert broker.jobs == [(fid, digest, 2)], (
-        f"fork is {fork_store.state(fid).status.value}, in the running index: "
-        f"{redis_client.zscore(KEYS.running, fid) is not None}; no job was ever enqueued for it"
-    )
+    assert broker.jobs == [(fid, digest, 2)]
 
 
 def test_the_sweep_loop_survives_a_broker_outage(
@@ -470,10 +471,11 @@ def test_the_sweep_loop_revives_a_dead_runtimes_fork_long_before_its_lease_ends(
     assert isinstance(leases.claim(fid, owner_token(presence.token)), Claim)
     enqueued = Enqueued()
     stop = threading.Event()
-    thread = threading.Thread(target=looking_sweeper(redis_client, enqueued).run, args=(stop,))
+    passes: list[Counter[str]] = []
+    thread = threading.Thread(target=looking_sweeper(redis_client, enqueued).run, args=(stop, passes.append))
     thread.start()
     try:
-        time.sleep(0.5)
+        wait_until(lambda: len(passes) >= 10, what="ten passes of the loop")  # its looks span its grace
         assert enqueued.jobs == []  # alive: nothing to do
 
         # When the runtime dies: no more pings, and Redis closes its connection

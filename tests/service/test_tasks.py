@@ -10,7 +10,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -520,10 +519,7 @@ def test_flower_gives_a_lost_run_and_a_parked_run_a_final_state_once_their_fork_
     def states() -> dict[str, Any]:
         return {task_id: flower(f"/api/task/info/{task_id}").get("state") for task_id in ended}
 
-    deadline = time.monotonic() + 30
-    while states() != ended and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert states() == ended
+    wait_until(lambda: states() == ended, 30, lambda: f"Flower's final states {ended}; it shows {states()}")
     assert f"{rid}.2" in flower(f"/api/task/info/{rid}.1")["result"]
     assert f"{pid}.2" in flower(f"/api/task/info/{pid}.1")["result"]
     # and no row of the two forks is left in a running state
@@ -578,8 +574,5 @@ def test_flower_gives_a_final_state_to_a_run_no_next_run_ends_a_fork_failed_lost
     def states() -> dict[str, Any]:
         return {task_id: flower(f"/api/task/info/{task_id}").get("state") for task_id in ended}
 
-    deadline = time.monotonic() + 30
-    while states() != ended and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert states() == ended
+    wait_until(lambda: states() == ended, 30, lambda: f"Flower's final states {ended}; it shows {states()}")
     assert "worker_lost" in flower(f"/api/task/info/{rid}.1")["result"]

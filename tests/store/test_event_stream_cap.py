@@ -3,7 +3,6 @@ cancel, resume, approve/deny) trims it to about EVENTS_MAXLEN entries, against a
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import cast
 
@@ -11,6 +10,7 @@ import pytest
 import redis
 
 from tests.conftest import TEST_NAMESPACE, put_queued_fork
+from tests.live import wait_until
 from workers.keys import Keys
 from workers.records.fork import ForkResult, Status
 from workers.records.journal import JournalEntry
@@ -43,10 +43,7 @@ def claimed(leases: Leases, fid: str) -> Claim:
 def lapsed(client: redis.Redis, leases: Leases, fid: str) -> None:
     """Claim the fork under a short lease and wait until Redis has dropped it (a lost worker)."""
     claimed(leases, fid)
-    deadline = time.monotonic() + 5
-    while client.exists(KEYS.lease(fid)):
-        assert time.monotonic() < deadline, "the lease did not expire"
-        time.sleep(0.01)
+    wait_until(lambda: not client.exists(KEYS.lease(fid)), 5, "the lease to expire")
 
 
 def entry(seq: int) -> JournalEntry:

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import redis
 
+from tests.live import wait_until
 from workers import codec
 from workers.errors import (
     ForkNotFound,
@@ -420,7 +421,7 @@ def test_a_cancelled_running_fork_keeps_the_usage_its_journal_records(store: For
     result_entry = JournalEntry(seq=1, step=0, kind="tool_result", call_index=0, response={"output": "ok"})
     leases.append(claim, model_entry(0, 0, 120), result_entry)
     leases.append(claim, model_entry(2, 1, 80, cached=64))
-    time.sleep(0.05)
+    time.sleep(0.05)  # not a synchronization: the fork runs 50 ms, the duration its usage must report
 
     # When it is cancelled
     assert store.cancel("f-1") is Status.CANCELLED
@@ -440,9 +441,9 @@ def test_a_cancelled_parked_fork_reports_its_time_until_it_parked(store: ForkSto
     leases = Leases(store.client, store.keys, ttl_ms=10_000, retention_s=TTL_S)
     claim = leases.claim("f-1", "worker-1")
     assert isinstance(claim, Claim)
-    time.sleep(0.05)
+    time.sleep(0.05)  # not a synchronization: the fork runs 50 ms before it parks, the duration it must report
     leases.park(claim, [ParkedCall(call_id="w1", index=0, step=0, name="write_file", args={})])
-    time.sleep(0.2)  # parked: not the fork's time
+    time.sleep(0.2)  # not a synchronization: time parked, which is not the fork's time and must not count
 
     store.cancel("f-1")
 
@@ -478,16 +479,19 @@ def test_a_cancel_racing_a_running_fork_counts_every_entry_the_fork_wrote(store:
     assert isinstance(claim, Claim)
     leases.append(claim, model_entry(0, 0, 1))
 
+    appended = [0]
+
     def run() -> None:
         seq = 1
         with contextlib.suppress(LeaseLost):  # the cancel fences it out
             while True:
                 leases.append(claim, model_entry(seq, seq, 1))
+                appended[0] = seq
                 seq += 1
 
     writer = threading.Thread(target=run)
     writer.start()
-    time.sleep(0.1)
+    wait_until(lambda: appended[0] >= 10, 10, "the writer to append entries")
 
     # When it is cancelled meanwhile
     store.cancel("f-1")
@@ -576,6 +580,7 @@ def test_following_events_waits_for_new_ones_and_stops_at_the_finished_event(sto
     launch(store, seed)
 
     def produce() -> None:
+        # not a synchronization: the events come late on purpose, and `follow` must block until they do
         time.sleep(0.2)
         emit(store, "step", {"step": 1})
         time.sleep(0.2)
@@ -611,11 +616,9 @@ def test_with_a_replica_a_launch_is_acknowledged_only_after_the_replica_has_the_
     primary = redis.Redis.from_url(fresh_redis.url)
     follower = redis.Redis.from_url(replica.url)
     try:
-        deadline = time.monotonic() + 10
         # online: past its initial sync, so it acknowledges the stream (WAIT counts only such replicas)
-        while primary.info("replication").get("slave0", {}).get("state") != "online":
-            assert time.monotonic() < deadline, "the replica did not finish its initial sync"
-            time.sleep(0.05)
+        online = lambda: primary.info("replication").get("slave0", {}).get("state") == "online"  # noqa: E731
+        wait_until(online, 10, "the replica to finish its initial sync")
         store = ForkStore(primary, Keys("t"), ttl_s=TTL_S)
         # When a fork is launched
         record, _ = launch(store, seed)

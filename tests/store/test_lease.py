@@ -20,7 +20,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from tests.conftest import TEST_NAMESPACE, put_queued_fork
-from tests.live import stop_redis
+from tests.live import stop_redis, wait_until
 from workers.errors import LeaseLost, RecordDecodeError
 from workers.keys import Keys
 from workers.records.fork import ForkResult, Status
@@ -35,15 +35,6 @@ from workers.store.redis_server import RedisServer
 
 KEYS = Keys(TEST_NAMESPACE)
 SHORT_TTL_MS = 150
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float = 5.0, what: str = "condition") -> None:
-    """Poll `predicate` until it holds; fail the test after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.01)
 
 
 def make_leases(client: redis.Redis, ttl_ms: int = 10_000) -> Leases:
@@ -665,7 +656,7 @@ def test_the_lease_keeper_thread_keeps_a_lease_alive_past_its_ttl(
     lost = keeper.hold(claim)
     try:
         # Given three TTLs have passed with the heartbeat running
-        time.sleep(0.9)
+        time.sleep(0.9)  # not a synchronization: three TTLs pass, which the heartbeat must outlive
         # Then the lease is still ours and the sweeper would find it alive
         assert redis_client.get(KEYS.lease(fid)) == claim.owner.encode()
         assert leases.revive(fid, max_attempts=3) == "alive"
@@ -995,7 +986,7 @@ def test_a_claim_is_retried_for_as_long_as_redis_is_down_and_then_claims_the_for
         worker.start()
 
         # When Redis stays down well past the lease's TTL (and its margin), then answers again
-        time.sleep(1.0 + LAPSE_MARGIN_S + 2.0)
+        time.sleep(1.0 + LAPSE_MARGIN_S + 2.0)  # not a synchronization: the outage, past the lease and its margin
         assert outcome == [] and worker.is_alive()  # still retrying: the claim never ran, nobody else would run it
         fresh_redis.restart()
         worker.join(timeout=15)

@@ -11,6 +11,7 @@ import pytest
 import redis
 
 from tests.conftest import TEST_NAMESPACE
+from tests.live import wait_until
 from workers.keys import Keys
 from workers.store.presence import Presence, PresenceWatch, owner_mark, owner_token, owns, presence_token
 from workers.store.redis_server import RedisServer
@@ -44,7 +45,7 @@ def watch_for(watch: PresenceWatch, seconds: float) -> list[tuple[str, int]]:
     while time.monotonic() < deadline:
         with contextlib.suppress(redis.ConnectionError):
             dead += watch.dead()
-        time.sleep(0.05)
+        time.sleep(0.05)  # not a synchronization: the watch's pace over the period the test observes
     return dead
 
 
@@ -98,11 +99,7 @@ def test_a_runtime_whose_connection_closed_for_good_is_reported_after_the_grace_
     gone_at = time.monotonic()
 
     # Then the watch reports it once the grace has passed, and not earlier
-    reported: list[tuple[str, int]] = []
-    while not reported and time.monotonic() - gone_at < 5 * GRACE_S:
-        reported = watch.dead()
-        if not reported:
-            time.sleep(0.02)
+    reported = wait_until(watch.dead, 5 * GRACE_S, "the watch to report the dead runtime")
     assert reported == [(presence.token, cid)]
     assert time.monotonic() - gone_at >= GRACE_S
     # and once forgotten, its entry is gone and it is not reported again
@@ -124,7 +121,7 @@ def test_a_runtime_whose_connection_is_killed_again_and_again_names_its_new_one_
     dead: list[tuple[str, int]] = []
     while time.monotonic() < deadline:
         redis_client.client_kill_filter(_id=named_id(redis_client, presence))
-        time.sleep(0.1)
+        time.sleep(0.1)  # not a synchronization: the fault's rhythm, a kill every 100 ms
         dead += watch.dead()
     dead += watch_for(watch, GRACE_S)
 
@@ -143,9 +140,7 @@ def test_a_removed_entry_comes_back_while_the_runtime_lives(
     redis_client.hdel(KEYS.procs, presence.token)
 
     # Then the runtime names its connection again within its pings
-    deadline = time.monotonic() + 3
-    while redis_client.hget(KEYS.procs, presence.token) is None and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_until(lambda: redis_client.hget(KEYS.procs, presence.token) is not None, 3, "the entry named again")
     assert named_id(redis_client, presence) == cid
 
 

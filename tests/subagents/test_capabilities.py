@@ -237,7 +237,7 @@ def test_the_wall_clock_limit_counts_from_the_first_start_across_a_revival(
         name = "dies"
 
         def generate(self, request: ModelRequest) -> ModelResponse:
-            time.sleep(1.0)
+            time.sleep(1.0)  # not a synchronization: the call takes 1 s of the fork's wall-clock limit
             raise Died
 
     work = workdir(tmp_path)

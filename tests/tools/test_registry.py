@@ -215,7 +215,7 @@ def test_a_cancelled_fork_stops_waiting_for_a_stuck_handler(work: Path, release:
 def test_a_handler_that_watches_its_context_stops_at_the_deadline_with_its_own_answer(work: Path) -> None:
     def patient(args: Mapping[str, Any], ctx: ToolContext) -> str:
         while not ctx.cancelled():  # turns true once the caller stops waiting
-            time.sleep(0.01)
+            time.sleep(0.01)  # not a synchronization of the test: the handler under test polls its context
         raise ToolError(f"stopped {'past' if ctx.seconds_left() <= 0 else 'before'} the deadline")
 
     registry = ToolRegistry(default_timeout_s=0.3)

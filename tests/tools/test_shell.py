@@ -38,13 +38,8 @@ def alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
-def all_gone(pids: list[int], within_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + within_s
-    while any(alive(pid) for pid in pids):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
+def all_gone(pids: list[int]) -> bool:
+    return not any(alive(pid) for pid in pids)
 
 
 def pids_in(text: str) -> list[int]:
@@ -87,7 +82,7 @@ def test_a_timeout_kills_the_whole_process_group(registry: ToolRegistry, work: P
     assert "timed out after 1 s" in message and "every process it started was killed" in message
     pids = pids_in(message)
     assert len(pids) == 3
-    assert all_gone(pids)
+    wait_until(lambda: all_gone(pids), 5, f"processes {pids} to end")
 
 
 def test_background_processes_do_not_outlive_the_command(registry: ToolRegistry, work: Path) -> None:
@@ -95,7 +90,7 @@ def test_background_processes_do_not_outlive_the_command(registry: ToolRegistry,
     text = output(run(registry, work, "run_shell_command", command="sleep 30 & echo pid=$!"))
     assert time.monotonic() - started < 10
     assert text.endswith("[exit code: 0]")
-    assert all_gone(pids_in(text))
+    wait_until(lambda: all_gone(pids_in(text)), 5, "the processes to end")
 
 
 def test_cancelling_the_fork_stops_a_running_command(work: Path) -> None:
@@ -118,7 +113,8 @@ def test_cancelling_the_fork_stops_a_running_command(work: Path) -> None:
     message = error(result)
     assert message.startswith("the fork was cancelled; the command was stopped")
     pids = pids_in(message)
-    assert len(pids) == 2 and all_gone(pids)
+    assert len(pids) == 2
+    wait_until(lambda: all_gone(pids), 5, f"processes {pids} to end")
 
 
 def test_a_command_of_an_already_cancelled_fork_never_starts(work: Path) -> None:
