@@ -19,19 +19,14 @@ from typing import Any
 import pytest
 
 from broker_config.settings import Settings
-from tests.e2e.test_providers import (  # noqa: F401  (fixtures)
+from tests.e2e.conftest import MARKER
+from tests.e2e.test_providers import (
     FORK,
-    MARKER,
     SIG_1,
     SIG_2,
-    apis,
     assert_prompt_cache_parity,
-    forkq,
-    gemini_api,
     gemini_function_responses,
-    make_parent,
     model_of,
-    openai_api,
     openai_tool_messages,
     provider_settings,
     raw_first_item,
@@ -40,7 +35,6 @@ from tests.e2e.test_providers import (  # noqa: F401  (fixtures)
     script_openai_tool_run,
     text_answer,
     wait_result,
-    workdir,
 )
 from tests.fakeapi import FakeAPI, Received
 from tests.providers.test_gemini import generated
@@ -76,13 +70,13 @@ def cli(forkq_env: Settings, capsys: pytest.CaptureFixture[str]) -> Callable[...
 
 
 @pytest.fixture
-def parent_of(make_parent: Callable[[str], dict[str, Any]]) -> Callable[[str], dict[str, Any]]:  # noqa: F811
+def parent_of(make_parent: Callable[[str], dict[str, Any]]) -> Callable[[str], dict[str, Any]]:
     """The example parent for a provider kind's model."""
     return lambda kind: make_parent(model_of(kind))
 
 
 @pytest.fixture(autouse=True)
-def _every_reply_is_consumed(apis: dict[str, FakeAPI]) -> Iterator[None]:  # noqa: F811
+def _every_reply_is_consumed(apis: dict[str, FakeAPI]) -> Iterator[None]:
     """Every test queues exactly the replies its forks consume."""
     yield
     for kind, api in apis.items():
@@ -184,8 +178,8 @@ def script_tool_run(kind: str, api: FakeAPI) -> None:
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_fork_with_thoughts_signatures_and_parallel_calls_resends_every_byte_it_sent_before(
     kind: str,
-    forkq: Callable[..., ForkClient],  # noqa: F811
-    apis: dict[str, FakeAPI],  # noqa: F811
+    forkq: Callable[..., ForkClient],
+    apis: dict[str, FakeAPI],
     parent_of: Callable[[str], dict[str, Any]],
     cli: Callable[..., tuple[int, str]],
 ) -> None:
@@ -234,8 +228,8 @@ CASES: dict[str, tuple[Callable[[str, FakeAPI], None], dict[str, Any], dict[str,
 @pytest.mark.parametrize("kind", KINDS)
 def test_every_kind_of_child_resends_every_byte_it_sent_before(
     kind: str,
-    forkq: Callable[..., ForkClient],  # noqa: F811
-    apis: dict[str, FakeAPI],  # noqa: F811
+    forkq: Callable[..., ForkClient],
+    apis: dict[str, FakeAPI],
     parent_of: Callable[[str], dict[str, Any]],
 ) -> None:
     api = apis[kind]
@@ -277,8 +271,8 @@ def read_app(kind: str) -> dict[str, Any]:
 @pytest.mark.parametrize("kind", KINDS)
 def test_continuations_sent_to_a_fork_extend_its_last_request_byte_for_byte(
     kind: str,
-    forkq: Callable[..., ForkClient],  # noqa: F811
-    apis: dict[str, FakeAPI],  # noqa: F811
+    forkq: Callable[..., ForkClient],
+    apis: dict[str, FakeAPI],
     parent_of: Callable[[str], dict[str, Any]],
 ) -> None:
     # Given a fork that listed, read and answered
@@ -321,8 +315,8 @@ def test_continuations_sent_to_a_fork_extend_its_last_request_byte_for_byte(
 @pytest.mark.parametrize("kind", KINDS)
 def test_sibling_forks_send_one_cache_key_and_first_requests_identical_up_to_their_directives(
     kind: str,
-    forkq: Callable[..., ForkClient],  # noqa: F811
-    apis: dict[str, FakeAPI],  # noqa: F811
+    forkq: Callable[..., ForkClient],
+    apis: dict[str, FakeAPI],
     parent_of: Callable[[str], dict[str, Any]],
 ) -> None:
     # Given a worker and a parent
@@ -350,8 +344,8 @@ def test_sibling_forks_send_one_cache_key_and_first_requests_identical_up_to_the
 
 
 def test_with_forkq_prompt_cache_key_off_no_request_carries_a_key(
-    forkq: Callable[..., ForkClient],  # noqa: F811
-    openai_api: FakeAPI,  # noqa: F811
+    forkq: Callable[..., ForkClient],
+    openai_api: FakeAPI,
     parent_of: Callable[[str], dict[str, Any]],
 ) -> None:
     # Given a worker told not to send the key (a server that refuses unknown parameters)

@@ -15,14 +15,10 @@ from typing import Any
 import pytest
 import redis
 
-from tests.e2e.test_providers import (  # noqa: F401  (fixtures)
-    forkq,
-    make_parent,
+from tests.e2e.test_providers import (
     model_of,
-    openai_api,
     provider_settings,
     raw_value,
-    workdir,
 )
 from tests.fakeapi import FakeAPI, Received
 from tests.live import wait_until
@@ -54,9 +50,9 @@ def chat(received: Received) -> list[tuple[str, str]]:
 
 
 def test_a_succeeded_fork_is_continued_with_its_whole_conversation_and_the_message(
-    openai_api: FakeAPI,  # noqa: F811
-    forkq: Client,  # noqa: F811
-    make_parent: Parent,  # noqa: F811
+    openai_api: FakeAPI,
+    forkq: Client,
+    make_parent: Parent,
 ) -> None:
     # Given a fork that answered once
     client = forkq(**provider_settings("openai", openai_api))
@@ -88,9 +84,9 @@ def test_a_succeeded_fork_is_continued_with_its_whole_conversation_and_the_messa
 
 
 def test_a_message_to_a_running_fork_arrives_before_its_next_model_call_never_inside_a_tool_round(
-    openai_api: FakeAPI,  # noqa: F811
-    forkq: Client,  # noqa: F811
-    make_parent: Parent,  # noqa: F811
+    openai_api: FakeAPI,
+    forkq: Client,
+    make_parent: Parent,
 ) -> None:
     # Given a fork whose first model call (slow) asks for a tool
     client = forkq(**provider_settings("openai", openai_api))
@@ -112,9 +108,9 @@ def test_a_message_to_a_running_fork_arrives_before_its_next_model_call_never_in
 
 
 def test_a_message_sent_during_the_final_model_call_continues_the_fork(
-    openai_api: FakeAPI,  # noqa: F811
-    forkq: Client,  # noqa: F811
-    make_parent: Parent,  # noqa: F811
+    openai_api: FakeAPI,
+    forkq: Client,
+    make_parent: Parent,
 ) -> None:
     # Given a fork whose only model call (slow) gives its final answer
     client = forkq(**provider_settings("openai", openai_api))
@@ -133,9 +129,9 @@ def test_a_message_sent_during_the_final_model_call_continues_the_fork(
 
 
 def test_a_parked_forks_message_waits_until_it_resumes(
-    openai_api: FakeAPI,  # noqa: F811
-    forkq: Client,  # noqa: F811
-    make_parent: Parent,  # noqa: F811
+    openai_api: FakeAPI,
+    forkq: Client,
+    make_parent: Parent,
 ) -> None:
     # Given a fork parked on a file write that needs approval
     client = forkq(**provider_settings("openai", openai_api))
@@ -157,9 +153,9 @@ def test_a_parked_forks_message_waits_until_it_resumes(
 
 
 def test_a_cancelled_or_failed_fork_refuses_a_message_and_nothing_is_written(
-    forkq: Client,  # noqa: F811
-    openai_api: FakeAPI,  # noqa: F811
-    make_parent: Parent,  # noqa: F811
+    forkq: Client,
+    openai_api: FakeAPI,
+    make_parent: Parent,
 ) -> None:
     client = forkq(**provider_settings("openai", openai_api))
     openai_api.reply({"error": {"message": "bad request", "type": "invalid_request_error"}}, status=400)

@@ -11,23 +11,20 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import copy
 import json
 import re
 import socket
 import threading
 import uuid
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
 import redis
-from celery import Celery
-from celery.worker import WorkController
 
 from broker_config.settings import Settings
+from tests.e2e.conftest import APP_PY, MARKER
 from tests.fakeapi import FakeAPI, Received, Reply
 from tests.live import event_types, queue_drained, wait_until
 from tests.providers.test_gemini import api_error, generated
@@ -43,66 +40,8 @@ GEMINI_MODEL = "gemini-2.5-flash"
 OPENAI_KEY = "sk-e2e-openai-7f3a9c1d5e"
 GEMINI_KEY = "AIzaSy-e2e-gemini-4b8d2f6a0c"
 GEMINI_PATH = f"/v1beta/models/{GEMINI_MODEL}:generateContent"
-MARKER = "The release codename is PERIWINKLE-7731."
-APP_PY = "def main():\n    return 42\n"
 FORK = {"description": "summarise the notes", "prompt": "Summarise notes.txt for me.", "subagent_type": "fork"}
-FAST_RETRIES = {"provider_max_attempts": 3, "provider_retry_base_s": 0.01, "provider_retry_max_s": 0.05}
 SIG_1, SIG_2 = "CiIBc2lnLW9uZQ==", "CiIBc2lnLXR3bw=="  # Gemini thought signatures (base64 bytes)
-
-
-# ── fixtures ──────────────────────────────────────────────────────────────────────────────────
-
-
-@pytest.fixture
-def workdir(tmp_path: Path) -> Path:
-    """The fork's working directory: `notes.txt` and `src/app.py`."""
-    root = tmp_path / "project"
-    (root / "src").mkdir(parents=True)
-    (root / "notes.txt").write_text(MARKER + "\n", encoding="utf-8")
-    (root / "src" / "app.py").write_text(APP_PY, encoding="utf-8")
-    return root
-
-
-@pytest.fixture
-def make_parent(parent: dict[str, Any], workdir: Path) -> Callable[[str], dict[str, Any]]:
-    """The example parent snapshot for a model, working in `workdir`."""
-    return lambda model: {**copy.deepcopy(parent), "model": model, "cwd": str(workdir)}
-
-
-@pytest.fixture
-def openai_api() -> Iterator[FakeAPI]:
-    with FakeAPI() as server:
-        yield server
-
-
-@pytest.fixture
-def gemini_api() -> Iterator[FakeAPI]:
-    with FakeAPI() as server:
-        yield server
-
-
-@pytest.fixture
-def apis(openai_api: FakeAPI, gemini_api: FakeAPI) -> dict[str, FakeAPI]:
-    """Both local servers by provider kind."""
-    return {"openai": openai_api, "gemini": gemini_api}
-
-
-@pytest.fixture
-def forkq(
-    make_settings: Callable[..., Settings], start_live_worker: Callable[[Celery], WorkController]
-) -> Iterator[Callable[..., ForkClient]]:
-    """Start an in-process worker for settings overrides; the client that launches to it."""
-    with contextlib.ExitStack() as stack:
-
-        def start(**overrides: Any) -> ForkClient:
-            settings = make_settings(**{**FAST_RETRIES, **overrides})
-            app = make_app(settings)
-            stack.callback(app.close)
-            client = stack.enter_context(ForkClient(settings, app=app))
-            start_live_worker(app)
-            return client
-
-        yield start
 
 
 def openai_settings(api: FakeAPI, **extra: Any) -> dict[str, Any]:

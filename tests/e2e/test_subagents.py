@@ -14,18 +14,12 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.test_providers import (  # noqa: F401  (fixtures)
-    MARKER,
-    apis,
-    forkq,
-    gemini_api,
-    make_parent,
+from tests.e2e.conftest import MARKER
+from tests.e2e.test_providers import (
     model_of,
-    openai_api,
     provider_settings,
     script_gemini_tool_run,
     script_openai_tool_run,
-    workdir,
 )
 from tests.fakeapi import FakeAPI, Received
 from tests.providers.test_gemini import generated
@@ -89,9 +83,9 @@ def answer(kind: str, api: FakeAPI, text: str) -> None:
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_defined_subagents_requests_carry_its_persona_and_exactly_its_tools(
     kind: str,
-    apis: dict[str, FakeAPI],  # noqa: F811
-    forkq: Callable[..., ForkClient],  # noqa: F811
-    make_parent: Callable[[str], dict[str, Any]],  # noqa: F811
+    apis: dict[str, FakeAPI],
+    forkq: Callable[..., ForkClient],
+    make_parent: Callable[[str], dict[str, Any]],
     agents_dir: Path,
 ) -> None:
     # Given a definition in FORKQ_AGENTS_DIR with two tools, and a model that lists, reads and quotes
@@ -118,9 +112,9 @@ def test_a_defined_subagents_requests_carry_its_persona_and_exactly_its_tools(
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_completed_turn_forks_request_carries_the_completed_turns_and_not_the_in_flight_one(
     kind: str,
-    apis: dict[str, FakeAPI],  # noqa: F811
-    forkq: Callable[..., ForkClient],  # noqa: F811
-    make_parent: Callable[[str], dict[str, Any]],  # noqa: F811
+    apis: dict[str, FakeAPI],
+    forkq: Callable[..., ForkClient],
+    make_parent: Callable[[str], dict[str, Any]],
 ) -> None:
     # Given a parent whose current turn (a prompt, a tool call, then two Agent calls) is still open
     api = apis[kind]
@@ -152,9 +146,9 @@ def test_a_completed_turn_forks_request_carries_the_completed_turns_and_not_the_
 
 
 def test_a_first_turn_completed_turn_fork_sends_only_the_directive(
-    openai_api: FakeAPI,  # noqa: F811
-    forkq: Callable[..., ForkClient],  # noqa: F811
-    make_parent: Callable[[str], dict[str, Any]],  # noqa: F811
+    openai_api: FakeAPI,
+    forkq: Callable[..., ForkClient],
+    make_parent: Callable[[str], dict[str, Any]],
 ) -> None:
     # Given a parent in its first turn: its prompt, then the Agent call
     client = forkq(**provider_settings("openai", openai_api))
@@ -173,9 +167,9 @@ def test_a_first_turn_completed_turn_fork_sends_only_the_directive(
 
 
 def test_a_tool_outside_the_launch_tool_filter_is_refused_at_execution(
-    openai_api: FakeAPI,  # noqa: F811
-    forkq: Callable[..., ForkClient],  # noqa: F811
-    make_parent: Callable[[str], dict[str, Any]],  # noqa: F811
+    openai_api: FakeAPI,
+    forkq: Callable[..., ForkClient],
+    make_parent: Callable[[str], dict[str, Any]],
 ) -> None:
     # Given a subagent launched with tool_filter [read_file], and a model that calls list_directory anyway
     client = forkq(**provider_settings("openai", openai_api))
@@ -198,9 +192,9 @@ def test_a_tool_outside_the_launch_tool_filter_is_refused_at_execution(
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_launch_persona_and_tool_filter_reach_the_wire_of_a_completed_turn_fork(
     kind: str,
-    apis: dict[str, FakeAPI],  # noqa: F811
-    forkq: Callable[..., ForkClient],  # noqa: F811
-    make_parent: Callable[[str], dict[str, Any]],  # noqa: F811
+    apis: dict[str, FakeAPI],
+    forkq: Callable[..., ForkClient],
+    make_parent: Callable[[str], dict[str, Any]],
 ) -> None:
     # Given a completed-turn fork launched with a persona and two tools
     api = apis[kind]
