@@ -33,7 +33,7 @@ lint-deploy: setup
 
 check: lint typecheck lint-deploy
 
-# the TypeScript client's one devDependency (typescript, from its lockfile), for tests/test_typescript_client.py;
+# the TypeScript client's one devDependency (typescript, from its lockfile), for tests/e2e/test_typescript_client.py;
 # without npm those tests skip (and fail under CI)
 TS_CLIENT := clients/typescript
 ts-deps:

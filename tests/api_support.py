@@ -1,4 +1,5 @@
-"""Fixtures of the HTTP API's tests (test_api*.py): `forkq serve`'s app under uvicorn, on a free port, in a thread.
+"""Fixtures of the HTTP API's tests (tests/api/, and the e2e and CLI tests that serve it): `forkq serve`'s app
+under uvicorn, on a free port, in a thread.
 
 tests/conftest.py loads this module as a plugin. The app runs against the private Redis of the session
 (`make_settings`), beside in-process workers on the same Redis, namespace and queue; the tests talk to it
@@ -12,7 +13,6 @@ import hashlib
 import json
 import socket
 import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +24,7 @@ import uvicorn
 from celery.worker import WorkController
 
 from broker_config.settings import Settings
+from tests.live import wait_until
 from workers.api.app import make_api
 
 TOKEN = "t0ken-for-the-api-tests"
@@ -63,10 +64,12 @@ def serve_api(make_settings: Callable[..., Settings]) -> Iterator[Callable[..., 
         thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True, name="api-server")
         thread.start()
         started.append((server, thread))
-        deadline = time.monotonic() + 10
-        while not server.started:
-            assert thread.is_alive() and time.monotonic() < deadline, "the API server did not start"
-            time.sleep(0.01)
+
+        def serving() -> bool:
+            assert thread.is_alive(), "the API server's thread ended before it started serving"
+            return bool(server.started)
+
+        wait_until(serving, 10, "the API server to start")
         api = Api(url=f"http://127.0.0.1:{sock.getsockname()[1]}", settings=settings)
         # FastAPI builds its routes on the first request, inside `warnings.catch_warnings()`, which is not
         # thread-safe: two servers of one test process building at once can let the warning FastAPI silences
@@ -85,13 +88,6 @@ def serve_api(make_settings: Callable[..., Settings]) -> Iterator[Callable[..., 
 def api(serve_api: Callable[..., Api]) -> Api:
     """The API with the test tokens (a plain one and one given as its SHA-256)."""
     return serve_api()
-
-
-@pytest.fixture
-def http(api: Api) -> Iterator[httpx.Client]:
-    """An httpx client of `api` with a valid token."""
-    with api.client() as client:
-        yield client
 
 
 @pytest.fixture
@@ -127,13 +123,17 @@ def sse_messages(lines: Iterator[str]) -> Iterator[dict[str, str]]:
 
 def wait_status(http: httpx.Client, fork_id: str, status: str, timeout: float = 30) -> dict[str, Any]:
     """Poll `GET /v1/forks/{id}` until the fork has `status`; its state."""
-    deadline = time.monotonic() + timeout
-    while True:
-        state: dict[str, Any] = http.get(f"/v1/forks/{fork_id}").json()
-        if state.get("status") == status:
-            return state
-        assert time.monotonic() < deadline, f"fork {fork_id} is {state.get('status')}, not {status}"
-        time.sleep(0.05)
+    seen: dict[str, Any] = {}
+
+    def reached() -> dict[str, Any] | None:
+        seen.clear()
+        seen.update(http.get(f"/v1/forks/{fork_id}").json())
+        return dict(seen) if seen.get("status") == status else None
+
+    state: dict[str, Any] = wait_until(
+        reached, timeout, lambda: f"fork {fork_id} to be {status}; it is {seen.get('status')}"
+    )
+    return state
 
 
 def no_keys_written(redis_client: Any) -> Callable[[], Any]:

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import workers
+from tests.live import wait_until
 
 PARENT = str(Path(workers.__file__).parent / "examples" / "parent.json")
 FORKQ = str(Path(sys.executable).parent / "forkq")
@@ -56,7 +56,4 @@ def events_of(forkq: Run, fork_id: str) -> list[dict[str, Any]]:
 
 def wait_for(predicate: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
     """Poll `predicate` until it holds; fail after `timeout` seconds naming `what`."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
-        time.sleep(0.05)
+    wait_until(predicate, timeout, what)

@@ -28,9 +28,9 @@ from workers.errors import ConfigurationError
 from workers.records.fork import BootstrapRecord
 from workers.store.forks import ForkStore
 
-# the tool tests' fixtures (work, registry, fifo, live), shared by the files named after each tools module, and the
-# HTTP API's (serve_api, api, http, scripted_worker), shared by tests/test_api*.py
-pytest_plugins = ["tools_support", "api_support"]
+# the tool tests' fixtures (work, live, finished), shared by tests/tools/ and tests/subagents/, and the HTTP API's
+# (serve_api, api, scripted_worker), shared by tests/api/, tests/e2e/ and the CLI's tests
+pytest_plugins = ["tests.tools_support", "tests.api_support"]
 
 
 def missing_tool(name: str, message: str) -> NoReturn:

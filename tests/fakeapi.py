@@ -96,7 +96,7 @@ class FakeAPI:
                 body = json.loads(raw) if raw else None
                 headers = {k.lower(): v for k, v in self.headers.items()}
                 reply = api._next(Received("POST", self.path, headers, body, raw))
-                time.sleep(reply.delay_s)
+                time.sleep(reply.delay_s)  # not a synchronization: a slow server, as slow as the test scripts it
                 data = json.dumps(reply.body).encode()
                 try:
                     self.send_response(reply.status)

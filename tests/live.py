@@ -15,25 +15,31 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import msgpack
 import pytest
 import redis
-from conftest import REPO_ROOT, TEST_NAMESPACE, TEST_QUEUE
 
 from broker_config.celery import RUN_FORK_TASK
+from tests.conftest import REPO_ROOT, TEST_NAMESPACE, TEST_QUEUE
 from workers.client import ForkClient
 from workers.demo.redis_server import RedisServer
 
+T = TypeVar("T")
 
-def wait_until(predicate: Callable[[], bool], timeout: float = 15.0, what: str = "condition") -> None:
-    """Poll `predicate` until it holds; fail the test after `timeout` seconds."""
+
+def wait_until(predicate: Callable[[], T], timeout: float = 15.0, what: str | Callable[[], str] = "condition") -> T:
+    """Poll `predicate` until it returns something truthy, and return that; fail the test after `timeout` seconds.
+
+    `what` names the condition in the failure, or is called then to describe what was seen (logs, states).
+    """
     deadline = time.monotonic() + timeout
-    while not predicate():
+    while not (value := predicate()):
         if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.02)
+            pytest.fail(f"timed out after {timeout} s waiting for {what if isinstance(what, str) else what()}")
+        time.sleep(0.02)  # the poll interval of this wait on a condition, not a synchronization by itself
+    return value
 
 
 def envelopes(redis_client: redis.Redis, queue: str) -> list[dict[str, Any]]:
@@ -116,11 +122,7 @@ def stop_redis(server: RedisServer) -> None:
     pid = server.pid
     assert pid is not None, "redis-server is not running"
     os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + 10
-    while server.pid is not None:
-        if time.monotonic() > deadline:
-            pytest.fail("redis-server did not exit within 10 s of SIGTERM")
-        time.sleep(0.01)
+    wait_until(lambda: server.pid is None, 10, "redis-server to exit after SIGTERM")
 
 
 class FreezingProxy:

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 import redis
-from cli_support import Run
 
+from tests.cli_support import Run
 from workers.cli_args import build_parser
 
 

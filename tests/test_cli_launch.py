@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 import redis
-from cli_support import PARENT, PROMPT, Run, launch, parent_file
 
 from broker_config.settings import Settings
+from tests.cli_support import PARENT, PROMPT, Run, launch, parent_file
 from workers.history.params import MSG_FORK_TURNS_VALUE
 
 

@@ -13,8 +13,9 @@ from typing import Any
 import pytest
 from celery.worker import WorkController
 from celery.worker import state as worker_state
-from cli_support import PARENT, Run, call, events_of, launch, parent_file, step, wait_for
-from conftest import REPO_ROOT
+
+from tests.cli_support import PARENT, Run, call, events_of, launch, parent_file, step, wait_for
+from tests.conftest import REPO_ROOT
 
 PARKING = [step(call("w1", "write_file", path="a.txt", content="a"), call("s1", "run_shell_command", command="true"))]
 

@@ -13,8 +13,9 @@ from typing import Any
 import pytest
 import redis
 from celery.worker import WorkController
-from live import MILESTONES, wait_until
 
+from workers.base import codec
+from tests.live import MILESTONES, wait_until
 from workers.base import codec
 from workers.client import ForkClient, ForkHandle
 from workers.errors import (

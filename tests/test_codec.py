@@ -7,8 +7,9 @@ from typing import Any
 
 import msgpack
 import pytest
-from factories import agent_call, call, media, model, reminder, response, thought, user
 
+from workers.base.codec import (
+from tests.factories import agent_call, call, media, model, reminder, response, thought, user
 from workers.base.codec import (
     MessageBounds,
     decode,

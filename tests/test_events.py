@@ -18,8 +18,8 @@ from typing import Any, cast
 import pytest
 import redis
 from celery.worker import WorkController
-from cli_support import call, step
-from conftest import TEST_NAMESPACE, put_queued_fork
+from tests.cli_support import call, step
+from tests.conftest import TEST_NAMESPACE, put_queued_fork
 
 from broker_config.settings import Settings
 from workers.base.keys import Keys

@@ -1,7 +1,7 @@
 """The fork's working directory, the tool registry and call helpers that the tool tests share.
 
-tests/conftest.py loads this module as a plugin, so its fixtures (`work`, `registry`, `fifo`, `live`, `finished`)
-reach every test file: the tool tests and tests/test_capabilities.py start their in-process workers alike.
+tests/conftest.py loads this module as a plugin, so its fixtures (`work`, `live`, `finished`)
+reach every test file: the tool tests and tests/subagents/test_capabilities.py start their in-process workers alike.
 """
 
 from __future__ import annotations
@@ -17,14 +17,13 @@ from typing import Any
 import pytest
 from celery.contrib.testing.worker import start_worker
 from celery.signals import task_postrun
-from loop_support import write_script
 
 from broker_config.settings import Settings
+from tests.loop_support import write_script
 from workers.app import make_app, runtime_of
 from workers.client import ForkClient
 from workers.history.messages import FunctionCall
 from workers.service.runner import WorkerRuntime
-from workers.tools.builtins import builtin_tools as make_builtin_registry
 from workers.tools.builtins import load_tools
 from workers.tools.registry import Tool, ToolContext, ToolRegistry
 
@@ -38,11 +37,6 @@ def work(tmp_path: Path) -> Path:
     cwd = tmp_path / "work"
     cwd.mkdir()
     return cwd
-
-
-@pytest.fixture
-def registry() -> ToolRegistry:
-    return make_builtin_registry()
 
 
 def context(cwd: Path, cancelled: Callable[[], bool] | None = None, within_s: float | None = None) -> ToolContext:
@@ -79,15 +73,6 @@ def unblock(path: Path) -> None:
     for flags in (os.O_WRONLY | os.O_NONBLOCK, os.O_RDONLY | os.O_NONBLOCK):
         with contextlib.suppress(OSError):
             os.close(os.open(path, flags))
-
-
-@pytest.fixture
-def fifo(work: Path) -> Iterator[Path]:
-    """A FIFO named `pipe` in the working directory, with no writer."""
-    path = work / "pipe"
-    os.mkfifo(path)
-    yield path
-    unblock(path)
 
 
 def run_bounded(registry: ToolRegistry, work: Path, fifo: Path, name: str, **args: Any) -> dict[str, Any]:

@@ -6,7 +6,7 @@ end (`workers.records.fork.split_body`) do not depend on the directive, so `Seed
 snapshot object and `fork_turns`, and each launch only repairs, encodes and hashes the last three
 messages. A kept chunk is used only when the messages of this launch before its repaired end are the
 very Content objects it was built from (Contents are never changed in place), so the chunks are
-always byte-identical to `split_wire(build_fork_seed_wire(...))`; `tests/test_seeds.py` checks it.
+always byte-identical to `split_wire(build_fork_seed_wire(...))`; `tests/records/test_seeds.py` checks it.
 
 A completed-turn fork (`seed_mode="completed_turns"`, `workers.history.completed`) has no repaired end: its
 messages do not depend on the directive at all, so they are kept per snapshot the same way, and its chunks

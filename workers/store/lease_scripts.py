@@ -15,7 +15,7 @@ back by its own run, at its next renewal or fenced write, if nobody revived the 
 lease key is gone, but the state still names the claim's owner token and epoch, and the fork is
 still `running`. Reviving resets the owner and the status, and a new claim bumps the epoch, so a
 fork that moved on is never taken back. Each take-back counts in the state's `retaken`. The tests
-are those of `Leases` (tests/test_lease.py).
+are those of `Leases` (tests/store/test_lease.py).
 """
 
 from __future__ import annotations

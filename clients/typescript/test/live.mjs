@@ -1,5 +1,5 @@
 // What the live tests share: a client of the server under test and the parent snapshot to launch from.
-// tests/test_typescript_client.py starts `forkq serve` and a worker whose scripted model answers every fork
+// tests/e2e/test_typescript_client.py starts `forkq serve` and a worker whose scripted model answers every fork
 // alike: first a write_file call `w1` (parked, or denied, since the parent's approval mode is `default`),
 // then the final text "all done"; it passes the server and the snapshot in these variables.
 import { randomUUID } from "node:crypto";
@@ -9,7 +9,7 @@ import { ForkqClient } from "../dist/index.js";
 function required(name) {
   const value = process.env[name];
   if (!value) {
-    throw new Error(`${name} is not set: the live tests run through tests/test_typescript_client.py, which sets it`);
+    throw new Error(`${name} is not set: the live tests run through tests/e2e/test_typescript_client.py, which sets it`);
   }
   return value;
 }

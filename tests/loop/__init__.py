@@ -1,0 +1,1 @@
+"""Tests of workers/loop/: the child loop, its policy gate and replay."""

@@ -1,0 +1,1 @@
+"""Tests of workers/providers/: the model adapters, retries, output schemas and routing."""

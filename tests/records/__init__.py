@@ -1,0 +1,1 @@
+"""Tests of workers/records/: fork records, the journal, allocation, seeds, notifications and stored formats."""

@@ -1,0 +1,1 @@
+"""Tests of workers/service/: the runner, tasks, sweeper, spawn, heartbeat, metrics and progress."""

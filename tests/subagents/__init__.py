@@ -1,0 +1,1 @@
+"""Tests of workers/subagents/: definitions, scopes, capabilities and launch plans."""

@@ -1,0 +1,1 @@
+"""Tests of workers/tools/: the registry, the built-in tools and their handler threads."""
