@@ -20,8 +20,8 @@ import redis
 from celery.worker import WorkController
 
 from broker_config.settings import Settings
-from workers.base.keys import Keys
 from tests.cli_support import FORKQ, PARENT, PROMPT, Run, launch, wait_for
+from workers.base.keys import Keys
 from workers.cli import main
 from workers.history.params import MSG_FORK_TURNS_VALUE
 from workers.history.selection import build_fork_seed

@@ -14,7 +14,6 @@ import pytest
 import redis
 from celery.worker import WorkController
 
-from workers.base import codec
 from tests.live import MILESTONES, wait_until
 from workers.base import codec
 from workers.client import ForkClient, ForkHandle

@@ -20,7 +20,6 @@ from typing import Any
 import httpx
 import pytest
 import redis
-from tests.api_support import FORK, TOKEN, Api, wait_status
 from celery.worker import WorkController
 from playwright.sync_api import Browser, Locator, Page, expect, sync_playwright
 

@@ -1,1 +1,1 @@
-"""Tests of broker_config/: settings, the Celery configuration, the broker connection, Redis clients, the envelope."""
+"""Tests of broker_config/: settings, the Celery configuration and Redis clients."""

@@ -16,9 +16,9 @@ from celery.worker import WorkController
 from broker_config import celery as celery_module
 from broker_config.celery import RUN_FORK_TASK, celery_config
 from broker_config.settings import Settings
+from tests.live import envelopes, wait_until
 from workers.base.keys import Keys
 from workers.broker.connection import DEAD_ITEMS_OPTION
-from tests.live import envelopes, wait_until
 from workers.client import ForkClient
 from workers.records.fork import Status
 

@@ -20,12 +20,10 @@ from tests.e2e.test_providers import (
     provider_settings,
     raw_value,
 )
-from tests.providers.test_openai_compat import completion, tool_call
-
-from workers.base.limits import MAX_INBOX_MESSAGES, MAX_MESSAGE_BYTES
 from tests.fakeapi import FakeAPI, Received
 from tests.live import wait_until
 from tests.providers.test_openai_compat import completion, tool_call
+from workers.base.limits import MAX_INBOX_MESSAGES, MAX_MESSAGE_BYTES
 from workers.client import ForkClient
 from workers.errors import ForkNotFound, InvalidAgentParams, MessageRefused
 from workers.records.fork import Status

@@ -12,7 +12,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel
 
-from workers.base.codec import decode, digest, encode
 from tests.strategies import FORK_TURNS, GeneratedHistory, parent_histories
 from workers.base.codec import decode, digest, encode
 from workers.history.messages import Content, dump_contents, parse_history

@@ -20,7 +20,6 @@ from typing import Any, Final
 
 import pytest
 
-from workers.base import codec
 from tests.records.test_journal import MemoryJournal
 from workers.base import codec
 from workers.errors import RecordDecodeError

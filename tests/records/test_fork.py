@@ -9,7 +9,6 @@ from typing import Any
 
 import pytest
 
-from workers.base import codec
 from tests.factories import call, model, response, user
 from workers.base import codec
 from workers.errors import RecordDecodeError, RecordIntegrityError

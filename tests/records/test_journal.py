@@ -15,7 +15,6 @@ from typing import Any
 
 import pytest
 
-from workers.base.codec import encode
 from tests.factories import model, user
 from workers.base.codec import encode
 from workers.errors import LeaseLost, RecordDecodeError

@@ -16,10 +16,9 @@ from typing import Any
 import pytest
 import redis
 
-from workers.base import codec
-from workers.base.keys import Keys
 from tests.conftest import TEST_NAMESPACE
 from workers.base import codec
+from workers.base.keys import Keys
 from workers.errors import RecordDecodeError
 from workers.history.messages import Content
 from workers.records.fork import BootstrapRecord, ForkOptions, ForkResult, ForkState, Status, chunk_digest

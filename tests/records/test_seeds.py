@@ -6,14 +6,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tests.factories import model, user
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.factories import model, user
 from tests.strategies import FORK_TURNS, GeneratedHistory, parent_histories
-from workers.errors import InvalidAgentParams
 from workers.history.completed import build_completed_seed_wire
 from workers.history.params import normalize_fork_turns
 from workers.history.selection import build_fork_seed_wire

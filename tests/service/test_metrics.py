@@ -217,9 +217,6 @@ def test_a_repeated_delivery_counts_as_a_skipped_duplicate(
     app: Celery, client: ForkClient, start_live_worker: Callable[..., WorkController], fork_parent: dict[str, Any]
 ) -> None:
     from tests.live import wait_until
-
-    from workers.broker.queue import enqueue_fork
-    from tests.live import wait_until
     from workers.broker.queue import enqueue_fork
 
     # Given a fork that ran to its end
@@ -273,9 +270,6 @@ def test_a_prefork_worker_serves_no_fork_metrics_and_says_why(
 def test_the_sweeper_counts_each_revival_once(
     redis_client: Any, make_queued_fork: Callable[..., tuple[str, str]], fork_store: Any
 ) -> None:
-    from tests.conftest import TEST_NAMESPACE
-
-    from workers.base.keys import Keys
     from tests.conftest import TEST_NAMESPACE
     from workers.base.keys import Keys
     from workers.service.sweeper import Sweeper

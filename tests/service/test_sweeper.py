@@ -18,11 +18,10 @@ import pytest
 import redis
 from kombu.exceptions import OperationalError
 
-from workers.base.keys import Keys
-from workers.demo.redis_server import RedisServer
 from tests.conftest import TEST_NAMESPACE
 from tests.live import wait_until
 from workers.base.keys import Keys
+from workers.demo.redis_server import RedisServer
 from workers.records.fork import BootstrapRecord, Status
 from workers.service.sweeper import Sweeper, outage_gap_s
 from workers.store.claims import Refusal, RefusalReason

@@ -27,7 +27,6 @@ from broker_config.celery import RUN_FORK_TASK
 from broker_config.settings import Settings
 from tests.conftest import REPO_ROOT
 from tests.live import body, envelopes, event_types, job_body, push_raw, queue_drained, wait_until
-from workers.base import codec
 from workers.app import make_app, runtime_of
 from workers.base import codec
 from workers.client import ForkClient, ForkHandle

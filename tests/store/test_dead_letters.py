@@ -8,11 +8,9 @@ import json
 import redis
 
 from broker_config.celery import RAW_KEPT
-from workers.base.keys import Keys
-from workers.broker.connection import Rejected
-from workers.broker.connection import RAW_KEPT, Rejected
 from tests.conftest import TEST_NAMESPACE
 from workers.base.keys import Keys
+from workers.broker.connection import Rejected
 from workers.store.dead_letters import DEAD_LETTERS_MAX, dead_letter
 
 

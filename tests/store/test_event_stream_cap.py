@@ -9,11 +9,10 @@ from typing import cast
 import pytest
 import redis
 
-from workers.base.keys import Keys
-from workers.records.events import ModelCallData, ModelCallEvent, StepData, StepEvent
 from tests.conftest import TEST_NAMESPACE, put_queued_fork
 from tests.live import wait_until
 from workers.base.keys import Keys
+from workers.records.events import ModelCallData, ModelCallEvent, StepData, StepEvent
 from workers.records.fork import ForkResult, Status
 from workers.records.journal import JournalEntry
 from workers.records.parked import ParkedCall

@@ -14,14 +14,13 @@ import pytest
 import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from tests.live import wait_until
 from tests.loop.test_replay import cases as replay_cases
 from tests.loop.test_replay import drive, first_entries
-
 from workers.base import codec
 from workers.base.keys import Keys
 from workers.demo.redis_server import RedisServer
-from tests.live import wait_until
-from workers.base import codec
 from workers.errors import (
     ForkNotFound,
     InvalidApproval,

@@ -19,10 +19,10 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from workers.base.keys import Keys
-from workers.demo.redis_server import RedisServer
 from tests.conftest import TEST_NAMESPACE, put_queued_fork
 from tests.live import stop_redis, wait_until
+from workers.base.keys import Keys
+from workers.demo.redis_server import RedisServer
 from workers.errors import LeaseLost, RecordDecodeError
 from workers.records.events import ModelCallData, ModelCallEvent, StepData, StepEvent
 from workers.records.fork import ForkResult, Status

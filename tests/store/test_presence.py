@@ -10,11 +10,10 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from workers.base.keys import Keys
-from workers.demo.redis_server import RedisServer
 from tests.conftest import TEST_NAMESPACE
 from tests.live import wait_until
 from workers.base.keys import Keys
+from workers.demo.redis_server import RedisServer
 from workers.store.presence import Presence, PresenceWatch, owner_mark, owner_token, owns, presence_token
 
 KEYS = Keys(TEST_NAMESPACE)

@@ -19,10 +19,10 @@ from typing import Any
 import pytest
 import redis
 
-from workers.base.keys import Keys
 from tests.conftest import TEST_NAMESPACE, WorkerProcess
 from tests.loop_support import FORK, call, parent_for, step, tool_results, workdir, write_script
 from tests.tools_support import MARGIN_S, context, error, journal_of, output, run, run_bounded
+from workers.base.keys import Keys
 from workers.client import ForkClient
 from workers.history.messages import FunctionCall
 from workers.records.fork import Status

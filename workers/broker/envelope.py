@@ -5,7 +5,7 @@
 (`FORKQ_BROKER_URL` unset) writes both inside its launch script instead (`workers.store.forks`), after
 the record: one round trip for the whole launch, not three, and no kombu producer per job. The job is the
 same job: these are the bytes kombu would have written (the same headers, properties and body, the same
-queue and channel), which `tests/broker_config/test_envelope.py` checks against what `send_task` really writes; any
+queue and channel), which `tests/broker/test_envelope.py` checks against what `send_task` really writes; any
 other broker (a separate Redis, Sentinel, a key prefix) keeps `send_task`.
 
 Left out, as `send_task` would do them per job: Celery's `before_task_publish`/`after_task_publish`

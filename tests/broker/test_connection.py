@@ -19,6 +19,8 @@ from kombu import Exchange, Producer, Queue
 from kombu.transport import redis as kombu_redis
 
 from broker_config.settings import Settings
+from tests.conftest import PARENT_PATH, TEST_NAMESPACE, TEST_QUEUE, WorkerProcess
+from tests.live import job_body, kombu_envelope, stop_redis, wait_until
 from workers.app import make_app
 from workers.base.keys import Keys
 from workers.broker.connection import (
@@ -30,10 +32,6 @@ from workers.broker.connection import (
     Rejected,
     SentinelTransport,
 )
-from broker_config.settings import Settings
-from tests.conftest import PARENT_PATH, TEST_NAMESPACE, TEST_QUEUE, WorkerProcess
-from tests.live import job_body, kombu_envelope, stop_redis, wait_until
-from workers.app import make_app
 from workers.client import ForkClient
 from workers.demo.redis_server import RedisServer
 from workers.records.fork import Status

@@ -14,7 +14,7 @@ from workers.history.params import MSG_FORK_TURNS_VALUE, AgentParams, agent_tool
 from workers.history.snapshot import ParentSnapshot
 from workers.subagents.launch import LaunchOptions
 
-PARENT = json.loads((Path(__file__).resolve().parent.parent / "workers" / "examples" / "parent.json").read_text())
+PARENT = json.loads((Path(__file__).resolve().parents[2] / "workers" / "examples" / "parent.json").read_text())
 AGENT = {"description": "d", "prompt": "Audit.", "subagent_type": "fork", "fork_turns": "3"}
 
 

@@ -24,7 +24,7 @@ from workers.store.replies import (
 )
 from workers.store.script_parts import WORDS, lua_script, words_prelude
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 LUA_HINTS = ("redis.call", "ARGV[", "KEYS[")
 _LITERAL = re.compile(r"'([^'\n]*)'")
 # an event's type (`'type', 'finished'`) is the events' vocabulary, and a hash field (`HINCRBY', KEYS[1], 'lost'`)

@@ -18,10 +18,10 @@ from typing import Any, cast
 import pytest
 import redis
 from celery.worker import WorkController
-from tests.cli_support import call, step
-from tests.conftest import TEST_NAMESPACE, put_queued_fork
 
 from broker_config.settings import Settings
+from tests.cli_support import call, step
+from tests.conftest import TEST_NAMESPACE, put_queued_fork
 from workers.base.keys import Keys
 from workers.client import ForkClient
 from workers.records.events import (
@@ -54,7 +54,7 @@ from workers.store.forks import ForkStore
 from workers.store.lease import Claim, Leases
 from workers.store.replies import Decision, SendReply, Written
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 KEYS = Keys(TEST_NAMESPACE)
 FORK = {"description": "read a file", "prompt": "Read a.txt.", "subagent_type": "fork"}
 # an XADD of a literal event type in a Lua script: `'type', 'started'`

@@ -8,7 +8,6 @@ from typing import Any
 import msgpack
 import pytest
 
-from workers.base.codec import (
 from tests.factories import agent_call, call, media, model, reminder, response, thought, user
 from workers.base.codec import (
     MessageBounds,

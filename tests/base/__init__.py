@@ -1,0 +1,1 @@
+"""Tests of workers/base/: the codec, the Redis key schema and the bounds every layer stands on."""
