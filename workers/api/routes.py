@@ -239,6 +239,23 @@ def fork_router(*, secured: bool) -> APIRouter:
             409, *BODY_ERRORS, other={200: {"model": Launched, "description": "An Idempotency-Key seen before"}}
         ),
     )
+    _add_read_routes(v1)
+    _add_write_routes(v1)
+    v1.add_api_route("/agents", list_agents, methods=["GET"])
+    v1.add_api_route("/providers", list_providers, methods=["GET"])
+    router.include_router(v1)
+    router.add_api_route(
+        "/healthz",
+        healthz,
+        methods=["GET"],
+        response_model=Health,
+        responses=_errors(500, other={503: {"model": Health, "description": "Redis is unreachable or unfit"}}),
+    )
+    return router
+
+
+def _add_read_routes(v1: APIRouter) -> None:
+    """The endpoints that read a fork: its state, result, notification, events and transcript."""
     v1.add_api_route("/forks/{fork_id}", fork_state, methods=["GET"], response_model=ForkState, responses=_errors(404))
     v1.add_api_route(
         "/forks/{fork_id}/result",
@@ -262,6 +279,10 @@ def fork_router(*, secured: bool) -> APIRouter:
         response_model=Transcript,
         responses=_errors(404),
     )
+
+
+def _add_write_routes(v1: APIRouter) -> None:
+    """The endpoints that act on a fork or a session: cancel, approvals, messages, and a session's listing."""
     v1.add_api_route("/forks/{fork_id}/cancel", cancel_fork, methods=["POST"], responses=_errors(404, *BODY_ERRORS))
     v1.add_api_route(
         "/forks/{fork_id}/approvals/{call_id}",
@@ -277,14 +298,3 @@ def fork_router(*, secured: bool) -> APIRouter:
         status_code=202,
         responses=_errors(404, 409, *BODY_ERRORS),
     )
-    v1.add_api_route("/agents", list_agents, methods=["GET"])
-    v1.add_api_route("/providers", list_providers, methods=["GET"])
-    router.include_router(v1)
-    router.add_api_route(
-        "/healthz",
-        healthz,
-        methods=["GET"],
-        response_model=Health,
-        responses=_errors(500, other={503: {"model": Health, "description": "Redis is unreachable or unfit"}}),
-    )
-    return router

@@ -103,6 +103,16 @@ class Metrics:
             buckets=LATENCY_BUCKETS,
             registry=registry,
         )
+        self._model_metrics(registry)
+        self.lease_losses = Counter(
+            "forkq_lease_losses", "Runs that stopped because their lease was lost (fenced out).", registry=registry
+        )
+        self.forks_running = Gauge("forkq_forks_running", "Forks this process runs now.", registry=registry)
+        registry.register(AbandonedToolCalls())
+        self._zero_labels()
+
+    def _model_metrics(self, registry: CollectorRegistry) -> None:
+        """The model calls', tokens' and tool calls' metrics."""
         self.model_call_seconds = Histogram(
             "forkq_model_call_seconds",
             "One model call, retries included.",
@@ -124,12 +134,6 @@ class Metrics:
             ["tool", "outcome"],
             registry=registry,
         )
-        self.lease_losses = Counter(
-            "forkq_lease_losses", "Runs that stopped because their lease was lost (fenced out).", registry=registry
-        )
-        self.forks_running = Gauge("forkq_forks_running", "Forks this process runs now.", registry=registry)
-        registry.register(AbandonedToolCalls())
-        self._zero_labels()
 
     def _zero_labels(self) -> None:
         """Export every fixed label value at 0, so rates and alerts work before the first event."""

@@ -318,19 +318,7 @@ class ForkStore:
         fid = record.fork_id
         session = record.parent_session
         data = QueuedData(kind=record.kind, digest=digest_hex, messages=record.message_count).to_json()
-        context = record.context_blob()
-        index = record.seed_index_blob() if seed_chunks else None
-        chunks = [context, *([index] if index is not None else []), *seed_chunks]
-        if seed_chunks and len(seed_chunks) != len(record.seed_chunks):
-            raise RecordIntegrityError(
-                f"fork {fid}: {len(seed_chunks)} seed chunks given, the record names {len(record.seed_chunks)}; "
-                "pass the chunks the record was built from, in its order",
-                fork_id=fid,
-            )
-        # the record names its seed chunks by their digests (`ForkClient.launch` built both): no second hash
-        digests = [chunk_digest(context), *([chunk_digest(index)] if index is not None else [])]
-        digests += record.seed_chunks if seed_chunks else ()
-        chunk_keys = [self.keys.chunk(session, d.hex()) for d in digests]
+        chunks, chunk_keys = self._launch_chunks(record, seed_chunks)
         sent = [b"" if self._known_chunk(key) else chunk for key, chunk in zip(chunk_keys, chunks, strict=True)]
         keys = [self.keys.bootstrap(fid), self.keys.state(fid), self.keys.events(fid), self.keys.session_forks(session)]
         args: list[Any] = [record_bytes, self.ttl_s, record.kind, record.description, digest_hex, data, fid]
@@ -352,6 +340,27 @@ class ForkStore:
         self._remember_chunks(chunk_keys)
         self._wait_for_replicas(fid)
         return bool(queued)
+
+    def _launch_chunks(self, record: BootstrapRecord, seed_chunks: Sequence[bytes]) -> tuple[list[bytes], list[str]]:
+        """A launch's chunks (context, seed index, seed) and their keys.
+
+        Raises:
+            RecordIntegrityError: the number of seed chunks is not the number the record names.
+        """
+        fid = record.fork_id
+        context = record.context_blob()
+        index = record.seed_index_blob() if seed_chunks else None
+        chunks = [context, *([index] if index is not None else []), *seed_chunks]
+        if seed_chunks and len(seed_chunks) != len(record.seed_chunks):
+            raise RecordIntegrityError(
+                f"fork {fid}: {len(seed_chunks)} seed chunks given, the record names {len(record.seed_chunks)}; "
+                "pass the chunks the record was built from, in its order",
+                fork_id=fid,
+            )
+        # the record names its seed chunks by their digests (`ForkClient.launch` built both): no second hash
+        digests = [chunk_digest(context), *([chunk_digest(index)] if index is not None else [])]
+        digests += record.seed_chunks if seed_chunks else ()
+        return chunks, [self.keys.chunk(record.parent_session, d.hex()) for d in digests]
 
     def _scripts(self, *calls: tuple[Script, list[str], list[Any]]) -> list[Any]:
         """Run scripts in one pipelined round trip (EVALSHA; loaded first only if Redis lacks one)."""
