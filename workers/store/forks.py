@@ -33,9 +33,8 @@ from workers.records.fork import (
     join_seed,
 )
 from workers.records.journal import EntryKind, JournalEntry
-from workers.store import dead_letters, reads
+from workers.store import dead_letters, fork_scripts, reads
 from workers.store.replies import Decision, Refused, SendReply, Written, fenced_reply, word_of
-from workers.store.script_parts import NOW, lua_script
 
 if TYPE_CHECKING:  # types only: the store keeps dead letters and queues jobs without loading kombu or Celery
     from workers.broker.connection import Rejected
@@ -50,206 +49,8 @@ DECISION_GRACE_MS: Final = 30_000  # a decided fork's job not confirmed enqueued
 
 log = logging.getLogger("forkq.store")
 
-# KEYS: bootstrap, state, events, the parent session's forks, and with a job: the broker queue's list, then the chunk
-# keys the caller did not send again. ARGV: record bytes, ttl_s, kind, description, digest, event data, fork id, and
-# with a job: the queue item, the task-sent event's channel ('' for none) and message. Returns the outcome and
-# whether the job was queued. The session index gets the fork with its record (the one key outside the fork's hash
-# tag). The job goes onto the queue after the record (the order a worker needs), and only if every chunk it names
-# is there: a chunk gone since the caller wrote it is written again first, and the job then sent by the caller.
-# A new stream's first node is allocated at 4 KiB (Redis 7's XADD pre-allocates `stream-node-max-bytes`, at most
-# 4096), most of a queued fork's memory: written anew by DUMP and RESTORE, the stream keeps only what its
-# `queued` event needs (about 0.8 KB), and grows from there as the worker appends. Best effort: where a
-# server renames or refuses DUMP or RESTORE (some managed services do), the stream stays as XADD made it.
-_LAUNCH = lua_script(
-    NOW,
-    """
-local function send(outcome)
-  if ARGV[8] == nil or ARGV[8] == '' then return {outcome, 0} end
-  for i = 6, #KEYS do
-    if redis.call('EXISTS', KEYS[i]) == 0 then return {outcome, 0} end
-  end
-  redis.call('LPUSH', KEYS[5], ARGV[8])
-  if ARGV[9] ~= '' then redis.call('PUBLISH', ARGV[9], ARGV[10]) end
-  return {outcome, 1}
-end
-local existing = redis.call('GET', KEYS[1])
-if existing and existing ~= ARGV[1] then return {CONFLICT, 0} end
-if redis.call('EXISTS', KEYS[2]) == 1 then return send(EXISTS) end
-redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
-redis.call('HSET', KEYS[2], 'status', QUEUED, 'kind', ARGV[3], 'description', ARGV[4], 'digest', ARGV[5],
-           'attempt', 0, 'created_ms', now)
-redis.call('EXPIRE', KEYS[2], ARGV[2])
-local fresh = redis.call('EXISTS', KEYS[3]) == 0
-redis.call('XADD', KEYS[3], 'MAXLEN', '~', @MAXLEN@, '*', 'type', 'queued', 'data', ARGV[6])
-local restored = false
-if fresh then
-  local dumped = redis.pcall('DUMP', KEYS[3])
-  if type(dumped) == 'string' then
-    local reply = redis.pcall('RESTORE', KEYS[3], tonumber(ARGV[2]) * 1000, dumped, 'REPLACE')
-    restored = type(reply) == 'table' and reply.ok ~= nil
-  end
-end
-if not restored then redis.call('EXPIRE', KEYS[3], ARGV[2]) end
-redis.call('ZADD', KEYS[4], now, ARGV[7])
-redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now - tonumber(ARGV[2]) * 1000)
-redis.call('EXPIRE', KEYS[4], ARGV[2])
-return send(CREATED)
-""",
-)
-
-# KEYS: chunks of one parent (one hash tag). ARGV: ttl_s, then each chunk's bytes, or '' for a chunk the client
-# wrote before (not sent again). Returns the 1-based positions of the '' chunks that are gone.
-_PUT_CHUNKS = lua_script(
-    """
-local gone = {}
-for i, key in ipairs(KEYS) do
-  if ARGV[i + 1] ~= '' then redis.call('SET', key, ARGV[i + 1], 'NX', 'EX', ARGV[1]) end
-  -- a chunk lives at least as long as the newest record naming it
-  if redis.call('EXPIRE', key, ARGV[1]) == 0 then table.insert(gone, i) end
-end
-return gone
-"""
-)
-
-# KEYS: state, events, result, bootstrap, journal. ARGV: fork_id, ttl_s, n, and the usage of the first n journal
-# entries (input tokens, output tokens, model calls, tool uses, cached input tokens). Terminal forks stay. The
-# entries appended since the caller read those n are counted here (so the usage is exact however the fork raced
-# the cancel), and the duration runs from the first start to now, or to when the fork parked. The result is
-# msgpack (cmsgpack's, which ForkResult.decode reads); the finished event carries the same usage.
-_CANCEL = lua_script(
-    NOW,
-    """
-local status = redis.call('HGET', KEYS[1], 'status')
-if not status then return MISSING end
-if status == SUCCEEDED or status == FAILED or status == CANCELLED then return status end
-local usage = {input_tokens = tonumber(ARGV[4]), output_tokens = tonumber(ARGV[5]), model_calls = tonumber(ARGV[6]),
-               tool_uses = tonumber(ARGV[7]), cached_input_tokens = tonumber(ARGV[8]), duration_ms = 0}
-for _, raw in ipairs(redis.call('LRANGE', KEYS[5], tonumber(ARGV[3]), -1)) do
-  local ok, entry = pcall(cmsgpack.unpack, raw)
-  if ok and type(entry) == 'table' and entry.kind == 'model' then
-    usage.model_calls = usage.model_calls + 1
-    usage.input_tokens = usage.input_tokens + (tonumber(entry.input_tokens) or 0)
-    usage.output_tokens = usage.output_tokens + (tonumber(entry.output_tokens) or 0)
-    usage.cached_input_tokens = usage.cached_input_tokens + (tonumber(entry.cached_input_tokens) or 0)
-  elseif ok and type(entry) == 'table' and entry.kind == 'tool_result' then
-    usage.tool_uses = usage.tool_uses + 1
-  end
-end
-usage.total_tokens = usage.input_tokens + usage.output_tokens
-local first = tonumber(redis.call('HGET', KEYS[1], 'first_started_ms') or '')
-if first then
-  local parked = tonumber(redis.call('HGET', KEYS[1], 'parked_ms') or '')
-  usage.duration_ms = math.max(0, (parked or now) - first)
-end
-local err = 'cancelled by request'
-redis.call('HSET', KEYS[1], 'status', CANCELLED, 'finished_ms', now, 'error', err)
-local result = {schema_version = 1, fork_id = ARGV[1], status = CANCELLED, error = err, usage = usage}
-redis.call('SET', KEYS[3], cmsgpack.pack(result), 'EX', ARGV[2])
-redis.call('XADD', KEYS[2], 'MAXLEN', '~', @MAXLEN@, '*', 'type', 'finished', 'data',
-           cjson.encode({status = CANCELLED, error = err, usage = usage}))
-for _, i in ipairs({1, 2, 4, 5}) do redis.call('EXPIRE', KEYS[i], ARGV[2]) end
-return CANCELLED
-""",
-)
-
-
-# Time spent parked (paused, awaiting approval) does not count against the wall-clock limit: the
-# fork's first start moves forward by it when the fork is queued again, and it waits no more.
-_UNPARK = """
-local parked = tonumber(redis.call('HGET', KEYS[1], 'parked_ms') or '')
-local first = tonumber(redis.call('HGET', KEYS[1], 'first_started_ms') or '')
-if parked and first then redis.call('HSET', KEYS[1], 'first_started_ms', first + (now - parked)) end
-redis.call('HDEL', KEYS[1], 'parked_ms', 'waiting')
-"""
-
-# KEYS: state, events. A paused fork goes back to queued (the caller re-enqueues it).
-_RESUME = lua_script(
-    NOW,
-    """
-local status = redis.call('HGET', KEYS[1], 'status')
-if status ~= PAUSED then return status or MISSING end
-"""
-    + _UNPARK
-    + """
-redis.call('HSET', KEYS[1], 'status', QUEUED, 'error', '')
-redis.call('XADD', KEYS[2], 'MAXLEN', '~', @MAXLEN@, '*', 'type', 'resumed', 'data', '{}')
-return RESUMED
-""",
-)
-
-
-# KEYS: state, journal, events, running. ARGV: call id, approval entry bytes, its seq, event type, event
-# data, grace_ms, fork_id. Records a person's decision on one parked call; the last one puts the fork
-# back in the queue state (indexed, due after grace_ms, until its job is confirmed enqueued).
-_DECIDE = lua_script(
-    NOW,
-    """
-local status = redis.call('HGET', KEYS[1], 'status')
-if not status then return MISSING end
-if status ~= AWAITING_APPROVAL then return status end
-local pending = cjson.decode(redis.call('HGET', KEYS[1], 'pending') or '[]')
-local left, found = {}, false
-for _, p in ipairs(pending) do
-  if p.call_id == ARGV[1] then found = true else table.insert(left, p) end
-end
-if not found then return UNKNOWN_CALL end
-if redis.call('LLEN', KEYS[2]) ~= tonumber(ARGV[3]) then return SEQ end
-redis.call('RPUSH', KEYS[2], ARGV[2])
-redis.call('XADD', KEYS[3], 'MAXLEN', '~', @MAXLEN@, '*', 'type', ARGV[4], 'data', ARGV[5])
-if #left > 0 then
-  redis.call('HSET', KEYS[1], 'pending', cjson.encode(left))
-  return RECORDED
-end
-redis.call('HSET', KEYS[1], 'status', QUEUED, 'pending', '', 'error', '')
-"""
-    + _UNPARK
-    + """
-redis.call('ZADD', KEYS[4], now + tonumber(ARGV[6]), ARGV[7])
-return QUEUED
-""",
-)
-
 DECIDE_ATTEMPTS: Final = 5
 DECIDED: Final = frozenset(d.value for d in Decision)
-
-# KEYS: the session's names hash. ARGV: name, the fork id it must map to now ('' = none), the new fork id,
-# ttl_s. Compare-and-set: 1 when the name now maps to the new fork, 0 when another launch got there first.
-_CLAIM_NAME = lua_script(
-    """
-if (redis.call('HGET', KEYS[1], ARGV[1]) or '') ~= ARGV[2] then return 0 end
-redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])
-redis.call('EXPIRE', KEYS[1], ARGV[4])
-return 1
-"""
-)
-
-# KEYS: state, inbox, events, running, result. ARGV: message, inbox limit, ttl_s, fork_id, grace_ms. A message
-# for the fork: refused (the status) when it has failed or was cancelled, `full` when its inbox is; otherwise
-# queued in the inbox. A succeeded fork is continued: back to `queued` for its next exchange (its result gone
-# until that ends, its wall clock and attempts counted afresh), indexed until its job is confirmed enqueued.
-_SEND = lua_script(
-    NOW,
-    """
-local status = redis.call('HGET', KEYS[1], 'status')
-if not status then return {MISSING, 0} end
-if status == FAILED or status == CANCELLED then return {status, 0} end
-if redis.call('LLEN', KEYS[2]) >= tonumber(ARGV[2]) then return {FULL, redis.call('LLEN', KEYS[2])} end
-local waiting = redis.call('RPUSH', KEYS[2], ARGV[1])
-redis.call('EXPIRE', KEYS[2], ARGV[3])
-if status ~= SUCCEEDED then
-  redis.call('XADD', KEYS[3], 'MAXLEN', '~', @MAXLEN@, '*', 'type', 'message', 'data',
-             cjson.encode({waiting = waiting, status = status}))
-  return {QUEUED, waiting}
-end
-redis.call('HSET', KEYS[1], 'status', QUEUED, 'owner', '', 'error', '', 'attempt', 0)
-redis.call('HDEL', KEYS[1], 'first_started_ms', 'finished_ms', 'parked_ms')
-redis.call('DEL', KEYS[5])
-redis.call('ZADD', KEYS[4], now + tonumber(ARGV[5]), ARGV[4])
-redis.call('XADD', KEYS[3], 'MAXLEN', '~', @MAXLEN@, '*', 'type', 'message', 'data',
-           cjson.encode({waiting = waiting, status = status, continued = true}))
-return {CONTINUED, waiting}
-""",
-)
 
 
 class ForkStore:
@@ -260,13 +61,13 @@ class ForkStore:
         self.keys = keys
         self.ttl_s = ttl_s
         self.chunk_cache = chunk_cache  # workers: chunks decoded once per process (verified reads without Redis)
-        self._launch = client.register_script(_LAUNCH)
-        self._put_chunks = client.register_script(_PUT_CHUNKS)
-        self._cancel = client.register_script(_CANCEL)
-        self._resume = client.register_script(_RESUME)
-        self._decide = client.register_script(_DECIDE)
-        self._send = client.register_script(_SEND)
-        self._claim_name = client.register_script(_CLAIM_NAME)
+        self._launch = client.register_script(fork_scripts.LAUNCH)
+        self._put_chunks = client.register_script(fork_scripts.PUT_CHUNKS)
+        self._cancel = client.register_script(fork_scripts.CANCEL)
+        self._resume = client.register_script(fork_scripts.RESUME)
+        self._decide = client.register_script(fork_scripts.DECIDE)
+        self._send = client.register_script(fork_scripts.SEND)
+        self._claim_name = client.register_script(fork_scripts.CLAIM_NAME)
         self._replicas: int | None = None  # learned on the first launch
         self._known: OrderedDict[str, None] = OrderedDict()  # chunk keys this store wrote, most recent last
         self._known_lock = threading.Lock()
