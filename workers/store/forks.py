@@ -2,8 +2,8 @@
 
 Claims, leases and every write made while a fork runs are in `workers/store/lease.py`.
 
-Multi-key changes of one fork run as Lua scripts over keys that share the fork's hash tag, so
-each is atomic; timestamps come from Redis `TIME`, never from worker clocks.
+Multi-key changes of one fork run as Lua scripts (`workers/store/fork_scripts.py`) over keys that share the
+fork's hash tag, so each is atomic; timestamps come from Redis `TIME`, never from worker clocks.
 """
 
 from __future__ import annotations
