@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import secrets
@@ -32,25 +33,19 @@ from workers.keys import Keys
 from workers.limits import MAX_INBOX_MESSAGES, MAX_MESSAGE_BYTES, shown, text_problem
 from workers.records.fork import BootstrapRecord, ForkResult, ForkState, Status
 from workers.records.journal import exchanges
-from workers.records.notification import render_task_notification
-from workers.records.seeds import SeedBuilder, SeedChunks
 from workers.store.forks import ForkEvent, ForkStore
-from workers.store.lease import Leases
-from workers.store.queue import enqueue_again, run_fork_call, send_call, send_ended_event
-from workers.subagents.capabilities import providers
-from workers.subagents.definitions import CatalogCache
-from workers.subagents.launch import (
-    LaunchAsks,
-    LaunchPlan,
-    check_fork_id,
-    launch_settings,
-    plan_launch,
-)
 
-if TYPE_CHECKING:  # a type only: the send-only app is built on the first launch (broker_config.sender)
+# Reading a fork (`forkq status`, result, events) loads none of what launching, resuming or deciding needs: the
+# subagent definitions and launch rules, the seed builder, the fenced lease scripts, job sending. Each is imported
+# where it is first used (tests/test_cold_start.py names them; bench/coldstart.py times the difference).
+if TYPE_CHECKING:  # types only: the send-only app is built on the first launch (broker_config.sender)
     from celery import Celery
 
     from broker_config.envelope import JobEnvelopes
+    from workers.records.seeds import SeedBuilder, SeedChunks
+    from workers.store.lease import Leases
+    from workers.subagents.definitions import CatalogCache
+    from workers.subagents.launch import LaunchPlan
 
 
 def parked_error(state: ForkState) -> ForkParked:
@@ -188,11 +183,29 @@ class ForkClient:
         self._app = app
         self._own_app = app is None  # a send-only app this client builds, and closes
         self._job_envelopes: JobEnvelopes | Literal[False] | None = False  # False: not learned yet
-        self._catalog = CatalogCache(self.settings.agents_dir)  # read again when a definition file changes
-        self._seeds = SeedBuilder()  # sibling forks of one snapshot share their selection and chunks
         # the last snapshot's declarations: (snapshot, JSON, the JSON read back, to see an edited list)
         self._tools_json: tuple[ParentSnapshot, str, Any] | None = None
-        self._leases = Leases(
+
+    @functools.cached_property
+    def _catalog(self) -> CatalogCache:
+        """The subagent definitions, read again when a definition file changes; built on the first launch."""
+        from workers.subagents.definitions import CatalogCache  # noqa: PLC0415  (launches only)
+
+        return CatalogCache(self.settings.agents_dir)
+
+    @functools.cached_property
+    def _seeds(self) -> SeedBuilder:
+        """Sibling forks of one snapshot share their selection and chunks; built on the first launch."""
+        from workers.records.seeds import SeedBuilder  # noqa: PLC0415  (launches only)
+
+        return SeedBuilder()
+
+    @functools.cached_property
+    def _leases(self) -> Leases:
+        """The fenced lease scripts: a fork queued again, and its journal; built on first use."""
+        from workers.store.lease import Leases  # noqa: PLC0415  (not to read a fork's state)
+
+        return Leases(
             self.redis,
             Keys(self.settings.namespace),
             ttl_ms=int(self.settings.lease_ttl_s * 1000),
@@ -260,6 +273,10 @@ class ForkClient:
             InvalidParentSnapshot: the parent snapshot is malformed.
             InvalidAgentDefinition: a file of FORKQ_AGENTS_DIR is malformed.
         """
+        from workers.records.seeds import SeedChunks  # noqa: PLC0415  (launches only, as below)
+        from workers.store.queue import send_call  # noqa: PLC0415
+        from workers.subagents.launch import LaunchAsks, check_fork_id, plan_launch  # noqa: PLC0415
+
         # a pre-built AgentParams is checked like an Agent call: building one directly skips the rules
         agent = revalidate(params) if isinstance(params, AgentParams) else validate_agent_params(params)
         check_fork_id(fork_id)
@@ -307,6 +324,8 @@ class ForkClient:
     @staticmethod
     def providers() -> list[dict[str, Any]]:
         """The subagent providers (`spawn`, `fork`) with the capabilities each advertises."""
+        from workers.subagents.capabilities import providers  # noqa: PLC0415  (launches only)
+
         return providers()
 
     def _first_call(
@@ -317,6 +336,8 @@ class ForkClient:
         With its record in the job, the worker prepares the first model call before its claim, and the claim
         makes the checkpoint before that call too (one round trip less for every first run).
         """
+        from workers.store.queue import run_fork_call  # noqa: PLC0415  (launches only)
+
         inline: list[bytes] | None = [record.context_blob(), *chunks]
         indexed = record.seed_index_blob() is not None
         # a record that names its seed through an index chunk is read with its chunks from Redis
@@ -448,6 +469,8 @@ class ForkClient:
         status = self.store.cancel(fork_id)
         if status is Status.CANCELLED and before.status in (Status.AWAITING_APPROVAL, Status.PAUSED):
             # a parked run has no worker to end its row in Flower (a running one ends it itself)
+            from workers.store.queue import send_ended_event  # noqa: PLC0415  (not to read a fork's state)
+
             send_ended_event(
                 self.app, "task-cancelled", f"{fork_id}.{before.attempt}", sender="forkq-client", result="cancelled"
             )
@@ -503,6 +526,8 @@ class ForkClient:
 
     def _enqueue_again(self, fork_id: str) -> None:
         """Send the job of a fork put back in the queue state (resumed, decided), then confirm it enqueued."""
+        from workers.store.queue import enqueue_again  # noqa: PLC0415  (not to read a fork's state)
+
         state = self.store.state(fork_id)
         enqueue_again(  # confirmed: out of the running index, where a decided fork waits until now
             self.app,
@@ -627,10 +652,14 @@ class ForkClient:
                 f"fork {fork_id} is {state.status.value}: it has no result to notify yet; wait for it first",
                 fork_id=fork_id,
             )
+        from workers.records.notification import render_task_notification  # noqa: PLC0415  (ended forks only)
+
         return render_task_notification(result, description=state.description)
 
     def inspect(self, fork_id: str) -> dict[str, Any]:
         """The bootstrap record in wire form, with its seed resolved and verified."""
+        from workers.subagents.launch import launch_settings  # noqa: PLC0415  (inspect only)
+
         state = self.store.state(fork_id)
         record, seed = self.store.read_inputs(fork_id, state.digest or None)
         return {
