@@ -13,18 +13,22 @@ for the CPU time (user + system) each run took, which a busy machine inflates le
 `--before REV` (repeatable) the same commands also run at that git revision (a temporary detached `git worktree`,
 on PYTHONPATH, with the same interpreter; removed afterwards), in the same rounds, so the table shows before
 and after from one run. It also lists what `import workers.client` loads of the worker side, at each tree.
+`--instructions` counts, instead of timing, the instructions of one run of each command under valgrind's
+callgrind (about 15 s a command): a count that other processes on the machine do not move, to compare trees by.
 
 Each tree's modules are compiled to bytecode once, in an untimed first round, as an install does: the runs drop
 PYTHONDONTWRITEBYTECODE from their environment. With it set, every run compiled all of forkq's modules from
 source while the libraries of the floor loaded their installed bytecode, which no installed forkq pays
-(about 0.09 x the floor here).
+(0.16-0.18 x the floor on the 2-CPU machine of docs/performance.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -159,10 +163,37 @@ def report(trees: list[Tree], runs: int) -> None:
             for name, values in (tree.times if kind == "wall" else tree.cpu).items():
                 print(f"{tree.label:<14} {name:<24} {summary(values)}")
     for tree in trees:
-        for kind, measured in (("wall", tree.times), ("cpu", tree.cpu)):
-            ratio = statistics.median(measured["forkq status"]) / statistics.median(measured["floor"])
-            verdict = "meets" if ratio <= TARGET else "misses"
-            print(f"{tree.label:<14} forkq status / floor = {ratio:.2f} {kind} ({verdict} the {TARGET} target)")
+        ratio = statistics.median(tree.times["forkq status"]) / statistics.median(tree.times["floor"])
+        cpu = statistics.median(tree.cpu["forkq status"]) / statistics.median(tree.cpu["floor"])
+        verdict = "meets" if ratio <= TARGET else "misses"
+        print(
+            f"{tree.label:<14} forkq status / floor = {ratio:.2f} wall ({verdict} the {TARGET} target), {cpu:.2f} cpu"
+        )
+
+
+def count_instructions(argv: Sequence[str], tree: Tree, redis_url: str) -> int:
+    """The instructions one cold run executes, counted by valgrind's callgrind: the same count on a busy machine."""
+    env = {**tree.env(redis_url), "PYTHONHASHSEED": "0"}  # the same set and dict layouts in every run
+    valgrind = ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null"]
+    done = subprocess.run([*valgrind, *argv], cwd=tree.path, env=env, capture_output=True, text=True, check=False)
+    counted = re.search(r"Collected : (\d+)", done.stderr)
+    if done.returncode != 0 or counted is None:
+        raise SystemExit(
+            f"valgrind {' '.join(argv[:3])} failed at {tree.label} ({done.returncode}): {done.stderr[-2000:]}"
+        )
+    return int(counted.group(1))
+
+
+def report_instructions(trees: list[Tree], redis_url: str) -> None:
+    """Each command's instructions at each tree, in millions, and its ratio to the floor's."""
+    if shutil.which("valgrind") is None:
+        raise SystemExit("--instructions runs each command under valgrind, which is not on PATH; install it (valgrind)")
+    print(f"\ninstructions of one cold run, millions (callgrind; python {sys.version.split()[0]})")
+    print(f"{'tree':<14} {'command':<24} {'instructions':>12} {'/ floor':>8}")
+    for tree in trees:
+        counts = {name: count_instructions(argv, tree, redis_url) for name, argv in commands().items()}
+        for name, count in counts.items():
+            print(f"{tree.label:<14} {name:<24} {count / 1e6:12.1f} {count / counts['floor']:8.3f}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -171,6 +202,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=10, help="cold runs of each command (default 10)")
     parser.add_argument(
         "--before", metavar="REV", action="append", default=[], help="also time the same commands at this git revision"
+    )
+    parser.add_argument(
+        "--instructions",
+        action="store_true",
+        help="count each command's instructions once under valgrind instead of timing (slow; load has no effect)",
     )
     args = parser.parse_args(argv)
     with RedisServer() as server, _trees(args.before) as trees:
@@ -182,6 +218,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 printed = run_once(argv_, tree, server.url)[2]
                 if printed:
                     print(f"{tree.label}: {name} prints {printed!r}")
+        if args.instructions:
+            report_instructions(trees, server.url)
+            return 0
         for _ in range(args.runs):
             for name, argv_ in commands().items():  # a, b, c, a, b, c ...: each tree in turn within a round
                 for tree in trees:
