@@ -1,7 +1,11 @@
 """A parent's side starts cold without the worker: what `import workers.client` and `forkq status` load, in a
 fresh interpreter; a launcher's send-only app, accepted by a real worker; and the extras, in a fresh venv.
 
-Timings are bench/coldstart.py's; these tests assert what loads, never how long it takes.
+Timings are bench/coldstart.py's; these tests assert what loads, never how long it takes. What a command
+that only reads or cancels a fork may load: forkq's record and store readers, the standard library, the
+third-party packages the floor loads (`import redis, pydantic_settings, msgpack`, the libraries no launcher can
+do without) and ormsgpack (the codec's canonical msgpack); nothing of the worker side, of Celery, nor of what
+only a launch, a resume or a decision needs.
 """
 
 from __future__ import annotations
@@ -22,8 +26,14 @@ from celery.worker import WorkController
 
 from broker_config.settings import Settings
 from workers.app import make_app
+from workers.broker.queue import send_call
 from workers.client import ForkClient
 from workers.records.fork import Status
+from workers.records.seeds import SeedBuilder
+from workers.store.lease import Leases
+from workers.subagents.capabilities import providers
+from workers.subagents.definitions import CatalogCache
+from workers.subagents.launch import plan_launch
 
 ROOT = Path(__file__).resolve().parents[1]
 # the worker side: none of it may load in a process that only launches and follows forks
@@ -41,6 +51,13 @@ WORKER_SIDE = (
     "workers.tools",
     "workers.providers",
 )
+# what reading a fork needs none of: the subagent definitions and launch rules, the seed builder, the fenced lease
+# scripts and job sending; named by what each module defines, so that a module moved elsewhere keeps its place
+LAUNCH_SIDE = tuple(
+    sorted({obj.__module__ for obj in (CatalogCache, plan_launch, providers, SeedBuilder, Leases, send_call)})
+)
+FLOOR = "import redis, pydantic_settings, msgpack"
+ALSO_THIRD_PARTY = ("ormsgpack",)  # workers/codec.py: canonical msgpack for digests
 FORK = {"description": "write expiry tests", "prompt": "Write the expiry tests.", "subagent_type": "fork"}
 
 
@@ -60,12 +77,28 @@ def of_packages(modules: list[str], packages: tuple[str, ...]) -> list[str]:
     return [m for m in modules if any(m == p or m.startswith(p + ".") for p in packages)]
 
 
-def test_importing_the_client_loads_nothing_of_the_worker_side() -> None:
+def third_party(modules: list[str]) -> set[str]:
+    """The top-level packages of `modules` that are neither the standard library's nor forkq's."""
+    tops = {m.split(".")[0] for m in modules}
+    return {t for t in tops if t not in sys.stdlib_module_names and t not in ("workers", "broker_config", "__main__")}
+
+
+@pytest.fixture(scope="module")
+def floor_packages() -> set[str]:
+    """The third-party packages the floor loads, in a fresh interpreter like the commands' own."""
+    return third_party(loaded_after(FLOOR)) | set(ALSO_THIRD_PARTY)
+
+
+def test_importing_the_client_loads_nothing_of_the_worker_side_nor_of_the_launch_side(
+    floor_packages: set[str],
+) -> None:
     modules = loaded_after("import workers.client")
 
     assert "workers.client" in modules and "workers.store.forks" in modules  # the walk saw the client load
     assert of_packages(modules, WORKER_SIDE) == []
     assert of_packages(modules, ("celery", "kombu")) == []  # the send-only app is built on the first launch
+    assert of_packages(modules, LAUNCH_SIDE) == []  # each loads where a launch, resume or decision first needs it
+    assert third_party(modules) - floor_packages == set()
 
 
 def test_forkq_status_loads_no_celery_at_all(
@@ -87,7 +120,44 @@ def test_forkq_status_loads_no_celery_at_all(
 def test_importing_the_cli_loads_no_celery_nor_the_worker_side() -> None:
     modules = loaded_after("import workers.cli")
 
-    assert of_packages(modules, ("celery", "kombu", *WORKER_SIDE)) == []
+    assert of_packages(modules, ("celery", "kombu", *WORKER_SIDE, *LAUNCH_SIDE)) == []
+
+
+@pytest.mark.parametrize(
+    ("argv", "exit_code"),
+    [
+        (["status"], 0),
+        (["status", "--json"], 0),
+        (["result"], 1),  # a queued fork has no result yet
+        (["events"], 0),
+        (["cancel"], 0),
+        (["list", "--session", "s-unit"], 0),
+    ],
+    ids=lambda value: " ".join(value) if isinstance(value, list) else str(value),
+)
+def test_a_command_that_reads_or_cancels_a_fork_loads_only_the_floors_libraries_and_the_record_readers(
+    argv: list[str],
+    exit_code: int,
+    forkq_env: Settings,
+    make_queued_fork: Callable[..., tuple[str, str]],
+    floor_packages: set[str],
+) -> None:
+    # Given a queued fork, and the command run on it in a fresh interpreter
+    fork_id, _ = make_queued_fork()
+    full = [argv[0], fork_id, *argv[1:]] if argv[0] != "list" else argv
+    code = (
+        "import contextlib, io\nfrom workers.cli import main\n"
+        f"with contextlib.redirect_stdout(io.StringIO()):\n    code = main({full!r})\n"
+        f"assert code == {exit_code}, code"
+    )
+
+    # When it has run
+    modules = loaded_after(code, env=dict(os.environ))
+
+    # Then it loaded the client and nothing a launch, a worker or Celery needs, and no library beyond the floor's
+    assert "workers.client" in modules
+    assert of_packages(modules, ("celery", "kombu", *WORKER_SIDE, *LAUNCH_SIDE)) == []
+    assert third_party(modules) - floor_packages == set(), "a new library on the read path: import it where it is used"
 
 
 def test_a_client_builds_its_send_only_app_on_the_first_launch_and_a_real_worker_runs_the_job(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import secrets
@@ -18,7 +19,6 @@ from broker_config.redis_client import redis_client as connect_redis
 from broker_config.settings import Settings
 from workers.base.keys import Keys
 from workers.base.limits import MAX_INBOX_MESSAGES, MAX_MESSAGE_BYTES, shown, text_problem
-from workers.broker.queue import enqueue_again, run_fork_call, send_call, send_ended_event
 from workers.errors import (
     ForkNotEnded,
     ForkNotFound,
@@ -31,23 +31,23 @@ from workers.errors import (
 )
 from workers.history.params import AgentParams, ApprovalPolicy, SeedMode, validate_agent_params
 from workers.history.snapshot import ParentSnapshot, parse_parent_snapshot
-from workers.records.conversation import exchanges
 from workers.records.fork import BootstrapRecord, ForkResult, ForkState, Status
-from workers.records.notification import render_task_notification
 from workers.records.parked import ResumeWait
-from workers.records.seeds import SeedBuilder, SeedChunks
 from workers.store.forks import ForkStore
-from workers.store.lease import Leases
 from workers.store.replies import Decision, SendReply
-from workers.subagents.capabilities import providers
-from workers.subagents.definitions import CatalogCache
-from workers.subagents.launch import LaunchOptions, launch_settings, plan_launch
 
-if TYPE_CHECKING:  # a type only: the send-only app is built on the first launch (workers.broker.sender)
+# Reading a fork (`forkq status`, result, events) loads none of what launching, resuming or deciding needs: the
+# subagent definitions and launch rules, the seed builder, the fenced lease scripts, job sending, the journal's
+# fold. Each is imported where it is first used (tests/test_cold_start.py names them; bench/coldstart.py times it).
+if TYPE_CHECKING:  # types only: the send-only app is built on the first launch (workers.broker.sender)
     from celery import Celery
 
     from workers.broker.envelope import JobEnvelopes
     from workers.records.events import StreamEvent  # and the event models load at the first event read
+    from workers.records.seeds import SeedBuilder
+    from workers.store.lease import Leases
+    from workers.subagents.definitions import CatalogCache
+    from workers.subagents.launch import LaunchOptions
 
 
 def parked_error(state: ForkState) -> ForkParked:
@@ -188,11 +188,29 @@ class ForkClient:
         self._app = app
         self._own_app = app is None  # a send-only app this client builds, and closes
         self._job_envelopes: JobEnvelopes | Literal[False] | None = False  # False: not learned yet
-        self._catalog = CatalogCache(self.settings.agents_dir)  # read again when a definition file changes
-        self._seeds = SeedBuilder()  # sibling forks of one snapshot share their selection and chunks
         # the last snapshot's declarations: (snapshot, JSON, the JSON read back, to see an edited list)
         self._tools_json: tuple[ParentSnapshot, str, Any] | None = None
-        self._leases = Leases(
+
+    @functools.cached_property
+    def _catalog(self) -> CatalogCache:
+        """The subagent definitions, read again when a definition file changes; built on the first launch."""
+        from workers.subagents.definitions import CatalogCache  # noqa: PLC0415  (launches only)
+
+        return CatalogCache(self.settings.agents_dir)
+
+    @functools.cached_property
+    def _seeds(self) -> SeedBuilder:
+        """Sibling forks of one snapshot share their selection and chunks; built on the first launch."""
+        from workers.records.seeds import SeedBuilder  # noqa: PLC0415  (launches only)
+
+        return SeedBuilder()
+
+    @functools.cached_property
+    def _leases(self) -> Leases:
+        """The fenced lease scripts: a fork queued again, and its journal; built on first use."""
+        from workers.store.lease import Leases  # noqa: PLC0415  (not to read a fork's state)
+
+        return Leases(
             self.redis,
             Keys(self.settings.namespace),
             ttl_ms=int(self.settings.lease_ttl_s * 1000),
@@ -260,6 +278,8 @@ class ForkClient:
             InvalidParentSnapshot: the parent snapshot is malformed.
             InvalidAgentDefinition: a file of FORKQ_AGENTS_DIR is malformed.
         """
+        from workers.subagents.launch import LaunchOptions  # noqa: PLC0415  (launches only, as below)
+
         # an AgentParams passed the contract when it was built: it is not checked again
         agent = params if isinstance(params, AgentParams) else validate_agent_params(params)
         options = LaunchOptions(
@@ -290,6 +310,10 @@ class ForkClient:
                 name rule (`.field` names which).
             InvalidAgentDefinition: a file of FORKQ_AGENTS_DIR is malformed.
         """
+        from workers.broker.queue import send_call  # noqa: PLC0415  (launches only)
+        from workers.records.seeds import SeedChunks  # noqa: PLC0415
+        from workers.subagents.launch import plan_launch  # noqa: PLC0415
+
         plan = plan_launch(
             agent,
             snapshot,
@@ -330,6 +354,8 @@ class ForkClient:
     @staticmethod
     def providers() -> list[dict[str, Any]]:
         """The subagent providers (`spawn`, `fork`) with the capabilities each advertises."""
+        from workers.subagents.capabilities import providers  # noqa: PLC0415  (launches only)
+
         return providers()
 
     def _first_call(
@@ -340,6 +366,8 @@ class ForkClient:
         With its record in the job, the worker prepares the first model call before its claim, and the claim
         makes the checkpoint before that call too (one round trip less for every first run).
         """
+        from workers.broker.queue import run_fork_call  # noqa: PLC0415  (launches only)
+
         inline: list[bytes] | None = [record.context_blob(), *chunks]
         indexed = record.seed_index_blob() is not None
         # a record that names its seed through an index chunk is read with its chunks from Redis
@@ -434,8 +462,10 @@ class ForkClient:
         """
         before = self.store.state(fork_id)
         status = self.store.cancel(fork_id)
-        if status is Status.CANCELLED and before.status in (Status.AWAITING_APPROVAL, Status.PAUSED):
+        if status is Status.CANCELLED and before.status.parked:
             # a parked run has no worker to end its row in Flower (a running one ends it itself)
+            from workers.broker.queue import send_ended_event  # noqa: PLC0415  (not to read a fork's state)
+
             send_ended_event(
                 self.app, "task-cancelled", f"{fork_id}.{before.attempt}", sender="forkq-client", result="cancelled"
             )
@@ -491,6 +521,8 @@ class ForkClient:
 
     def _enqueue_again(self, fork_id: str) -> None:
         """Send the job of a fork put back in the queue state (resumed, decided), then confirm it enqueued."""
+        from workers.broker.queue import enqueue_again  # noqa: PLC0415  (not to read a fork's state)
+
         state = self.store.state(fork_id)
         enqueue_again(  # confirmed: out of the running index, where a decided fork waits until now
             self.app,
@@ -599,10 +631,15 @@ class ForkClient:
                 f"fork {fork_id} is {state.status.value}: it has no result to notify yet; wait for it first",
                 fork_id=fork_id,
             )
+        from workers.records.notification import render_task_notification  # noqa: PLC0415  (ended forks only)
+
         return render_task_notification(result, description=state.description)
 
     def inspect(self, fork_id: str) -> dict[str, Any]:
         """The bootstrap record in wire form, with its seed resolved and verified."""
+        from workers.records.conversation import exchanges  # noqa: PLC0415  (inspect only)
+        from workers.subagents.launch import launch_settings  # noqa: PLC0415
+
         state = self.store.state(fork_id)
         record, seed = self.store.read_inputs(fork_id, state.digest or None)
         return {

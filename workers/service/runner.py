@@ -29,11 +29,10 @@ from workers.service.metrics import Metrics
 from workers.service.outcome import ENDED, STOPPED, Outcome, RunOutcome, stop_reason
 from workers.service.progress import Progress, RunObserver
 from workers.service.spawn import SubagentSpawner
-from workers.store.claims import RefusalReason
 from workers.store.forks import ForkStore
 from workers.store.lease import Claim, LeaseKeeper, Leases, revival_grace_s, ride_out
 from workers.store.presence import Presence, owner_token, presence_token
-from workers.store.replies import Written
+from workers.store.replies import RefusalReason, Written
 from workers.subagents.definitions import CatalogCache
 from workers.tools.builtins import load_tools
 from workers.tools.registry import ToolRegistry

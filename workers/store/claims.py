@@ -3,25 +3,16 @@ claim writes with it (`FirstWrite`), prepared by the worker from the job before 
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
 from workers.errors import RecordDecodeError
 from workers.records.fork import Status
 from workers.records.journal import JournalEntry
+from workers.store.replies import RefusalReason
 
 if TYPE_CHECKING:  # a type only: the event models load at the first event read or written
     from workers.records.events import ModelCallEvent
-
-
-class RefusalReason(enum.StrEnum):
-    """Why a claim took nothing."""
-
-    MISSING = "missing"  # no such fork (never launched, or past its retention)
-    FORGED = "forged"  # the delivery's digest is not the fork's launch digest (the fork is left untouched)
-    LEASED = "leased"  # queued, but another worker holds its lease
-    NOT_QUEUED = "not_queued"  # running, finished, cancelled or parked: `Refusal.status` says which
 
 
 NOT_QUEUED: Final = tuple(s.value for s in Status if s is not Status.QUEUED)  # what a refused claim may find

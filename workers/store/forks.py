@@ -21,7 +21,6 @@ from redis.commands.core import Script
 from workers.base.keys import Keys
 from workers.errors import ForkNotFound, InvalidApproval, RecordExistsError, RecordIntegrityError
 from workers.history.selection import ForkSeed
-from workers.records.conversation import journal_usage
 from workers.records.fork import (
     BootstrapRecord,
     ChunkCache,
@@ -291,6 +290,8 @@ class ForkStore:
 
     def _cancel_tallied(self, fork_id: str, journal: list[bytes]) -> Status:
         """Cancel with the usage of `journal`, the entries read so far; the script tallies the ones after them."""
+        from workers.records.conversation import journal_usage  # noqa: PLC0415  (a cancel only: not to read a state)
+
         usage, k = journal_usage(journal, fork_id), self.keys
         counted = [len(journal), usage.input_tokens, usage.output_tokens, usage.model_calls, usage.tool_uses]
         counted.append(usage.cached_input_tokens)  # ARGV[8], after the counts the script always took

@@ -14,7 +14,6 @@ from typing import Final, TypeVar
 
 from workers.errors import RecordDecodeError
 from workers.records.fork import Status
-from workers.store.claims import RefusalReason
 
 E = TypeVar("E", bound=enum.StrEnum)
 
@@ -31,6 +30,15 @@ class Written(enum.StrEnum):
     RESUMED = "resumed"  # a paused fork queued again
     CREATED = "created"  # a launch wrote the fork's record and state
     EXISTS = "exists"  # a launch found this very record written (a retried launch)
+
+
+class RefusalReason(enum.StrEnum):
+    """Why a claim took nothing."""
+
+    MISSING = "missing"  # no such fork (never launched, or past its retention)
+    FORGED = "forged"  # the delivery's digest is not the fork's launch digest (the fork is left untouched)
+    LEASED = "leased"  # queued, but another worker holds its lease
+    NOT_QUEUED = "not_queued"  # running, finished, cancelled or parked: `Refusal.status` says which
 
 
 class Refused(enum.StrEnum):
