@@ -57,7 +57,7 @@ LAUNCH_SIDE = tuple(
     sorted({obj.__module__ for obj in (CatalogCache, plan_launch, providers, SeedBuilder, Leases, send_call)})
 )
 FLOOR = "import redis, pydantic_settings, msgpack"
-ALSO_THIRD_PARTY = ("ormsgpack",)  # workers/codec.py: canonical msgpack for digests
+ALSO_THIRD_PARTY = ("ormsgpack",)  # workers/base/codec.py: canonical msgpack for digests
 FORK = {"description": "write expiry tests", "prompt": "Write the expiry tests.", "subagent_type": "fork"}
 
 
