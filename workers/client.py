@@ -105,7 +105,6 @@ class Sent:
 
 NAME_ATTEMPTS = 5  # compare-and-set rounds when launches race for one teammate name
 NAME_LAUNCH_GRACE_MS = 60_000  # a name claimed by a launch whose fork is not written yet stays taken this long
-TERMINAL = tuple(s.value for s in Status if s.terminal)
 # a record this small rides in the first job even when its seed does not: the worker then folds its first
 # checkpoint into the claim (one round trip less); a job grows by 4/3 of it (base64), at most 2.7 KB
 RECORD_IN_JOB_MAX_BYTES: Final = 2048
@@ -546,16 +545,16 @@ class ForkClient:
             entry = self.store.teammate_entry(session, name)
             if entry is not None:
                 holder, _, since = entry.partition(" ")
-                status: str | None
                 try:
-                    status = self.store.state(holder).status.value
+                    status = self.store.state(holder).status
+                    live, shown = not status.terminal, status.value
                 except ForkNotFound:  # being launched right now, or a launch that never completed long ago
-                    launching = time.time() * 1000 - int(since or 0) < NAME_LAUNCH_GRACE_MS
-                    status = "being launched" if launching else None
-                if status is not None and status not in TERMINAL:
+                    live = time.time() * 1000 - int(since or 0) < NAME_LAUNCH_GRACE_MS
+                    shown = "being launched"
+                if live:
                     raise InvalidAgentParams(
                         f"teammate name {name!r} is taken in session {session} by fork {holder}, which is "
-                        f"{status}; choose another name, or message it (forkq send --session {session} --to {name})",
+                        f"{shown}; choose another name, or message it (forkq send --session {session} --to {name})",
                         field="name",
                     )
             if self.store.claim_name(session, name, fork_id, expected=entry):
@@ -659,5 +658,5 @@ class ForkClient:
             "description": record.description,
             "parent_session": record.parent_session,
             **launch_settings(record),
-            "exchanges": exchanges(record.directive, self._leases.journal(fork_id)),
+            "exchanges": exchanges(record.directive, self.store.journal(fork_id)),
         }

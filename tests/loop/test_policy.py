@@ -18,6 +18,7 @@ from workers.history.params import (
     MSG_FORK_TOOLS_STAR,
     MSG_FORK_TOOLS_TEAMMATE,
     MSG_FORK_TOOLS_WILDCARD,
+    AgentParams,
     agent_tool_schema,
     tool_allowed,
     validate_agent_params,
@@ -33,7 +34,8 @@ from workers.loop.policy import (
     is_agent_call,
     needs_approval,
 )
-from workers.subagents.launch import check_nesting, launch_options
+from workers.records.fork import ForkOptions
+from workers.subagents.launch import LaunchOptions, check_nesting, record_options
 from workers.tools.builtins import builtin_tools
 from workers.tools.registry import Tool
 
@@ -278,6 +280,11 @@ def test_without_fork_tools_every_inherited_tool_may_run() -> None:
 
 
 # ── launch options ────────────────────────────────────────────────────────────────────────────
+
+
+def launch_options(agent: AgentParams, **options: Any) -> ForkOptions:
+    """The options a bootstrap record keeps for `LaunchOptions(**options)` without a subagent definition."""
+    return ForkOptions(**record_options(agent, LaunchOptions(**options)))
 
 
 def test_launch_options_keep_only_what_differs_from_the_defaults() -> None:

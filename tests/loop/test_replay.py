@@ -23,9 +23,9 @@ from tests.records.test_journal import MemoryJournal
 from workers.history.messages import Content
 from workers.history.selection import ForkSeed
 from workers.loop.child import ChildLoop, Parked, model_request
-from workers.loop.replay import LoopState, replay
+from workers.loop.replay import replay
 from workers.providers import ModelRequest, ModelResponse, TokenUsage
-from workers.records.conversation import MALFORMED_CALL, calls_of
+from workers.records.conversation import MALFORMED_CALL, Conversation, calls_of
 from workers.records.fork import BootstrapRecord, ForkResult
 from workers.records.journal import JournalEntry, request_digest
 from workers.tools.registry import Tool, ToolContext, ToolError, ToolRegistry
@@ -269,14 +269,14 @@ def assert_paired(messages: list[Content], step: int) -> None:
         assert responses == calls
 
 
-def assert_usage(run: Run, state: LoopState) -> None:
+def assert_usage(run: Run, state: Conversation) -> None:
     usage = run.result.usage
     assert (usage.model_calls, usage.tool_uses) == (state.step, state.usage.tool_uses)
     assert (usage.input_tokens, usage.output_tokens) == (state.usage.input_tokens, state.usage.output_tokens)
     assert usage.model_dump(exclude={"duration_ms"}) == state.usage.model_dump(exclude={"duration_ms"})
 
 
-def dangling_without_rerun(state: LoopState) -> bool:
+def dangling_without_rerun(state: Conversation) -> bool:
     """A call started and never answered that a revival does not run again (its result becomes an error)."""
     tools = registry()
     return any(p.started and not getattr(tools.get(p.call.name), "idempotent", False) for p in state.pending)

@@ -1,7 +1,7 @@
 """Replay reads journals written before `workers.loop.replay`: literal bytes, literal requests, literal history.
 
 `test_replay` checks that a live run and a replay of its journal agree; both go through today's
-`LoopState.apply`, so a change in it shows on both sides. The literals below were written by the loop
+`Conversation.apply`, so a change in it shows on both sides. The literals below were written by the loop
 before replay moved into `workers.loop` (when the live loop kept its own state): a fork launched with a
 schema and the `park` approval policy whose first response garbled one call and asked to write with
 the other, a person approved the write, the worker was lost while it ran, and the revived run answered

@@ -539,37 +539,3 @@ def test_a_primed_call_for_another_request_is_not_used(tmp_path: Path, differs: 
     journaled, sent = first_digests(run)
     assert journaled == sent != "0" * 64
     assert all(e.request_digest != "0" * 64 for e in run.journal.entries)
-
-
-def test_journal_usage_counts_model_calls_tokens_and_tool_uses_and_skips_a_damaged_entry() -> None:
-    from workers.records.conversation import journal_usage
-
-    model = {"role": "model", "parts": [{"functionCall": {"id": "c1", "name": "t", "args": {}}}]}
-    entries = [
-        JournalEntry(seq=0, step=0, kind="surface", tools=["t"]).encode(),
-        JournalEntry(seq=1, step=0, kind="model", content=model, input_tokens=100, output_tokens=7).encode(),
-        JournalEntry(seq=2, step=0, kind="tool_started", call_index=0, call_id="c1", name="t").encode(),
-        JournalEntry(seq=3, step=0, kind="tool_result", call_index=0, response={"output": "ok"}).encode(),
-        b"\xc1 not msgpack",
-        JournalEntry(seq=5, step=1, kind="model", content=model, input_tokens=150, output_tokens=3).encode(),
-    ]
-
-    usage = journal_usage(entries, "f-1")
-
-    assert (usage.model_calls, usage.tool_uses, usage.input_tokens, usage.output_tokens) == (2, 1, 250, 10)
-    assert (usage.total_tokens, usage.duration_ms) == (260, 0)
-    assert journal_usage([], "f-1").model_dump() == {k: 0 for k in usage.model_dump()}
-
-
-def test_cached_input_tokens_are_summed_and_an_entry_without_them_keeps_its_bytes() -> None:
-    from workers.records.conversation import journal_usage
-
-    model = {"role": "model", "parts": [{"text": "done"}]}
-    plain = JournalEntry(seq=0, step=0, kind="model", content=model, input_tokens=100, output_tokens=7)
-    cached = JournalEntry(seq=1, step=1, kind="model", content=model, input_tokens=120, cached_input_tokens=96)
-
-    usage = journal_usage([plain.encode(), cached.encode()], "f-1")
-
-    assert (usage.input_tokens, usage.cached_input_tokens) == (220, 96)
-    assert b"cached_input_tokens" not in plain.encode()  # what entries were before the field existed
-    assert JournalEntry.decode(cached.encode(), fork_id="f-1") == cached

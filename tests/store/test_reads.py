@@ -49,7 +49,6 @@ def test_every_read_gives_the_same_answer_on_the_blocking_and_the_asyncio_client
         lambda: reads.journal(keys, second.fork_id),
         lambda: reads.events(keys, second.fork_id),
         lambda: reads.latest_events(keys, second.fork_id, count=1),
-        lambda: reads.last_event_id(keys, second.fork_id),
         lambda: reads.session_forks(keys, session, limit=10),
         lambda: reads.ended(keys, second.fork_id, deadline=None),
     ):

@@ -63,20 +63,24 @@ class LaunchRequest(BaseModel):
         description="The parent snapshot: session_id, system_instruction, tools, model, approval_mode, cwd, "
         "history (the parent's raw Contents, ending with the model Content holding the Agent call), depth."
     )
-    _digest: str = PrivateAttr("")
+    # the body as sent, for `digest`: only a launch with an Idempotency-Key pays for hashing its snapshot
+    _sent: Mapping[str, Any] | None = PrivateAttr(None)
+    _digest: str | None = PrivateAttr(None)
 
     @model_validator(mode="wrap")
     @classmethod
-    def _with_digest(cls, data: Any, handler: ModelWrapValidatorHandler[Self]) -> Self:
+    def _keep_sent(cls, data: Any, handler: ModelWrapValidatorHandler[Self]) -> Self:
         request = handler(data)
         if isinstance(data, Mapping):
-            request._digest = body_digest(data)
+            request._sent = data
         return request
 
     @property
     def digest(self) -> str:
         """SHA-256 of the body's canonical JSON (keys sorted, options filled in), as the client sent it: equal
-        bodies, however spaced or ordered, match (an Idempotency-Key's claim keeps it)."""
+        bodies, however spaced or ordered, match (an Idempotency-Key's claim keeps it). Computed on first read."""
+        if self._digest is None:
+            self._digest = "" if self._sent is None else body_digest(self._sent)
         return self._digest
 
 

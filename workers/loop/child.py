@@ -26,9 +26,9 @@ from workers.loop.policy import (
     needs_approval,
     undeclared_error,
 )
-from workers.loop.replay import LoopState, replay
+from workers.loop.replay import replay
 from workers.providers import ModelProvider, ModelRequest
-from workers.records.conversation import PendingCall, calls_of, visible_text
+from workers.records.conversation import Conversation, PendingCall, calls_of, visible_text
 from workers.records.events import (
     Event,
     FeedbackData,
@@ -205,7 +205,7 @@ class ChildLoop:
             self._model_step(state)
 
     @property
-    def state(self) -> LoopState | None:
+    def state(self) -> Conversation | None:
         """Where the run stands (None before `run`): always the replay of the journal written so far."""
         return getattr(self, "_state", None)
 
@@ -223,7 +223,7 @@ class ChildLoop:
             return primed.digest
         return None
 
-    def _final(self, state: LoopState) -> tuple[str | None, str | None]:
+    def _final(self, state: Conversation) -> tuple[str | None, str | None]:
         """(output, None) or (None, error) for the final answer; (None, None) after sending it back."""
         assert state.final is not None
         text = final_text(state.final)
@@ -242,7 +242,7 @@ class ChildLoop:
         self.io.emit(FeedbackEvent(data=FeedbackData(step=state.step, error=problem[:500])))
         return None, None
 
-    def _deliver(self, state: LoopState) -> bool:
+    def _deliver(self, state: Conversation) -> bool:
         """Deliver the messages waiting in the inbox as user messages, between steps; True if there were any."""
         texts = self.io.take_mail()
         if not texts:
@@ -262,13 +262,13 @@ class ChildLoop:
             state.apply(entry)
         return True
 
-    def _write(self, state: LoopState, *, boundary: bool = False, **fields: Any) -> None:
+    def _write(self, state: Conversation, *, boundary: bool = False, **fields: Any) -> None:
         """Journal the next entry, then apply that same entry: the live state is what a replay rebuilds."""
         entry = JournalEntry(seq=state.next_seq, **fields)
         self.io.append(entry, boundary=boundary)
         state.apply(entry)
 
-    def _model_step(self, state: LoopState) -> None:
+    def _model_step(self, state: Conversation) -> None:
         request = self._request(state.step, state.messages)
         digest = self._primed_digest(request) or self.digests.digest(request)  # what the model sees (no directive)
         self.io.emit(model_call_event(state.step, digest))
@@ -298,7 +298,7 @@ class ChildLoop:
             finish_reason=None if response.finish_reason in ("stop", "tool_calls") else response.finish_reason,
         )
 
-    def _run_tools(self, state: LoopState, deadline: float) -> None:
+    def _run_tools(self, state: Conversation, deadline: float) -> None:
         step = state.step - 1
         for pending in list(state.pending):
             if time.monotonic() >= deadline:
@@ -316,7 +316,7 @@ class ChildLoop:
                 response=outcome,
             )  # applying the step's last result adds the answers to the messages
 
-    def _outcome(self, state: LoopState, step: int, pending: PendingCall) -> dict[str, Any]:
+    def _outcome(self, state: Conversation, step: int, pending: PendingCall) -> dict[str, Any]:
         """Pass the call through the gate (nesting, declarations, allowlist, approval), then run it."""
         call = pending.call
         name = call.name or ""
@@ -343,7 +343,7 @@ class ChildLoop:
         # a tool this worker lacks gets the registry's error naming it; nothing was started
         return self.tools.run(call, self._context(step, pending))
 
-    def _approval(self, state: LoopState, step: int, pending: PendingCall, tool: Tool) -> dict[str, Any] | None:
+    def _approval(self, state: Conversation, step: int, pending: PendingCall, tool: Tool) -> dict[str, Any] | None:
         """None when the call may run; a denial otherwise. Raises `Parked` to wait for a person."""
         if not needs_approval(tool, self.gate.mode):
             return None
@@ -356,7 +356,7 @@ class ChildLoop:
             return {"error": denied_by_user(tool.name, decision.reason)}
         return None
 
-    def _started(self, state: LoopState, step: int, pending: PendingCall) -> None:
+    def _started(self, state: Conversation, step: int, pending: PendingCall) -> None:
         call = pending.call
         self._write(
             state,
@@ -378,7 +378,7 @@ class ChildLoop:
             deadline=self._deadline,  # a tool call never outlasts the fork's wall-clock limit
         )
 
-    def _spawn(self, state: LoopState, step: int, pending: PendingCall) -> dict[str, Any]:
+    def _spawn(self, state: Conversation, step: int, pending: PendingCall) -> dict[str, Any]:
         """Launch (or, after a revival, rejoin) the nested subagent; its id is fixed by this call's position."""
         if self.spawner is None:
             return {"error": NO_SPAWNER}
@@ -388,7 +388,7 @@ class ChildLoop:
             self.record, pending.call.args or {}, child_id, cancelled=self.cancelled, deadline=self._deadline
         )
 
-    def _awaiting(self, state: LoopState, step: int) -> list[ParkedCall]:
+    def _awaiting(self, state: Conversation, step: int) -> list[ParkedCall]:
         """The calls of this step that wait for a person: approval needed, undecided, past the other gates."""
         calls = []
         for pending in state.pending:
@@ -418,7 +418,7 @@ class ChildLoop:
         return model_request(self.record, self.declarations, step, messages)
 
     def _result(
-        self, state: LoopState, started: float, status: Status, output: str | None, error: str | None
+        self, state: Conversation, started: float, status: Status, output: str | None, error: str | None
     ) -> ForkResult:
         duration_ms = int((time.monotonic() - started + self.running_s) * 1000)  # since the exchange's first start
         usage = state.usage.model_copy(update={"duration_ms": duration_ms})

@@ -10,16 +10,13 @@ rebuilds, and a revived fork's next model request is identical to the one the de
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TypeAlias
 
 from workers.history.selection import ForkSeed
 from workers.records.conversation import Conversation
 from workers.records.journal import JournalEntry
 
-LoopState: TypeAlias = Conversation  # the loop's state is the conversation fold started from the seed
 
-
-def replay(seed: ForkSeed, entries: Iterable[JournalEntry], *, fork_id: str | None = None) -> LoopState:
+def replay(seed: ForkSeed, entries: Iterable[JournalEntry], *, fork_id: str | None = None) -> Conversation:
     """Rebuild a fork's state from its seed and its journal entries (in order).
 
     Raises:

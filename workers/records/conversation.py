@@ -5,7 +5,8 @@ entry its meaning. The live loop applies each entry it journals and a revived ru
 journal over the seed (`workers.loop.replay`), so the two rebuild the same messages; every other reader
 folds the entries alone (`fold`): the usage a cancel records (`journal_usage`), the exchanges
 `forkq inspect` lists (`exchanges`), the steps of the transcript (`Conversation.steps`, mapped by
-`workers.api.transcript`), and the runner's checks (`Conversation.surface`, `is_final_answer`).
+`workers.api.transcript`), and the runner's checks (`recorded_surface`, the fold's `surface` read without
+folding the rest, and `is_final_answer`).
 `apply` handles every `EntryKind` (mypy rejects a missing case, and a test applies every kind).
 
 A fold is strict or lenient about a journal the loop could not have written (a model response while
@@ -259,7 +260,7 @@ class Conversation:
         match entry.kind:
             case EntryKind.SURFACE:
                 if self.surface is None:  # the first worker's surface: a revival checks its own against it
-                    self.surface = list(entry.tools or [])
+                    self.surface = surface_of(entry)
             case EntryKind.MODEL:
                 self._model(entry)
             case EntryKind.TOOL_STARTED:
@@ -381,6 +382,20 @@ class Conversation:
 def _content(entry: JournalEntry, role: Literal["user", "model"]) -> Content:
     """The entry's Content; an empty one of `role` when it has none (a damaged entry a lenient fold shows)."""
     return entry.content if entry.content is not None else Content(role=role)
+
+
+def surface_of(entry: JournalEntry) -> list[str]:
+    """The tools a `surface` entry records."""
+    return list(entry.tools or [])
+
+
+def recorded_surface(entries: Iterable[JournalEntry]) -> list[str] | None:
+    """`fold(entries).surface` without folding the rest: the first `surface` entry's tools (None before one).
+
+    A worker checks it at every claim, before its loop replays the journal; a surface entry is the journal's
+    first, so this reads one entry where the fold would rebuild every message.
+    """
+    return next((surface_of(e) for e in entries if e.kind is EntryKind.SURFACE), None)
 
 
 def fold(entries: Iterable[JournalEntry], *, fork_id: str | None = None) -> Conversation:

@@ -20,7 +20,7 @@ from workers.history.selection import ForkSeed
 from workers.loop.child import STOP_REASONS, ChildLoop, Parked, PrimedCall, Spawner, Stopped, StopReason
 from workers.providers import ModelProvider
 from workers.providers.routing import ProviderRouter
-from workers.records.conversation import fold, is_final_answer
+from workers.records.conversation import is_final_answer, recorded_surface
 from workers.records.events import Event
 from workers.records.fork import BootstrapRecord, ChunkCache, Declarations, ForkResult, Status
 from workers.records.journal import EntryKind, JournalEntry, RequestDigests
@@ -436,7 +436,7 @@ def _check_tool_surface(
     """Record the executable tool surface on the first run (with the first append); on a revival,
     the tools of the recorded surface this worker lacks."""
     surface = executable(runtime.tools, declared)
-    recorded = fold(entries).surface
+    recorded = recorded_surface(entries)
     if recorded is None:
         entry = JournalEntry(seq=len(entries), step=0, kind=EntryKind.SURFACE, tools=surface)
         channel.pending_entries.append(entry)
@@ -446,7 +446,7 @@ def _check_tool_surface(
 
 
 def _stopped(runtime: WorkerRuntime, job: RunForkJob, claim: Claim, reason: StopReason) -> Outcome:
-    if reason == StopReason.SHUTDOWN:  # checkpointed by the journal: hand the fork to another worker now
+    if reason is StopReason.SHUTDOWN:  # checkpointed by the journal: hand the fork to another worker now
         runtime.leases.release(claim, "worker shutdown")
         if runtime.requeue is not None:
             runtime.requeue(job.fork_id, job.digest, claim.attempt + 1)  # sends the job, then confirms it

@@ -19,7 +19,7 @@ import redis
 from redis.commands.core import Script
 
 from workers.base.keys import Keys
-from workers.errors import ForkNotFound, InvalidApproval, RecordExistsError, RecordIntegrityError
+from workers.errors import InvalidApproval, RecordExistsError, RecordIntegrityError
 from workers.history.selection import ForkSeed
 from workers.records.fork import (
     BootstrapRecord,
@@ -202,9 +202,7 @@ class ForkStore:
     def _record_bytes(self, fork_id: str) -> bytes:
         data = cast(bytes | None, self.client.get(self.keys.bootstrap(fork_id)))
         if data is None:
-            raise ForkNotFound(
-                f"fork {fork_id}: no bootstrap record in Redis (never launched, or expired)", fork_id=fork_id
-            )
+            raise reads.no_record(fork_id)
         return data
 
     def _chunks(self, parent_session: str, digests: Sequence[bytes]) -> list[bytes]:
@@ -263,6 +261,10 @@ class ForkStore:
     def state(self, fork_id: str) -> ForkState:
         """The fork's current state (ForkNotFound if there is none)."""
         return reads.run(self.client, reads.state(self.keys, fork_id))
+
+    def journal(self, fork_id: str) -> list[JournalEntry]:
+        """Every journal entry of the fork, in order."""
+        return reads.run(self.client, reads.journal(self.keys, fork_id))
 
     def result(self, fork_id: str) -> ForkResult | None:
         """The final result, or None while the fork has not ended."""

@@ -58,9 +58,9 @@ def _fence(ttl_arg: str | None) -> str:
 
 
 # Before the fence of the scripts that give the lease up (release, park): this claim's own earlier
-# attempt already gave it up, and only its reply was lost. ARGV[2] owner; `@DONE@` its reply.
+# attempt already gave it up, and only its reply was lost. ARGV[2] owner; its reply `released`.
 _ALREADY_RELEASED = """
-if redis.call('HGET', KEYS[1], 'released_by') == ARGV[2] then return @DONE@ end
+if redis.call('HGET', KEYS[1], 'released_by') == ARGV[2] then return RELEASED end
 """
 
 # KEYS: state, lease, events, running, bootstrap, journal, inbox. ARGV: owner, ttl_ms, fork_id, job digest ('' = any),
@@ -241,7 +241,7 @@ return FINISHED
 # KEYS: state, lease, events, running. ARGV: epoch, owner, fork_id, reason, grace_ms. Back to queued.
 RELEASE: Final = lua_script(
     NOW,
-    _ALREADY_RELEASED.replace("@DONE@", "RELEASED")
+    _ALREADY_RELEASED
     + _fence(None)
     + """
 redis.call('HSET', KEYS[1], 'status', QUEUED, 'owner', '', 'released_by', ARGV[2])
@@ -262,7 +262,7 @@ return RELEASED
 # to its `error`.
 PAUSE: Final = lua_script(
     NOW,
-    _ALREADY_RELEASED.replace("@DONE@", "RELEASED")
+    _ALREADY_RELEASED
     + _fence(None)
     + """
 redis.call('HSET', KEYS[1], 'status', ARGV[5], 'owner', '', 'error', '', 'waiting', ARGV[4], 'pending', ARGV[6],

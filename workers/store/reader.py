@@ -9,19 +9,15 @@ an event what `ForkStore.events` returns, a session's listing what `ForkClient.l
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 import redis.asyncio
 
 from workers.base.keys import Keys
+from workers.records.events import StreamEvent, decode_event  # a server reads events: no reason to defer them
 from workers.records.fork import BootstrapRecord, ForkResult, ForkState, Status
 from workers.records.journal import JournalEntry
 from workers.store import reads
-from workers.store.forks import decode_event
 from workers.store.reads import SessionFork
-
-if TYPE_CHECKING:  # a type only: the event models load at the first event read
-    from workers.records.events import StreamEvent
 
 
 class AsyncForkReader:
@@ -42,10 +38,6 @@ class AsyncForkReader:
     async def result(self, fork_id: str) -> ForkResult | None:
         """The final result, or None while the fork has not ended."""
         return await reads.run_async(self.client, reads.result(self.keys, fork_id))
-
-    async def last_event_id(self, fork_id: str) -> str:
-        """The id of the fork's newest event (`0-0` for none): a wait reads what comes after it."""
-        return await reads.run_async(self.client, reads.last_event_id(self.keys, fork_id))
 
     async def events(
         self, fork_id: str, *, after: str = "0-0", block_ms: int | None = None, count: int = 100

@@ -90,6 +90,11 @@ def not_found(fork_id: str) -> ForkNotFound:
     return ForkNotFound(f"fork {fork_id}: not found (never launched, or past its retention)", fork_id=fork_id)
 
 
+def no_record(fork_id: str) -> ForkNotFound:
+    """The error for a fork whose bootstrap record is not in Redis."""
+    return ForkNotFound(f"fork {fork_id}: no bootstrap record in Redis (never launched, or expired)", fork_id=fork_id)
+
+
 def state_of(fork_id: str, fields: Mapping[bytes, bytes]) -> ForkState:
     """A `ForkState` from its hash as HGETALL returns it."""
     return ForkState.from_hash(fork_id, {k.decode(): v.decode() for k, v in fields.items()})
@@ -129,12 +134,6 @@ def latest_events(keys: Keys, fork_id: str, *, count: int) -> Read[list[StreamEn
     return [(eid, fields) for eid, fields in reply]
 
 
-def last_event_id(keys: Keys, fork_id: str) -> Read[str]:
-    """The id of the fork's newest event (`0-0` for none): a wait reads what comes after it."""
-    (newest,) = yield [Command("xrevrange", (keys.events(fork_id),), {"count": 1})]
-    return cast(bytes, newest[0][0]).decode() if newest else "0-0"
-
-
 def journal(keys: Keys, fork_id: str) -> Read[list[JournalEntry]]:
     """Every journal entry of the fork, in order."""
     (raw,) = yield [Command("lrange", (keys.journal(fork_id), 0, -1))]
@@ -150,9 +149,7 @@ def record(keys: Keys, fork_id: str, digest_hex: str | None) -> Read[BootstrapRe
     """
     (data,) = yield [Command("get", (keys.bootstrap(fork_id),))]
     if data is None:
-        raise ForkNotFound(
-            f"fork {fork_id}: no bootstrap record in Redis (never launched, or expired)", fork_id=fork_id
-        )
+        raise no_record(fork_id)
     named = BootstrapRecord.chunk_refs(data, fork_id=fork_id)
     wanted = named.refs[: 2 if named.indexed else 1]  # the context, and the seed index when the record has one
     (found,) = yield [Command("mget", ([keys.chunk(named.parent_session, d.hex()) for d in wanted],))]

@@ -177,18 +177,9 @@ class LaunchOptions(BaseModel):
     )
 
 
-def launch_options(agent: AgentParams, **options: Any) -> ForkOptions:
-    """The fork-only and launch options a bootstrap record keeps (only those that differ from the defaults), for
-    `LaunchOptions(**options)` without a subagent definition.
-
-    Raises:
-        InvalidAgentParams: an option is invalid (`.field` names it).
-    """
-    return ForkOptions(**_record_options(agent, LaunchOptions(**options)))
-
-
-def _record_options(agent: AgentParams, options: LaunchOptions) -> dict[str, Any]:
-    """The record's options of the Agent call and the launch options (None: the default, not kept)."""
+def record_options(agent: AgentParams, options: LaunchOptions) -> dict[str, Any]:
+    """The record's options (`ForkOptions` fields) of the Agent call and the launch options (None: the default, not
+    kept)."""
     return {
         "fork_tools": None if agent.fork_tools is None else list(agent.fork_tools),
         "approval_policy": None if options.approval_policy == "deny" else options.approval_policy,
@@ -292,7 +283,7 @@ def plan_launch(
     }
     check_capabilities(provider, seed_mode if agent.is_fork else None, [name for name, on in asked.items() if on])
     check_nesting(agent, parent.depth, min(depth_limit, max_depth or depth_limit))
-    options = _record_options(agent, asks)
+    options = record_options(agent, asks)
     context = ParentContext(parent.system_instruction, parent.tools, tools_json, parent.model)
     if agent.is_fork and seed_mode == "fork_turns":
         scope = Scope(parent.system_instruction, tools_json, parent.model)
@@ -334,15 +325,13 @@ def _definition(agent: AgentParams, catalog: Catalog, seed_mode: SeedMode) -> Ag
     return found
 
 
-def check_max_depth(max_depth: object, depth_limit: int) -> int | None:
-    """A launch's `max_depth`: None, or a whole number from 1 to the deployment's limit.
+def check_max_depth(max_depth: int | None, depth_limit: int) -> int | None:
+    """A launch's `max_depth` (already a whole number from 1, `LaunchOptions`), bounded by the deployment's limit.
 
     Raises:
-        InvalidAgentParams: it is not (`.field` is `max_depth`).
+        InvalidAgentParams: it is above the limit (`.field` is `max_depth`).
     """
-    if max_depth is None:
-        return None
-    if isinstance(max_depth, bool) or not isinstance(max_depth, int) or not 1 <= max_depth <= depth_limit:
+    if max_depth is not None and max_depth > depth_limit:
         raise InvalidAgentParams(
             f"max_depth must be a whole number from 1 to this deployment's limit {depth_limit} "
             f"(FORKQ_MAX_SUBAGENT_DEPTH); got {shown(max_depth)}. It can lower the nesting limit, never raise it.",
