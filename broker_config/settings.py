@@ -147,6 +147,31 @@ class Settings(BaseSettings):
         description="Seconds between keep-alive comments of an idle event stream (below proxies' idle timeouts).",
     )
 
+    # a fork's files: a snapshot travels with the fork (stored content-addressed in Redis); `shared` acts in place
+    workspace: Literal["snapshot", "shared"] = Field(
+        "snapshot", description="Default workspace of a launch: `snapshot` (the fork's own copy) or `shared` (in place)"
+    )
+    workspace_max_bytes: int = Field(
+        256 * 1024 * 1024, gt=0, description="Largest tree a snapshot workspace may hold, in bytes (else refused)."
+    )
+    workspace_max_files: int = Field(
+        50_000, gt=0, description="Most files a snapshot workspace may hold (else refused)."
+    )
+    workspace_cache_mb: int = Field(
+        1024, ge=0, description="Disk a worker's cache of workspace files may use, in MiB (oldest use goes first)"
+    )
+    workspace_dir: Path | None = Field(
+        None, description="Folder of a worker's workspaces and their cache (default: a forkq folder in the temp dir)."
+    )
+    # without it a remote parent can point a `shared` fork's tools at any folder a worker can reach
+    shared_roots: str | None = Field(
+        None,
+        description="Folders a `shared` workspace's cwd must lie under, comma-separated (advised with `forkq serve`)",
+    )
+    sandbox: Literal["on", "off"] = Field(
+        "on", description="`off`: snapshot forks' tools run unconfined (only where the worker cannot sandbox them)."
+    )
+
     @field_validator("redis_url")
     @classmethod
     def _redis_scheme(cls, value: str) -> str:

@@ -26,6 +26,8 @@ LAYERS: dict[str, int] = {
     "broker_config.settings": 0,
     "workers.history": 1,
     "workers.providers": 2,
+    # a fork's files: manifests, snapshots, builds, patches and the sandbox; plain files, no Redis
+    "workers.workspace": 2,
     "workers.records": 3,
     "workers.tools": 3,
     "workers.subagents": 4,
@@ -64,6 +66,7 @@ BANNED: dict[str, tuple[str, ...]] = {
     "workers.history": RUNTIMES + MODEL_SDKS,
     "workers.records": RUNTIMES + MODEL_SDKS,
     "workers.tools": RUNTIMES + MODEL_SDKS,
+    "workers.workspace": RUNTIMES + MODEL_SDKS,
     "workers.loop": RUNTIMES + MODEL_SDKS,
     "workers.providers": RUNTIMES,
     "workers.subagents": RUNTIMES + MODEL_SDKS,

@@ -18,6 +18,10 @@ ForkqError                      base; never raised bare
 ├── MessageRefused              a message `send` cannot give: empty, too long, ended fork, full inbox (.status)
 ├── IdempotencyConflict         an Idempotency-Key sent again with another launch body (.fork_id: the first launch's)
 ├── RequestRefused              an HTTP request `forkq serve` will not read: body too large, unknown encoding (.status)
+├── WorkspaceError              a fork's files cannot be snapshotted, stored, built or applied (.field)
+│   ├── WorkspaceTooLarge       a tree over FORKQ_WORKSPACE_MAX_BYTES or _MAX_FILES (.largest: its biggest folders)
+│   ├── ApplyConflict           a fork's changes do not apply to a tree (.paths)
+│   └── SandboxUnavailable      this machine cannot confine a snapshot fork's tools (.reason)
 ├── ConfigurationError          settings or the Redis server are unfit for forkq (.field)
 │   ├── MissingExtra            a command needs an optional part of forkq that is not installed (.extra, .missing)
 │   └── InvalidAgentDefinition  a subagent definition file is malformed (.path, .field)
@@ -170,6 +174,34 @@ class RequestRefused(ForkqError):
     def __init__(self, message: str, *, status: int) -> None:
         super().__init__(message)
         self.status = status
+
+
+class WorkspaceError(ForkqError):
+    """A fork's files cannot be snapshotted, stored, materialized or applied; the message names the path."""
+
+
+class WorkspaceTooLarge(WorkspaceError):
+    """A tree is over the workspace bounds; `largest` lists its biggest folders as `(folder, bytes, files)`."""
+
+    def __init__(self, message: str, *, largest: list[tuple[str, int, int]]) -> None:
+        super().__init__(message, field="workspace")
+        self.largest = largest
+
+
+class ApplyConflict(WorkspaceError):
+    """A fork's changes do not apply: the target's files differ from the ones the fork started from (`paths`)."""
+
+    def __init__(self, message: str, *, paths: list[str], fork_id: str | None = None) -> None:
+        super().__init__(message, fork_id=fork_id)
+        self.paths = paths
+
+
+class SandboxUnavailable(WorkspaceError):
+    """This machine cannot confine a snapshot fork's tools; `reason` says what is missing."""
+
+    def __init__(self, message: str, *, reason: str) -> None:
+        super().__init__(message, field="sandbox")
+        self.reason = reason
 
 
 class ConfigurationError(ForkqError):

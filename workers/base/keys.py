@@ -65,6 +65,14 @@ Each key: type; content; TTL; writer → readers.
   key (so keys of any length or alphabet make a bounded key, and two callers never share one);
   `FORKQ_API_IDEMPOTENCY_TTL_S`; `forkq serve` (SET NX, deleted again if the launch is refused) →
   `forkq serve`.
+- `{ns}:{ws:<scope>}:blob:<digest>`: string; a workspace file's bytes (or a symlink's target), named by the
+  SHA-256 of those bytes (`workers.workspace.manifest`); retention from the latest launch or step that named it
+  (EXPIRE, only ever lengthened); launch, `forkq serve`'s upload, worker (a step's changed files) → worker,
+  changes, apply. `<scope>` is the tenant (`default` until tenants exist): a client only ever learns which
+  of its own scope's blobs exist.
+- `{ns}:{ws:<scope>}:manifest:<digest>`: string; canonical msgpack manifest of a workspace (path, mode, size,
+  digest per file), named by its SHA-256 and named in turn by a snapshot fork's bootstrap record; retention as
+  blobs; launch, `forkq serve` → worker, changes, apply, inspect.
 
 `retention` is `FORKQ_RECORD_TTL_S`, set at launch and renewed when a fork finishes.
 """
@@ -161,11 +169,30 @@ class Keys:
         _check_session(parent_session)
         return f"{self.namespace}:{{parent:{parent_session}}}:forks"
 
+    def blob(self, scope: str, digest_hex: str) -> str:
+        """A workspace file's bytes, by the SHA-256 of those bytes, in one scope (tenant)."""
+        _check_scope(scope)
+        if not HEX_DIGEST_RE.fullmatch(digest_hex):
+            raise ValueError(f"blob digest {digest_hex!r} must be 64 lowercase hex digits (a SHA-256)")
+        return f"{self.namespace}:{{ws:{scope}}}:blob:{digest_hex}"
+
+    def manifest(self, scope: str, digest_hex: str) -> str:
+        """A workspace manifest, by the SHA-256 of its canonical bytes, in one scope (tenant)."""
+        _check_scope(scope)
+        if not HEX_DIGEST_RE.fullmatch(digest_hex):
+            raise ValueError(f"manifest digest {digest_hex!r} must be 64 lowercase hex digits (a SHA-256)")
+        return f"{self.namespace}:{{ws:{scope}}}:manifest:{digest_hex}"
+
     def idempotency(self, digest_hex: str) -> str:
         """A launch's Idempotency-Key (hashed with the caller's token) → its body's digest and fork id."""
         if not HEX_DIGEST_RE.fullmatch(digest_hex):
             raise ValueError(f"idempotency digest {digest_hex!r} must be 64 lowercase hex digits (a SHA-256)")
         return f"{self.namespace}:idempotency:{digest_hex}"
+
+
+def _check_scope(scope: str) -> None:
+    if not FORK_ID_RE.fullmatch(scope):
+        raise ValueError(f"workspace scope {scope!r} is not valid; scopes are 1-128 letters, digits, '_', '.', '-'")
 
 
 def _check_session(parent_session: str) -> None:
