@@ -1,0 +1,151 @@
+"""Redis access for workspaces: content-addressed blobs and manifests, per scope (tenant).
+
+Every blob is stored once per digest (`SET NX`), so siblings and later launches of one tree store nothing
+twice. A manifest is written only after every blob it names: a manifest that exists therefore means its
+blobs exist, which lets a launch of an unchanged tree skip asking about each of them. Blobs and manifests
+expire with the forks' records: they live `FORKQ_RECORD_TTL_S` plus `TTL_SLACK_S`, a TTL is only ever
+lengthened (EXPIRE GT), and a launch whose manifest has less than the retention plus `RENEW_BELOW_S` left
+renews the manifest and every blob it names. So the files of a fork outlive its records by up to an hour
+(a fork whose runs outlast that slack, continuation included, gets its records renewed, not its files).
+
+Reads verify every blob against its digest: a damaged or substituted value is an error, never a file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Final
+
+import redis
+
+from workers.base.keys import Keys
+from workers.errors import RecordIntegrityError, WorkspaceError
+from workers.workspace.manifest import Manifest, blob_digest
+
+DEFAULT_SCOPE: Final = "default"
+BATCH_BYTES: Final = 8 * 1024 * 1024  # bytes one pipeline carries: bounded memory, few round trips
+BATCH_KEYS: Final = 1000  # keys one EXISTS/MGET pipeline asks about
+TTL_SLACK_S: Final = 2 * 3600  # blobs outlive the records of the forks launched with them by this much
+# a launch renews its manifest's blobs once the manifest has less than retention + this left: launches within
+# the hour ask nothing of the tree's blobs, and blobs still outlive every record by at least an hour
+RENEW_BELOW_S: Final = 3600
+
+
+@dataclass(frozen=True, slots=True)
+class BlobStore:
+    """Blobs and manifests of one scope (tenant) in Redis."""
+
+    client: redis.Redis
+    keys: Keys
+    ttl_s: int
+    scope: str = DEFAULT_SCOPE
+
+    @property
+    def blob_ttl_s(self) -> int:
+        """The TTL a blob or manifest gets: the records' retention plus the slack."""
+        return self.ttl_s + TTL_SLACK_S
+
+    def _blob(self, digest: str) -> str:
+        return self.keys.blob(self.scope, digest)
+
+    def missing(self, digests: Iterable[str]) -> list[str]:
+        """The digests of `digests` this scope does not hold (in the order given, each once); the others'
+        TTLs are renewed, so they outlive the launch that asked."""
+        wanted = list(dict.fromkeys(digests))
+        absent: list[str] = []
+        for batch in _batches(wanted, BATCH_KEYS):
+            pipe = self.client.pipeline(transaction=False)
+            for digest in batch:
+                pipe.expire(self._blob(digest), self.blob_ttl_s, gt=True)
+                pipe.exists(self._blob(digest))
+            replies = pipe.execute()
+            absent += [d for d, present in zip(batch, replies[1::2], strict=True) if not present]
+        return absent
+
+    def put(self, blobs: Mapping[str, bytes]) -> None:
+        """Store blobs by digest (each checked against its bytes); existing ones are kept and renewed.
+
+        Raises:
+            WorkspaceError: a blob's bytes do not have its digest.
+        """
+        for digest, data in blobs.items():
+            if blob_digest(data) != digest:
+                raise WorkspaceError(f"blob {digest}: its bytes have digest {blob_digest(data)}; nothing was stored")
+        pipe = self.client.pipeline(transaction=False)
+        carried = 0
+        for digest, data in blobs.items():
+            key = self._blob(digest)
+            pipe.set(key, data, nx=True, ex=self.blob_ttl_s)
+            pipe.expire(key, self.blob_ttl_s, gt=True)
+            carried += len(data)
+            if carried >= BATCH_BYTES:
+                pipe.execute()
+                pipe, carried = self.client.pipeline(transaction=False), 0
+        pipe.execute()
+
+    def get(self, digests: Iterable[str]) -> Iterator[tuple[str, bytes]]:
+        """`(digest, bytes)` of each digest, verified, in batches.
+
+        Raises:
+            WorkspaceError: a blob is gone (expired with its forks' records).
+            RecordIntegrityError: a stored blob's bytes do not have its digest.
+        """
+        wanted = list(dict.fromkeys(digests))
+        for batch in _batches(wanted, BATCH_KEYS):
+            values = self.client.mget([self._blob(d) for d in batch])
+            for digest, data in zip(batch, values, strict=True):
+                if not isinstance(data, bytes):
+                    raise WorkspaceError(
+                        f"workspace blob {digest} is not in Redis (scope {self.scope!r}): it expired with its "
+                        "forks' records, or was never uploaded; launch the fork again"
+                    )
+                if blob_digest(data) != digest:
+                    raise RecordIntegrityError(
+                        f"workspace blob {digest}: the stored bytes have digest {blob_digest(data)}; the blob was "
+                        "modified in Redis",
+                        key=self._blob(digest),
+                    )
+                yield digest, data
+
+    def put_manifest(self, manifest: Manifest) -> str:
+        """Store a manifest whose blobs are all stored; its digest. A stored manifest with less than the
+        retention plus `RENEW_BELOW_S` left renews its blobs' TTLs, then its own (one pass over them)."""
+        data = manifest.encode()
+        digest = blob_digest(data)
+        key = self.keys.manifest(self.scope, digest)
+        if self.client.set(key, data, nx=True, ex=self.blob_ttl_s):
+            return digest
+        left = self.client.ttl(key)
+        if isinstance(left, int) and left < self.ttl_s + RENEW_BELOW_S:
+            if self.missing(manifest.digests()):  # renews every blob it names; one gone (flushed): store again
+                raise WorkspaceError(f"workspace manifest {digest}: some of its blobs are gone; upload them again")
+            self.client.expire(key, self.blob_ttl_s, gt=True)
+        return digest
+
+    def has_manifest(self, digest: str) -> bool:
+        """Whether this scope holds the manifest `digest` (and so every blob it names)."""
+        return bool(self.client.exists(self.keys.manifest(self.scope, digest)))
+
+    def get_manifest(self, digest: str) -> Manifest:
+        """The manifest `digest`, verified.
+
+        Raises:
+            WorkspaceError: it is not stored in this scope.
+            RecordIntegrityError: the stored bytes do not have its digest.
+        """
+        key = self.keys.manifest(self.scope, digest)
+        data = self.client.get(key)
+        if not isinstance(data, bytes):
+            raise WorkspaceError(
+                f"workspace manifest {digest} is not in Redis (scope {self.scope!r}): it expired with its forks' "
+                "records, or was never uploaded"
+            )
+        if blob_digest(data) != digest:
+            raise RecordIntegrityError(f"workspace manifest {digest}: the stored bytes were modified", key=key)
+        return Manifest.decode(data, what=f"workspace manifest {digest}")
+
+
+def _batches(items: Sequence[str], size: int) -> Iterator[Sequence[str]]:
+    for start in range(0, len(items), size):
+        yield items[start : start + size]
