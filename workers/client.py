@@ -6,10 +6,12 @@ import dataclasses
 import functools
 import json
 import math
+import os
 import secrets
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, Literal
 
 import redis
@@ -45,9 +47,12 @@ if TYPE_CHECKING:  # types only: the send-only app is built on the first launch 
     from workers.broker.envelope import JobEnvelopes
     from workers.records.events import StreamEvent  # and the event models load at the first event read
     from workers.records.seeds import SeedBuilder
+    from workers.store.blobs import BlobStore
     from workers.store.lease import Leases
+    from workers.store.workspaces import ForkChanges
     from workers.subagents.definitions import CatalogCache
     from workers.subagents.launch import LaunchOptions
+    from workers.workspace.ref import WorkspaceRef
 
 
 def parked_error(state: ForkState) -> ForkParked:
@@ -251,6 +256,9 @@ class ForkClient:
         persona: str | None = None,
         tool_filter: list[str] | tuple[str, ...] | None = None,
         max_depth: int | None = None,
+        workspace: str | None = None,
+        manifest: str | None = None,
+        network: bool = True,
     ) -> ForkHandle:
         """Validate, build the seed, write the bootstrap record, then enqueue the fork.
 
@@ -270,6 +278,10 @@ class ForkClient:
             persona: a system prompt replacing the child's (regular subagents, completed-turn forks).
             tool_filter: the tools the child keeps (regular subagents, completed-turn forks).
             max_depth: the deepest nesting below this launch, at most FORKQ_MAX_SUBAGENT_DEPTH.
+            workspace: `snapshot` (default, FORKQ_WORKSPACE): the fork gets its own copy of the parent's cwd,
+                stored in Redis, and hands its changes back (`changes`, `apply`); `shared`: its tools act on cwd.
+            manifest: a workspace uploaded through `forkq serve` (its manifest's digest) instead of reading cwd.
+            network: False cuts a snapshot fork's tools off the network.
 
         Raises:
             InvalidAgentParams: the Agent call's parameters break the contract, or the launch
@@ -291,18 +303,28 @@ class ForkClient:
             output_schema=output_schema,
             max_wall_s=max_wall_s,
             max_turns=max_turns,
+            workspace=workspace,
+            workspace_manifest=manifest,
+            network=network,
         )
         snapshot = parent if isinstance(parent, ParentSnapshot) else parse_parent_snapshot(dict(parent))
         # one parsed here from a dict cannot be passed again: keep nothing of it
         return self.launch_checked(snapshot, agent, options, keep=snapshot is parent)
 
     def launch_checked(
-        self, snapshot: ParentSnapshot, agent: AgentParams, options: LaunchOptions, *, keep: bool = True
+        self,
+        snapshot: ParentSnapshot,
+        agent: AgentParams,
+        options: LaunchOptions,
+        *,
+        keep: bool = True,
+        read_files: bool = True,
     ) -> ForkHandle:
         """`launch` with its arguments already checked models (as the HTTP API's request holds them).
 
         `keep=False` for a snapshot nobody passes again (one parsed from a request): its history selection
-        and declarations are not kept for sibling launches.
+        and declarations are not kept for sibling launches. `read_files=False` (the HTTP API): a snapshot
+        workspace comes only from an upload, never from this machine's disk at the path a request names.
 
         Raises:
             InvalidAgentParams: the options ask for what the provider or seed mode lacks, or break a nesting or
@@ -321,6 +343,7 @@ class ForkClient:
             catalog=self._catalog.get,
             depth_limit=self.settings.max_subagent_depth,
         )
+        workspace = self._workspace(snapshot.cwd, options, read_files=read_files)
         fid = options.fork_id or new_fork_id()
         if not agent.is_fork:  # regular subagents and named teammates inherit no history
             seed = SeedChunks(chunks=[], digests=[], count=0, task_prompt=agent.prompt)
@@ -329,7 +352,13 @@ class ForkClient:
                 snapshot, directive=agent.prompt, turns=agent.turns, seed_mode=plan.seed_mode, keep=keep
             )
         record = plan.record(
-            fid, snapshot, agent, seed_chunks=seed.digests, message_count=seed.count, task_prompt=seed.task_prompt
+            fid,
+            snapshot,
+            agent,
+            seed_chunks=seed.digests,
+            message_count=seed.count,
+            task_prompt=seed.task_prompt,
+            workspace=workspace,
         )
         if agent.name:  # a teammate: its name is its own in the session while it lives
             self._claim_name(snapshot.session_id, agent.name, fid)
@@ -341,6 +370,44 @@ class ForkClient:
         if not self.store.put_launch(record, record_bytes, digest, seed.chunks, job=job):
             send_call(self.app, self.settings.queue, call)
         return ForkHandle(fork_id=fid, digest=digest, kind=record.kind, client=self)
+
+    @functools.cached_property
+    def blobs(self) -> BlobStore:
+        """Workspace blobs and manifests (the default scope until tenants exist)."""
+        from workers.store.blobs import BlobStore  # noqa: PLC0415  (workspaces only)
+
+        return BlobStore(self.redis, Keys(self.settings.namespace), ttl_s=self.settings.record_ttl_s)
+
+    def _workspace(self, cwd: str, options: LaunchOptions, *, read_files: bool) -> WorkspaceRef:
+        """The launch's workspace, its snapshot stored (nothing else of the launch is written yet)."""
+        from workers.store.workspaces import WorkspaceLaunch, launch_workspace  # noqa: PLC0415  (launches only)
+
+        asked = WorkspaceLaunch(options.workspace, options.workspace_manifest, options.network, read_files)
+        return launch_workspace(cwd, asked, settings=self.settings, blobs=self.blobs)
+
+    def changes(self, fork_id: str) -> ForkChanges:
+        """A snapshot fork's changes to the parent's files as of its last step: `.patch()`, `.stat()`, `.apply()`.
+
+        Raises:
+            ForkNotFound: the fork does not exist.
+            WorkspaceError: the fork has no snapshot workspace.
+        """
+        from workers.store.workspaces import fork_changes  # noqa: PLC0415  (changes only)
+
+        state = self.store.state(fork_id)
+        return fork_changes(self.store, self.blobs, self.store.get_record(fork_id, state.digest or None))
+
+    def apply(self, fork_id: str, target: str | os.PathLike[str] | None = None, *, check: bool = False) -> list[str]:
+        """Apply a snapshot fork's changes to `target` (default: the parent's cwd), all or nothing; the paths.
+
+        Raises:
+            ApplyConflict: a file of the target differs from the one the fork started from; nothing was written.
+        """
+        from workers.store.workspaces import default_target  # noqa: PLC0415  (apply only)
+
+        changes = self.changes(fork_id)
+        folder = Path(target) if target is not None else default_target(changes)
+        return changes.apply(folder, check=check)
 
     def agents(self) -> list[dict[str, Any]]:
         """The subagent definitions a launch can name: the built-ins and FORKQ_AGENTS_DIR's files, sorted.

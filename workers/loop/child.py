@@ -47,6 +47,7 @@ from workers.records.journal import EntryKind, JournalEntry, RequestDigests
 from workers.records.notification import NO_OUTPUT
 from workers.records.parked import ParkedCall
 from workers.tools.registry import Tool, ToolContext, ToolRegistry, never_cancelled
+from workers.workspace.manifest import Entry
 
 
 class ForkIO(Protocol):
@@ -73,6 +74,22 @@ class ForkIO(Protocol):
 
     def deliver(self, entries: list[JournalEntry]) -> None:
         """Journal the `message` entries of the texts `take_mail` returned, and take those from the inbox."""
+        ...
+
+
+class Workspace(Protocol):
+    """A snapshot fork's files on this worker: built as of the journal, changed by its tools, journaled per call."""
+
+    def open(self, changes: Mapping[str, Entry | None]) -> None:
+        """Build the tree: the base snapshot with `changes` (the journal's, so far) on top."""
+        ...
+
+    def context(self, ctx: ToolContext) -> ToolContext:
+        """`ctx` for a call acting in the workspace (its folder, its sandbox)."""
+        ...
+
+    def checkpoint(self) -> list[Any] | None:
+        """The files the last tool call changed, their bytes stored: the entry's `changes` (None: none changed)."""
         ...
 
 
@@ -148,6 +165,7 @@ class ChildLoop:
     digests: RequestDigests = field(default_factory=RequestDigests)  # a worker passes its own, shared by its forks
     tool_declarations: list[dict[str, Any]] | None = None  # `record.tools` parsed (a worker shares it)
     primed: PrimedCall | None = None  # the first call's digest, computed for the claim from this record
+    workspace: Workspace | None = None  # a snapshot fork's files (None: its tools act on `record.cwd` in place)
     declarations: list[dict[str, Any]] = field(init=False)  # parsed once, sent with every request
     gate: Gate = field(init=False)
 
@@ -181,6 +199,8 @@ class ChildLoop:
         started = self._began = time.monotonic()
         deadline = self._deadline = started + self.max_wall_s - self.running_s
         state = self._state = replay(self.seed, self.entries, fork_id=self.record.fork_id)
+        if self.workspace is not None:  # the files as of the last journaled step, on whichever worker this is
+            self.workspace.open(state.changes)
         while True:
             if state.final is not None:
                 output, error = self._final(state)
@@ -305,6 +325,8 @@ class ChildLoop:
                 return  # run() ends the fork at its wall-clock limit
             call = pending.call
             outcome = self._outcome(state, step, pending)
+            # the files the call changed go with its result, fenced like it: a revival rebuilds them from the journal
+            changes = self.workspace.checkpoint() if self.workspace is not None else None
             self.io.emit(ToolEvent(data=ToolData(step=step + 1, tool=call.name, ok="error" not in outcome)))
             self._write(
                 state,
@@ -314,6 +336,7 @@ class ChildLoop:
                 call_id=call.id,
                 name=call.name,
                 response=outcome,
+                changes=changes,
             )  # applying the step's last result adds the answers to the messages
 
     def _outcome(self, state: Conversation, step: int, pending: PendingCall) -> dict[str, Any]:
@@ -369,7 +392,7 @@ class ChildLoop:
         )
 
     def _context(self, step: int, pending: PendingCall) -> ToolContext:
-        return ToolContext(
+        ctx = ToolContext(
             fork_id=self.record.fork_id,
             cwd=Path(self.record.cwd),
             call_id=pending.call.id,
@@ -377,6 +400,7 @@ class ChildLoop:
             cancelled=self.cancelled,
             deadline=self._deadline,  # a tool call never outlasts the fork's wall-clock limit
         )
+        return ctx if self.workspace is None else self.workspace.context(ctx)
 
     def _spawn(self, state: Conversation, step: int, pending: PendingCall) -> dict[str, Any]:
         """Launch (or, after a revival, rejoin) the nested subagent; its id is fixed by this call's position."""

@@ -22,10 +22,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final, Literal, NamedTuple, TypedDict, assert_never
 
-from workers.errors import RecordDecodeError
+from workers.errors import ForkqError, RecordDecodeError
 from workers.history.messages import Content, FunctionCall, FunctionResponse, Part
 from workers.records.fork import Usage
 from workers.records.journal import EntryKind, JournalEntry
+from workers.workspace.manifest import Changes, decode_changes
 
 if TYPE_CHECKING:  # a type only: inspect and a cancel fold a journal without loading history selection
     from workers.history.selection import ForkSeed
@@ -102,13 +103,14 @@ class ModelTurn(NamedTuple):
 
 
 class ToolResult(NamedTuple):
-    """A tool call's result: `{"output": ...}` or `{"error": ...}`."""
+    """A tool call's result: `{"output": ...}` or `{"error": ...}`, and the workspace files it changed."""
 
     seq: int
     step: int
     call_id: str | None
     name: str | None
     response: dict[str, Any]
+    changed: tuple[str, ...] = ()
 
 
 class Approval(NamedTuple):
@@ -212,6 +214,9 @@ class Conversation:
     finish_reason: str = "stop"  # of the last model response (`stop` also for `tool_calls`)
     tally: Tally = field(default_factory=Tally)  # the whole conversation's
     surface: list[str] | None = None  # the tools the first worker could execute, once recorded
+    # a snapshot fork's workspace: every file its tool calls changed since its base snapshot (path → entry, None:
+    # removed), the latest change of a path winning; base manifest + these = the fork's tree as of its last step
+    changes: Changes = field(default_factory=dict)
     exchanges: list[Exchange] = field(default_factory=lambda: [Exchange(message=None, step=0)])
     steps: list[ReadStep] = field(default_factory=list)
     fork_id: str | None = field(default=None, compare=False)  # names the fork in a damaged journal's error
@@ -336,7 +341,8 @@ class Conversation:
 
     def _tool_result(self, entry: JournalEntry) -> None:
         self._count(tool_uses=1)  # every result is a tool use, as the cancel script counts them
-        self.steps.append(ToolResult(entry.seq, entry.step, entry.call_id, entry.name, entry.response or {}))
+        changed = self._workspace(entry)
+        self.steps.append(ToolResult(entry.seq, entry.step, entry.call_id, entry.name, entry.response or {}, changed))
         if entry.call_index is None or entry.response is None:
             return
         call = dict(self.calls).get(entry.call_index)
@@ -351,6 +357,18 @@ class Conversation:
         if len(remaining) < len(self.pending) and not remaining:  # the step's answers are complete: they join
             self.messages.append(self.answer_content())
         self.pending = remaining
+
+    def _workspace(self, entry: JournalEntry) -> tuple[str, ...]:
+        """Fold the files a call changed into `changes`; their paths."""
+        if entry.changes is None:
+            return ()
+        try:
+            changes = decode_changes(entry.changes)
+        except ForkqError as exc:
+            self._damaged(entry, f"records workspace changes that do not decode ({exc})")
+            return ()
+        self.changes.update(changes)
+        return tuple(changes)
 
     def _approval(self, entry: JournalEntry) -> None:
         self.steps.append(Approval(entry.seq, entry.step, entry.call_id, entry.name, entry.decision, entry.reason))

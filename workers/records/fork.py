@@ -20,6 +20,7 @@ from workers.history.selection import ForkSeed
 from workers.history.snapshot import ApprovalMode
 from workers.records.allocation import fills_its_class
 from workers.records.parked import ParkedCall, WaitingFor, decode_parked, read_wait
+from workers.workspace.ref import WorkspaceRef
 
 SCHEMA_VERSION: Final = 1
 CHUNK_MAX_MESSAGES: Final = 64
@@ -123,6 +124,8 @@ class BootstrapRecord(BaseModel):
     depth: int = 0
     fork_turns: str | None = None
     options: ForkOptions = Field(default_factory=ForkOptions)
+    # the fork's files; None in records stored before workspaces existed (they act on `cwd` in place: shared)
+    workspace: WorkspaceRef | None = None
 
     @property
     def tools(self) -> list[dict[str, Any]]:
@@ -143,7 +146,7 @@ class BootstrapRecord(BaseModel):
     def encode(self) -> tuple[bytes, str]:
         """Stored bytes and their digest: the record, with its context replaced by the context chunk's digest
         and a long list of seed chunk digests by the seed index chunk's."""
-        fields = self.model_dump(exclude=set(CONTEXT_FIELDS))
+        fields = self.model_dump(exclude=set(CONTEXT_FIELDS) | ({"workspace"} if self.workspace is None else set()))
         fields["context_chunk"] = chunk_digest(self.context_blob())
         index = self.seed_index_blob()
         if index is not None:

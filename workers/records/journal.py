@@ -66,6 +66,9 @@ class JournalEntry(BaseModel):
     call_id: str | None = None
     name: str | None = None
     response: dict[str, Any] | None = None  # tool_result: {"output": ...} or {"error": ...}
+    # tool_result of a snapshot fork: the workspace files the call changed, `[path, mode, size, digest]` or `[path]`
+    # when removed (`workers.workspace.manifest.encode_changes`); left out when it changed none
+    changes: list[Any] | None = None
     tools: list[str] | None = None  # surface: declared tools the first worker could execute
     decision: Literal["approve", "deny"] | None = None  # approval: a person's answer for call `call_index`
     reason: str | None = None  # approval: why (optional, shown to the model on a denial)

@@ -7,7 +7,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import redis
 
@@ -29,6 +29,7 @@ from workers.service.metrics import Metrics
 from workers.service.outcome import ENDED, STOPPED, Outcome, RunOutcome, stop_reason
 from workers.service.progress import Progress, RunObserver
 from workers.service.spawn import SubagentSpawner
+from workers.store.blobs import BlobStore
 from workers.store.forks import ForkStore
 from workers.store.lease import Claim, LeaseKeeper, Leases, revival_grace_s, ride_out
 from workers.store.presence import Presence, owner_token, presence_token
@@ -36,6 +37,10 @@ from workers.store.replies import RefusalReason, Written
 from workers.subagents.definitions import CatalogCache
 from workers.tools.builtins import load_tools
 from workers.tools.registry import ToolRegistry
+from workers.workspace.materialize import WorkspaceCache
+
+if TYPE_CHECKING:  # a snapshot fork's run loads the workspace machinery; a shared one never does
+    from workers.service.workspace import RunWorkspace
 
 log = logging.getLogger("forkq.worker")
 
@@ -151,6 +156,18 @@ class WorkerRuntime:
             return None
         definitions = CatalogCache(self.settings.agents_dir)
         return SubagentSpawner(self.store, self.requeue, self.stopping, catalog=definitions.get)
+
+    @cached_property
+    def blobs(self) -> BlobStore:
+        """Workspace blobs and manifests (the default scope until tenants exist)."""
+        return BlobStore(self.redis, Keys(self.settings.namespace), ttl_s=self.settings.record_ttl_s)
+
+    @cached_property
+    def workspace_cache(self) -> WorkspaceCache:
+        """This process's bounded cache of workspace files."""
+        from workers.service.workspace import worker_cache  # noqa: PLC0415  (snapshot forks only)
+
+        return worker_cache(self.settings)
 
     @cached_property
     def tools(self) -> ToolRegistry:
@@ -392,6 +409,7 @@ def _prepare(
 def _run_loop(runtime: WorkerRuntime, job: RunForkJob, claim: Claim, lost: threading.Event, run: Prepared) -> Outcome:
     """The child loop of a prepared run, to its result, its park, or its stop."""
     settings = runtime.settings
+    workspace = _workspace(runtime, run.record, claim)
     loop = ChildLoop(
         record=run.record,
         seed=run.seed,
@@ -409,9 +427,10 @@ def _run_loop(runtime: WorkerRuntime, job: RunForkJob, claim: Claim, lost: threa
         cancelled=lost.is_set,
         digests=runtime.digests,
         primed=run.primed,
+        workspace=workspace,
     )
     try:
-        result = loop.run()
+        result = _run_in(loop, workspace)
     except Parked as park:  # no worker slot is held while a person decides
         runtime.leases.park(claim, park.calls)
         return Outcome.AWAITING_APPROVAL
@@ -428,6 +447,26 @@ def _run_loop(runtime: WorkerRuntime, job: RunForkJob, claim: Claim, lost: threa
             runtime.requeue(job.fork_id, job.digest, claim.attempt + 1)  # sends the job, then confirms it
         return Outcome.RELEASED
     return ENDED[result.status]
+
+
+def _workspace(runtime: WorkerRuntime, record: BootstrapRecord, claim: Claim) -> RunWorkspace | None:
+    """The run's own copy of a snapshot fork's files (None: its tools act on its `cwd` in place)."""
+    if record.workspace is None or not record.workspace.snapshot:
+        return None
+    from workers.service.workspace import RunWorkspace  # noqa: PLC0415  (snapshot forks only)
+
+    return RunWorkspace(
+        record, settings=runtime.settings, blobs=runtime.blobs, cache=runtime.workspace_cache, epoch=claim.epoch
+    )
+
+
+def _run_in(loop: ChildLoop, workspace: RunWorkspace | None) -> ForkResult:
+    """The loop's run; the workspace's folder is removed however it ends (its changes are in the journal)."""
+    try:
+        return loop.run()
+    finally:
+        if workspace is not None:
+            workspace.close()
 
 
 def _check_tool_surface(

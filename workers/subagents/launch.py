@@ -16,7 +16,7 @@ from typing import Annotated, Any, Final
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 from pydantic.json_schema import SkipJsonSchema
 
-from workers.base.keys import FORK_ID_RE
+from workers.base.keys import FORK_ID_RE, HEX_DIGEST_RE
 from workers.base.limits import MAX_LAUNCH_TURNS, MAX_LAUNCH_WALL_S, bad_text, nesting_problem, shown, too_deep
 from workers.errors import InvalidAgentParams
 from workers.history.params import (
@@ -34,6 +34,7 @@ from workers.records.fork import BootstrapRecord, ForkOptions
 from workers.subagents.capabilities import check_capabilities
 from workers.subagents.definitions import GENERAL_PURPOSE, AgentDefinition, Catalog
 from workers.subagents.scope import ParentContext, Scope, check_persona, check_tool_filter, resolve_scope
+from workers.workspace.ref import WorkspaceMode, WorkspaceRef
 
 
 def check_nesting(agent: AgentParams, parent_depth: int, max_depth: int) -> None:
@@ -116,6 +117,32 @@ def _max_turns(value: object) -> object:
     return value
 
 
+def _workspace(value: object) -> object:
+    if value is not None and value not in tuple(WorkspaceMode):
+        raise InvalidAgentParams(
+            f"workspace must be `snapshot` (the fork's own copy of the parent's files) or `shared` (the parent's "
+            f"files in place); got {shown(value)}",
+            field="workspace",
+        )
+    return value
+
+
+def _workspace_manifest(value: object) -> object:
+    if value is not None and not (isinstance(value, str) and HEX_DIGEST_RE.fullmatch(value)):
+        raise InvalidAgentParams(
+            f"workspace_manifest must be the digest an upload of the workspace answered (64 lowercase hex digits); "
+            f"got {shown(value)}",
+            field="workspace_manifest",
+        )
+    return value
+
+
+def _network(value: object) -> object:
+    if not isinstance(value, bool):
+        raise InvalidAgentParams(f"network must be true or false; got {shown(value)}", field="network")
+    return value
+
+
 def _max_depth(value: object) -> object:
     """A whole number, 1 or more; `check_max_depth` bounds it by the deployment's limit once that is known."""
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -175,6 +202,17 @@ class LaunchOptions(BaseModel):
     max_turns: Annotated[Whole | SkipJsonSchema[None], BeforeValidator(_max_turns)] = Field(
         None, description="Model calls at most (below the workers' own limit)."
     )
+    workspace: Annotated[WorkspaceMode | SkipJsonSchema[None], BeforeValidator(_workspace)] = Field(
+        None,
+        description="The fork's files: `snapshot`, its own copy (the default, FORKQ_WORKSPACE), or `shared`, the "
+        "parent's cwd in place.",
+    )
+    workspace_manifest: Annotated[str | SkipJsonSchema[None], BeforeValidator(_workspace_manifest)] = Field(
+        None, description="A snapshot workspace uploaded to `forkq serve` (the digest its upload answered)."
+    )
+    network: Annotated[bool, BeforeValidator(_network)] = Field(
+        True, description="false: a snapshot fork's tools have no network."
+    )
 
 
 def record_options(agent: AgentParams, options: LaunchOptions) -> dict[str, Any]:
@@ -232,6 +270,7 @@ class LaunchPlan:
         seed_chunks: list[bytes],
         message_count: int,
         task_prompt: str,
+        workspace: WorkspaceRef | None = None,
     ) -> BootstrapRecord:
         """The bootstrap record of this launch, with its seed's chunk digests, message count and task prompt."""
         return BootstrapRecord(
@@ -253,6 +292,7 @@ class LaunchPlan:
             depth=parent.depth + 1,
             fork_turns=agent.fork_turns,
             options=self.options,
+            workspace=workspace,
         )
 
 
