@@ -26,6 +26,7 @@ from workers.base.extras import require_extra
 from workers.base.limits import MAX_SCHEMA_FILE_BYTES
 from workers.cli_args import build_parser
 from workers.errors import (
+    ApplyConflict,
     ConfigurationError,
     ForkNotPaused,
     ForkParked,
@@ -35,6 +36,7 @@ from workers.errors import (
     InvalidHistory,
     InvalidParentSnapshot,
     MessageRefused,
+    WorkspaceTooLarge,
 )
 from workers.history.snapshot import load_parent_snapshot, read_json_file
 from workers.store.health import check_redis
@@ -91,6 +93,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
             persona=persona,
             tool_filter=tool_filter,
             max_depth=args.max_depth,
+            workspace=args.workspace,
+            network=args.network,
         )
         status = client.status(handle.fork_id).status.value
     if args.json:
@@ -383,8 +387,48 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         schema = record["output_schema"]
         print(f"output_schema: {'none' if schema is None else json.dumps(schema, ensure_ascii=False)[:500]}")
         print(f"task prompt: {record['task_prompt'][:200]}")
+        print(f"workspace: {_workspace_line(record['workspace'])}")
         _print_wait(args.fork_id, wait)
     return EXIT_OK
+
+
+def cmd_changes(args: argparse.Namespace) -> int:
+    """Print a snapshot fork's changes: a patch, its files (--stat), or both as JSON."""
+    with _client() as client:
+        changes = client.changes(args.fork_id)
+        if args.json:
+            _print_json({"fork_id": args.fork_id, "files": changes.stat(), "patch": changes.patch().decode("utf-8")})
+        elif args.stat:
+            for stat in changes.stat():
+                counts = "binary" if stat["binary"] else f"+{stat['added']} -{stat['removed']}"
+                print(f"{stat['status']:<8} {counts:<14} {stat['path']}")
+        else:
+            sys.stdout.flush()
+            sys.stdout.buffer.write(changes.patch())
+            sys.stdout.buffer.flush()
+    return EXIT_OK
+
+
+def cmd_apply(args: argparse.Namespace) -> int:
+    """Apply a snapshot fork's changes to the parent's cwd or --dir: all or nothing (a conflict exits 2)."""
+    with _client() as client:
+        try:
+            paths = client.apply(args.fork_id, args.dir, check=args.check)
+        except ApplyConflict as exc:
+            print(f"forkq apply: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+    verb = "would change" if args.check else "changed"
+    print(f"{verb} {len(paths)} file(s)" + "".join(f"\n  {p}" for p in paths))
+    return EXIT_OK
+
+
+def _workspace_line(ref: dict[str, Any] | None) -> str:
+    if ref is None:
+        return "shared (launched before workspaces)"
+    if ref["mode"] == "shared":
+        return f"shared: {ref['root']}"
+    network = "" if ref["network"] else ", no network"
+    return f"snapshot of {ref['root']} (manifest {ref['manifest'] or 'empty'}{', git' if ref['git'] else ''}{network})"
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
@@ -542,6 +586,8 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "deny": cmd_approve,
     "events": cmd_events,
     "inspect": cmd_inspect,
+    "changes": cmd_changes,
+    "apply": cmd_apply,
     "agents": cmd_agents,
     "send": cmd_send,
     "list": cmd_list,
@@ -559,7 +605,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         code: int = COMMANDS[args.command](args)
-    except (InvalidAgentParams, InvalidParentSnapshot, InvalidHistory, ConfigurationError, MessageRefused) as exc:
+    except (
+        InvalidAgentParams,
+        InvalidParentSnapshot,
+        InvalidHistory,
+        ConfigurationError,
+        MessageRefused,
+        WorkspaceTooLarge,
+    ) as exc:
         print(f"forkq {args.command}: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except ForkTimeout as exc:

@@ -113,6 +113,12 @@ def build_parser() -> Parser:
     events = by_id("events", "Print a fork's progress events (--json: one JSON object per line).")
     events.add_argument("--follow", action="store_true", help="keep printing until the fork ends")
     by_id("inspect", "Print a fork's bootstrap record and launch options.")
+    changes = by_id("changes", "Print a snapshot fork's changes as a patch `git apply` accepts (binary files too).")
+    changes.add_argument("--stat", action="store_true", help="print the changed files and their line counts")
+    changes.add_argument("--json", action="store_true", help="print JSON: the files and the patch")
+    apply = by_id("apply", "Apply a snapshot fork's changes to the parent's cwd (or --dir), all or nothing.")
+    apply.add_argument("--dir", help="the folder to apply them to (default: the parent's cwd at launch)")
+    apply.add_argument("--check", action="store_true", help="only check that they apply; write nothing")
     send = add(
         "send",
         "Give a fork a message: continue a succeeded fork, or reach a running or parked one before its next call.",
@@ -169,6 +175,15 @@ def _launch_arguments(launch: Parser) -> None:
         "--tool-filter", dest="tool_filter", help="comma list of the tools the child keeps (not fork_turns forks)"
     )
     launch.add_argument("--max-depth", dest="max_depth", type=int, help="deepest nesting below this launch")
+    launch.add_argument(
+        "--workspace",
+        choices=("snapshot", "shared"),
+        help="the fork's files: its own copy of the parent's cwd (snapshot, the default: FORKQ_WORKSPACE) or the "
+        "cwd in place (shared)",
+    )
+    launch.add_argument(
+        "--no-network", dest="network", action="store_false", help="cut a snapshot fork's tools off the network"
+    )
     launch.add_argument("--json", action="store_true", help="print JSON")
 
 

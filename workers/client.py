@@ -699,7 +699,18 @@ class ForkClient:
             )
         from workers.records.notification import render_task_notification  # noqa: PLC0415  (ended forks only)
 
-        return render_task_notification(result, description=state.description)
+        return render_task_notification(
+            result, description=state.description, changed_files=self.changed_files(fork_id)
+        )
+
+    def changed_files(self, fork_id: str) -> tuple[str, ...]:
+        """The files a snapshot fork changed (empty for a shared one): what its notification lists."""
+        record = self.store.get_record(fork_id, self.store.state(fork_id).digest or None)
+        if record.workspace is None or not record.workspace.snapshot:
+            return ()
+        from workers.store.workspaces import fork_changes  # noqa: PLC0415  (snapshot forks only)
+
+        return tuple(fork_changes(self.store, self.blobs, record).paths)
 
     def inspect(self, fork_id: str) -> dict[str, Any]:
         """The bootstrap record in wire form, with its seed resolved and verified."""
@@ -725,5 +736,6 @@ class ForkClient:
             "description": record.description,
             "parent_session": record.parent_session,
             **launch_settings(record),
+            "workspace": None if record.workspace is None else record.workspace.model_dump(mode="json"),
             "exchanges": exchanges(record.directive, self.store.journal(fork_id)),
         }

@@ -48,6 +48,7 @@ from workers.records.notification import NO_OUTPUT
 from workers.records.parked import ParkedCall
 from workers.tools.registry import Tool, ToolContext, ToolRegistry, never_cancelled
 from workers.workspace.manifest import Entry
+from workers.workspace.ref import WorkspaceRef
 
 
 class ForkIO(Protocol):
@@ -92,6 +93,14 @@ class Workspace(Protocol):
         """The files the last tool call changed, their bytes stored: the entry's `changes` (None: none changed)."""
         ...
 
+    def share(self) -> WorkspaceRef:
+        """The workspace as it is now, stored: what a nested subagent of this fork starts from."""
+        ...
+
+    def merge(self, changes: Mapping[str, Entry | None]) -> None:
+        """Write a nested subagent's changes into this tree (the next checkpoint journals them)."""
+        ...
+
 
 class StopReason(enum.StrEnum):
     """Why a loop stopped before its result (`workers.service.outcome.STOPPED` maps each to the run's outcome)."""
@@ -132,9 +141,11 @@ class Spawner(Protocol):
         *,
         cancelled: Callable[[], bool],
         deadline: float,
+        workspace: Workspace | None = None,
     ) -> dict[str, Any]:
         """`{"output": ...}` or `{"error": ...}` by `deadline` (monotonic); raises `Stopped` when the
-        caller must stop meanwhile (shutdown, lost lease)."""
+        caller must stop meanwhile (shutdown, lost lease). A nested subagent works in the caller's `workspace`:
+        it starts from the caller's files as they are, and what it changed is merged back when it ends."""
         ...
 
 
@@ -409,7 +420,12 @@ class ChildLoop:
         self._started(state, step, pending)
         child_id = f"{self.record.fork_id}.{step}.{pending.index}"
         return self.spawner.spawn(
-            self.record, pending.call.args or {}, child_id, cancelled=self.cancelled, deadline=self._deadline
+            self.record,
+            pending.call.args or {},
+            child_id,
+            cancelled=self.cancelled,
+            deadline=self._deadline,
+            workspace=self.workspace,
         )
 
     def _awaiting(self, state: Conversation, step: int) -> list[ParkedCall]:

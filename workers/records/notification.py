@@ -5,6 +5,7 @@ Only the final output reaches the parent, with status and usage; never the fork'
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Final
 
 from workers.records.fork import ForkResult, Status
@@ -18,8 +19,15 @@ def escape(text: str) -> str:
     return text.replace("&", "&amp;").replace(">", "&gt;").replace("<", "&lt;")
 
 
-def render_task_notification(result: ForkResult, *, description: str) -> str:
-    """The notification message for an ended fork (every field XML-escaped)."""
+MAX_LISTED_FILES = 50  # changed files a notification names; the rest are counted
+
+
+def render_task_notification(result: ForkResult, *, description: str, changed_files: Sequence[str] = ()) -> str:
+    """The notification message for an ended fork (every field XML-escaped).
+
+    A snapshot fork that changed files lists them (`changed_files`), so the parent's model knows there is a
+    patch to review (`forkq changes ID`) and apply (`forkq apply ID`); its own tree was not touched.
+    """
     status = _STATUS.get(result.status, result.status.value)
     usage = result.usage
     summary = f'Agent "{description}" {status}'  # not nested in the f-string below: Python 3.11 refuses that
@@ -38,6 +46,8 @@ def render_task_notification(result: ForkResult, *, description: str) -> str:
     cached = (
         f"<cached_input_tokens>{usage.cached_input_tokens}</cached_input_tokens>" if usage.cached_input_tokens else ""
     )
+    if changed_files:
+        lines.append(_changed(result.fork_id, changed_files))
     lines += [
         "<usage>"
         f"<total_tokens>{usage.total_tokens}</total_tokens>"
@@ -48,3 +58,13 @@ def render_task_notification(result: ForkResult, *, description: str) -> str:
         "</task-notification>",
     ]
     return "\n".join(lines)
+
+
+def _changed(fork_id: str, paths: Sequence[str]) -> str:
+    listed = [escape(p) for p in paths[:MAX_LISTED_FILES]]
+    if len(paths) > MAX_LISTED_FILES:
+        listed.append(f"(and {len(paths) - MAX_LISTED_FILES} more)")
+    hint = escape(
+        f"not applied to your files: review with `forkq changes {fork_id}`, apply with `forkq apply {fork_id}`"
+    )
+    return f'<changed-files count="{len(paths)}" note="{hint}">\n' + "\n".join(listed) + "\n</changed-files>"

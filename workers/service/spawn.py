@@ -23,13 +23,15 @@ from kombu.exceptions import OperationalError
 
 from workers.errors import ForkqError, InvalidAgentParams, RecordExistsError
 from workers.history.params import validate_agent_params
-from workers.loop.child import Stopped, StopReason
+from workers.loop.child import Stopped, StopReason, Workspace
 from workers.loop.policy import effective_mode
+from workers.records.conversation import fold
 from workers.records.fork import BootstrapRecord, ForkOptions, ForkResult, Status
 from workers.store.forks import ForkStore
 from workers.store.lease import TRANSIENT, ride_out
 from workers.subagents.definitions import Catalog, built_in_catalog
 from workers.subagents.scope import ParentContext, resolve_scope
+from workers.workspace.ref import WorkspaceRef
 
 T = TypeVar("T")
 
@@ -41,12 +43,17 @@ Enqueue = Callable[[str, str, int], None]  # fork id, digest, attempt
 
 
 def nested_record(
-    parent: BootstrapRecord, args: Mapping[str, Any], child_id: str, catalog: Catalog | None = None
+    parent: BootstrapRecord,
+    args: Mapping[str, Any],
+    child_id: str,
+    catalog: Catalog | None = None,
+    workspace: WorkspaceRef | None = None,
 ) -> BootstrapRecord:
     """The bootstrap record of the regular subagent an Agent call of `parent` asks for (no history).
 
     Its definition (`subagent_type`, from `catalog`) is resolved against the caller's own declarations,
-    so a nested subagent never gets a tool its caller lacks; the caller's `max_depth` carries over.
+    so a nested subagent never gets a tool its caller lacks; the caller's `max_depth` carries over. It works
+    in the caller's workspace: `workspace` (the caller's files as they are now), else the caller's own.
 
     Raises:
         InvalidAgentParams: the call's parameters break the Agent tool's contract, or name an unknown type.
@@ -80,6 +87,7 @@ def nested_record(
         generation=parent.generation,
         approval_mode=effective_mode(parent.approval_mode),
         cwd=parent.cwd,
+        workspace=workspace or parent.workspace,
         depth=parent.depth + 1,
         # no approval_policy: a nested subagent never parks, since its caller holds a worker slot waiting for it
         options=ForkOptions(
@@ -120,8 +128,12 @@ class SubagentSpawner:
         *,
         cancelled: Callable[[], bool],
         deadline: float,
+        workspace: Workspace | None = None,
     ) -> dict[str, Any]:
         """The nested subagent's output (`{"output": ...}`) or why it failed (`{"error": ...}`).
+
+        A snapshot caller's subagent starts from the caller's files as they are now, and what it changed is
+        written back into the caller's tree when it ends (succeeded or not), to be journaled with the call.
 
         Raises:
             Stopped: the worker shuts down, or the caller lost its lease (it is revived elsewhere and
@@ -129,7 +141,8 @@ class SubagentSpawner:
             LeaseLost: (`unreachable`) Redis or the broker did not answer until the caller's lease lapsed.
         """
         try:
-            child = nested_record(record, args, child_id, self.catalog())
+            shared = None if workspace is None else workspace.share()
+            child = nested_record(record, args, child_id, self.catalog(), shared)
         except ForkqError as exc:  # an invalid call, or a malformed definitions folder
             return {"error": f"Error: {exc}"}
         data, digest = child.encode()
@@ -144,7 +157,11 @@ class SubagentSpawner:
         if self._ride(lambda: self.store.state(child_id), "reading its subagent's state", caller).attempt == 0:
             enqueue = lambda: self.enqueue(child_id, digest, 1)  # noqa: E731
             self._ride(enqueue, "enqueueing its subagent", caller, PUBLISH_TRANSIENT)
-        return self._wait(caller, child_id, cancelled, deadline)
+        outcome = self._wait(caller, child_id, cancelled, deadline)
+        if workspace is not None:
+            journal = self._ride(lambda: self.store.journal(child_id), "reading its subagent's journal", caller)
+            workspace.merge(fold(journal, fork_id=child_id).changes)
+        return outcome
 
     def _wait(self, caller: str, child_id: str, cancelled: Callable[[], bool], deadline: float) -> dict[str, Any]:
         after = "0-0"

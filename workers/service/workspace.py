@@ -25,6 +25,7 @@ from workers.store.blobs import BlobStore
 from workers.tools.registry import ToolContext
 from workers.workspace.manifest import EMPTY, Entry, Manifest, encode_changes
 from workers.workspace.materialize import WorkspaceCache, apply_changes_to_tree, build, remove_tree
+from workers.workspace.ref import WorkspaceRef
 from workers.workspace.sandbox import Confinement
 from workers.workspace.tracker import Tracker
 
@@ -130,6 +131,16 @@ class RunWorkspace:
             return None
         self.blobs.put(collected.blobs)
         return encode_changes(collected.changes)
+
+    def share(self) -> WorkspaceRef:
+        """The tree as of the last checkpoint, its manifest stored (its blobs are): a nested subagent's start."""
+        assert self.tracker is not None, "open() first"
+        return self.ref.model_copy(update={"manifest": self.blobs.put_manifest(self.tracker.manifest)})
+
+    def merge(self, changes: Mapping[str, Entry | None]) -> None:
+        """Write a nested subagent's changes into the tree; the next checkpoint journals them with its call."""
+        if changes:
+            apply_changes_to_tree(self.root, dict(changes), self.cache, self.blobs.get)
 
     def close(self) -> None:
         """Stop watching and remove the run's folder."""
