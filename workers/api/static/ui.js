@@ -328,11 +328,13 @@
     try {
       const [state, transcript] = await Promise.all([api(base), api(base + "/transcript?max_chars=" + TRANSCRIPT_CHARS)]);
       const result = TERMINAL.has(state.status) ? await api(base + "/result") : null;
+      const changes = result ? await api(base + "/changes").catch(() => null) : null;
       if (view.track !== track) return;
       renderState(track, state);
       renderSteps(track, transcript.steps);
       renderUsage(transcript.steps, result);
       renderOutput(result);
+      renderChanges(changes);
     } catch (err) {
       if (view.track === track) forkMessage(err.message, true);
     }
@@ -507,6 +509,23 @@
   function renderOutput(result) {
     $("output-panel").hidden = !result;
     if (result) $("output").textContent = result.error ? "Error: " + result.error : result.output || "";
+  }
+
+  // a snapshot fork's changes to the parent's files, once it ended: the files, then the patch (as text)
+  function renderChanges(changes) {
+    const files = changes && Array.isArray(changes.files) ? changes.files : [];
+    $("changes-panel").hidden = !changes;
+    const list = $("changed-files");
+    list.replaceChildren();
+    for (const file of files) {
+      const item = document.createElement("li");
+      const counts = file.binary ? "binary" : "+" + file.added + " −" + file.removed;
+      item.append(span("status", file.status), " ", span("mono", file.path), " ", span("hint", counts));
+      list.append(item);
+    }
+    $("changes-empty").hidden = files.length > 0;
+    $("diff").textContent = changes && typeof changes.patch === "string" ? changes.patch : "";
+    $("diff").hidden = !files.length;
   }
 
   // ── small helpers ──────────────────────────────────────────────────────────────────────────
