@@ -74,6 +74,7 @@ class Step(BaseModel):
     error: str | None = Field(None, description="tool_result: the error the model read instead, cut.")
     chars: int | None = Field(None, description="tool_result: the length of the whole output or error.")
     truncated: bool | None = None
+    changed: list[str] | None = Field(None, description="tool_result of a snapshot fork: the files the call changed.")
     decision: Literal["approve", "deny"] | None = None
     reason: str | None = None
 
@@ -127,7 +128,13 @@ def _step(step: ReadStep, max_chars: int) -> Step:
         case ToolResult():
             result = _result(step.response, max_chars)
             return Step(
-                seq=step.seq, step=step.step, kind="tool_result", call_id=step.call_id, name=step.name, **result
+                seq=step.seq,
+                step=step.step,
+                kind="tool_result",
+                call_id=step.call_id,
+                name=step.name,
+                changed=list(step.changed) or None,
+                **result,
             )
         case Approval():
             return Step(

@@ -460,6 +460,7 @@
     } else if (step.kind === "tool_result") {
       item.append(pre(step.error != null ? step.error : step.output, step.error != null ? "error" : "output"));
       if (step.truncated) item.append(span("hint", "cut: the first " + TRANSCRIPT_CHARS + " of " + step.chars + " characters"));
+      if (step.changed && step.changed.length) item.append(span("hint changed", "changed: " + step.changed.join(", ")));
     } else if (step.kind === "approval" && step.reason) {
       item.append(pre(step.reason, "reason"));
     } else if (step.kind === "feedback" || step.kind === "message") {
