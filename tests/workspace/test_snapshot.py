@@ -245,6 +245,44 @@ def test_the_stat_cache_lets_a_second_snapshot_read_no_file(tmp_path: Path) -> N
     assert first.manifest.changes_to(third.manifest).keys() == {"d1/f1.txt"}
 
 
+def wait_out_the_racy_window(root: Path) -> None:
+    """Wait until every file's ctime (which no call can set back) is out of the racy window."""
+    newest = max(os.lstat(os.path.join(d, n)).st_ctime_ns for d, _, names in os.walk(root) for n in names)
+    while time.time_ns() <= newest + statcache.RACY_NS:
+        time.sleep(0.05)  # the condition is the clock itself
+
+
+def test_tracked_files_git_finds_unchanged_are_neither_stated_nor_read_once_their_blobs_are_known(
+    tmp_path: Path,
+) -> None:
+    # Given a committed tree, out of the racy window, snapshotted once (the blobs' digests are learned)
+    root, cache = tmp_path / "root", tmp_path / "cache"
+    write(root, {f"d{i % 3}/f{i}.txt": f"file {i}" for i in range(12)} | {"untracked.txt": "u"})
+    git(root, "init", "-q")
+    git(root, "add", "d0", "d1", "d2")
+    git(root, "commit", "-q", "-m", "base")
+    (root / "link").symlink_to("d0/f0.txt")
+    git(root, "add", "link")
+    wait_out_the_racy_window(root)
+    first = snap(root, cache_dir=cache)
+    assert (first.hashed, first.from_git) == (13, 0)
+    # When it is snapshotted again
+    second = snap(root, cache_dir=cache)
+    # Then the tracked files' entries come from git's blob ids, the untracked one from the stat cache
+    assert (second.hashed, second.reused, second.from_git) == (0, 1, 12)
+    assert second.manifest == first.manifest
+    # And a tracked file edited (same size), or edited while marked assume-unchanged, is read again
+    (root / "d1" / "f1.txt").write_text("FILE 1")
+    git(root, "update-index", "--assume-unchanged", "d2/f2.txt")
+    (root / "d2" / "f2.txt").write_text("FILE 2")
+    third = snap(root, cache_dir=cache)
+    by_path = third.manifest.by_path()
+    assert by_path["d1/f1.txt"].digest == sha(b"FILE 1")
+    assert by_path["d2/f2.txt"].digest == sha(b"FILE 2")
+    assert (third.hashed, third.from_git) == (2, 10)
+    assert by_path["link"] == first.manifest.by_path()["link"]
+
+
 def test_files_written_within_the_racy_window_are_read_again(tmp_path: Path) -> None:
     root, cache = tmp_path / "root", tmp_path / "cache"
     write(root, {"fresh.txt": "just written", "old.txt": "old"})
@@ -256,33 +294,46 @@ def test_files_written_within_the_racy_window_are_read_again(tmp_path: Path) -> 
 
 
 def test_a_stat_cache_trusts_only_entries_older_than_the_racy_window_before_its_snapshot(tmp_path: Path) -> None:
-    root = tmp_path / "root"
-    started = 100 * 10**9
-    key_old = (1, started - statcache.RACY_NS - 1, 0, 1, 1)
-    key_racy = (1, started - statcache.RACY_NS + 1, 0, 2, 1)
-    StatCache.load(tmp_path, root).save({"old": (key_old, "a" * 64), "racy": (key_racy, "b" * 64)}, started)
-    loaded = StatCache.load(tmp_path, root)
-    assert loaded.lookup("old", key_old) == "a" * 64
-    assert loaded.lookup("racy", key_racy) is None
-    assert loaded.lookup("old", (*key_old[:4], 2)) is None  # another device: another file
+    root, folder = tmp_path / "root", tmp_path / "cache"
+    write(root, {"old": "o", "racy": "r"})
+    old = time.time_ns() - HOUR_NS
+    os.utime(root / "old", ns=(old, old))
+    st_old, st_racy = os.lstat(root / "old"), os.lstat(root / "racy")
+    cache = StatCache.load(folder, root)
+    cache.add("old", st_old, "a" * 64)
+    cache.add("racy", st_racy, "b" * 64)
+    cache.save(time.time_ns())
+    loaded = StatCache.load(folder, root)
+    assert loaded.lookup("old", st_old) == "a" * 64
+    assert loaded.lookup("racy", st_racy) is None
+    assert loaded.lookup("old", st_racy) is None  # another file's stat
     assert loaded.hits == 1
-    assert StatCache.load(tmp_path, tmp_path / "other").trusted == {}  # another root: another cache file
+    assert StatCache.load(folder, tmp_path / "other").known == {}  # another root: another cache file
 
 
 def test_a_damaged_stat_cache_is_ignored(tmp_path: Path) -> None:
     root, cache = tmp_path / "root", tmp_path / "cache"
     write(root, {"a.txt": "a"})
     age(root)
-    cache.mkdir()
-    cache_file(cache, root.resolve()).write_bytes(b"\xc1 not msgpack")
+    assert snap(root, cache_dir=cache).hashed == 1
+    path = cache_file(cache, root.resolve())
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 1  # one flipped bit: the checksum no longer matches
+    path.write_bytes(bytes(data))
     assert snap(root, cache_dir=cache).hashed == 1
     assert snap(root, cache_dir=cache).reused == 1
+    path.write_bytes(b"short")
+    assert snap(root, cache_dir=cache).hashed == 1
 
 
 def test_a_cache_folder_keeps_only_the_most_recent_roots(tmp_path: Path) -> None:
+    st = os.lstat(tmp_path)
     for i in range(statcache.MAX_ROOTS + 3):
-        StatCache.load(tmp_path, tmp_path / f"root{i}").save({}, 0)
-    assert len(list(tmp_path.glob("*" + statcache.SUFFIX))) == statcache.MAX_ROOTS
+        cache = StatCache.load(tmp_path / "cache", tmp_path / f"root{i}")
+        cache.add("a", st, "a" * 64)
+        cache.save(0)
+    assert len(list((tmp_path / "cache").glob("*" + statcache.SUFFIX))) == statcache.MAX_ROOTS
+    assert cache_file(tmp_path / "cache", tmp_path / f"root{statcache.MAX_ROOTS + 2}").is_file()
 
 
 def test_read_gives_a_blobs_bytes_and_refuses_a_file_changed_or_removed_since(tmp_path: Path) -> None:

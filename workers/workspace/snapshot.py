@@ -4,7 +4,9 @@
 listing in a git work tree, else a walk minus `.forkqignore`), refuses a tree over the bounds from the
 listing and the files' stat alone, before any file is read, then digests every file. A file whose stat
 matches the launcher's stat cache (workers.workspace.statcache) is not read again, so a launch of an
-unchanged tree reads no file; the others are read in 1 MiB chunks. Symlinks stay links: their blob is
+unchanged tree reads no file; and a tracked file git finds unchanged since its index whose blob's digest
+the cache knows is not even stat'ed. The others are read in 1 MiB chunks, by a few threads when there are
+many bytes. Symlinks stay links: their blob is
 the target's bytes, as git stores it, and nothing is followed.
 
 A file that changes while it is read (its size, mtime, ctime or inode after the read differ from before,
@@ -20,19 +22,23 @@ import os
 import stat
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Final
+from typing import Final, NoReturn
 
 from workers.errors import WorkspaceError, WorkspaceTooLarge
-from workers.workspace.listing import IGNORE_FIX, list_files
+from workers.workspace.listing import IGNORE_FIX, list_files, stat_files
 from workers.workspace.manifest import Entry, Manifest, Mode, blob_digest
-from workers.workspace.statcache import StatCache, StatKey, stat_key
+from workers.workspace.statcache import RACY_NS, StatCache
 
 CHUNK: Final = 1 << 20  # bytes one read takes: a large file is hashed in bounded memory
+PARALLEL_BYTES: Final = 8 << 20  # files to read worth more than this are read by threads
+HASH_THREADS: Final = 4
+BATCH_FILES: Final = 64  # files one thread's task reads
 LARGEST_SHOWN: Final = 5  # folders a refusal names
 TOP_FILES: Final = "."  # the folder name a refusal gives the files at the top of the tree
+GIT_MODES: Final = {"100644": Mode.FILE, "100755": Mode.EXECUTABLE, "120000": Mode.SYMLINK}
 _OPEN_FLAGS: Final = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK  # a fifo swapped in must not block
 
 
@@ -47,8 +53,9 @@ class Snapshot:
     root: Path  # the folder snapshotted, absolute and resolved
     manifest: Manifest
     git: bool  # the folder lies in a git work tree and git listed its files
-    hashed: int = 0  # files read and hashed (the others came from the stat cache, or are symlinks)
-    reused: int = 0  # files whose digest the stat cache gave
+    hashed: int = 0  # files read and hashed (the others came from the stat cache or git, or are symlinks)
+    reused: int = 0  # files whose digest the stat cache gave (stat'ed, not read)
+    from_git: int = 0  # files git found unchanged, whose blob's digest the cache gave (neither stat'ed nor read)
     _index: dict[str, tuple[Entry, ...]] = field(default_factory=dict, repr=False, compare=False)
 
     def entries_of(self, digest: str) -> tuple[Entry, ...]:
@@ -108,15 +115,58 @@ def snapshot(root: Path, *, max_bytes: int, max_files: int, cache_dir: Path | No
     """
     started_ns = time.time_ns()
     root = _folder(root)
-    listing = list_files(root, stop_after=max_files)
-    check_bounds(root, listing.files, max_bytes=max_bytes, max_files=max_files, complete=listing.git)
-    cache = StatCache.load(cache_dir, root)
-    entries, seen, hashed = _digest_all(root, listing.files, cache.lookup)
-    if hashed or cache.hits != len(cache.trusted):
-        cache.save(seen, started_ns)
+    if cache_dir is None:
+        cache, listing = StatCache(None), list_files(root, stop_after=max_files)
+    else:
+        with ThreadPoolExecutor(1) as pool:  # the cache file decodes while git lists the files
+            loading = pool.submit(StatCache.load, cache_dir, root)
+            listing = list_files(root, stop_after=max_files)
+            cache = loading.result()
+    entries, unknown = _known_blobs(listing.unchanged, cache)
+    files = listing.files + stat_files(root, list(unknown)) if unknown else listing.files
+    total = sum(e.size for e in entries) + sum(st.st_size for _, st in files)
+    if len(entries) + len(files) > max_files or total > max_bytes:
+        sizes = [(e.path, e.size) for e in entries] + [(rel, st.st_size) for rel, st in files]
+        refuse(root, sizes, max_bytes=max_bytes, max_files=max_files, complete=listing.git)
+    entries += _digest_all(root, files, cache)
+    _learn_blobs(cache, unknown, started_ns)
+    cache.save(started_ns)
     entries.sort(key=lambda e: e.path.encode("utf-8"))
     # no Manifest.of: a listing holds each path once, and no file lies under another
-    return Snapshot(root, Manifest(tuple(entries)), listing.git, hashed=hashed, reused=cache.hits)
+    return Snapshot(
+        root, Manifest(tuple(entries)), listing.git, hashed=cache.added, reused=cache.hits, from_git=cache.blob_hits
+    )
+
+
+def _known_blobs(unchanged: list[tuple[str, str, str]], cache: StatCache) -> tuple[list[Entry], dict[str, str]]:
+    """The entries of the files git found unchanged whose blob's digest the cache knows, and the blob id of the
+    others (by path): those are stat'ed and read like any file."""
+    entries: list[Entry] = []
+    unknown: dict[str, str] = {}
+    blobs, used = cache.blobs, cache.found_blobs  # StatCache.by_blob, inlined: this loop runs once per file
+    for rel, git_mode, blob_id in unchanged:
+        known = blobs.get(blob_id)
+        if known is None:
+            unknown[rel] = blob_id
+        else:
+            used[blob_id] = known
+            entries.append(Entry(rel, GIT_MODES[git_mode], known[1], known[2]))
+    cache.blob_hits += len(entries)
+    return entries, unknown
+
+
+def _learn_blobs(cache: StatCache, unknown: dict[str, str], started_ns: int) -> None:
+    """Record the digest of each git blob read this time, if the file surely held that blob when it was read.
+
+    git found the file unchanged since its index after this snapshot started; the stat it was read with shows no
+    write (mtime) nor replacement or attribute change (ctime) since the racy window before that: so it still held
+    the blob when it was read. A symlink is not recorded: reading it again costs what a lookup does.
+    """
+    limit = started_ns - RACY_NS
+    for rel, blob_id in unknown.items():
+        e = cache.found.get(rel)
+        if e is not None and e[2] < limit and e[3] < limit:
+            cache.learn(blob_id, e[1], e[6])
 
 
 def _folder(root: Path) -> Path:
@@ -129,35 +179,43 @@ def _folder(root: Path) -> Path:
     return resolved
 
 
-def _digest_all(
-    root: Path, files: list[tuple[str, os.stat_result]], lookup: Callable[[str, StatKey], str | None]
-) -> tuple[list[Entry], dict[str, tuple[StatKey, str]], int]:
-    """The entries of `files`, the (stat, digest) of each regular file for the cache, and how many were read."""
+def _digest_all(root: Path, files: list[tuple[str, os.stat_result]], cache: StatCache) -> list[Entry]:
+    """The entries of `files`: digests from the stat cache, else read (and added to it)."""
     entries: list[Entry] = []
-    seen: dict[str, tuple[StatKey, str]] = {}
-    hashed = 0
-    is_lnk = stat.S_ISLNK
-    modes: dict[int, Mode] = {}  # Mode.of by st_mode, once per distinct st_mode: it costs per file otherwise
+    misses: list[tuple[str, os.stat_result]] = []
+    modes: dict[int, Mode] = {}  # Mode.of once per distinct st_mode: it costs per file otherwise
+    is_lnk, lookup = stat.S_ISLNK, cache.lookup
     for rel, st in files:
-        if is_lnk(st.st_mode):
+        st_mode = st.st_mode
+        if is_lnk(st_mode):
             target = _link_target(root, rel, st)
             entries.append(Entry(rel, Mode.SYMLINK, len(target), blob_digest(target)))
             continue
-        key, st_mode = stat_key(st), st.st_mode
-        digest = lookup(rel, key)
+        digest = lookup(rel, st)
         if digest is None:
-            found = _hash_stable(root, rel, st)
-            if found is None:
-                continue  # removed since it was listed
-            now, digest = found  # its stat once read: it may have changed once, and been read again
-            key, st_mode = stat_key(now), now.st_mode
-            hashed += 1
-        seen[rel] = (key, digest)
+            misses.append((rel, st))
+            continue
         mode = modes.get(st_mode)
         if mode is None:
             mode = modes[st_mode] = Mode.of(st_mode)
-        entries.append(Entry(rel, mode, key[0], digest))
-    return entries, seen, hashed
+        entries.append(Entry(rel, mode, st.st_size, digest))
+    for (rel, _), found in zip(misses, _hash_all(root, misses), strict=True):
+        if found is not None:  # else removed since it was listed
+            now, digest = found  # its stat once read: it may have changed once, and been read again
+            cache.add(rel, now, digest)
+            entries.append(Entry(rel, Mode.of(now.st_mode), now.st_size, digest))
+    return entries
+
+
+def _hash_all(root: Path, files: list[tuple[str, os.stat_result]]) -> list[tuple[os.stat_result, str] | None]:
+    """`_hash_stable` of each file: by a few threads when there are many bytes (reads and SHA-256 of more than
+    2 KiB release the GIL), in batches so that a small file does not cost a future of its own."""
+    if len(files) < 2 or sum(st.st_size for _, st in files) < PARALLEL_BYTES:
+        return [_hash_stable(root, rel, st) for rel, st in files]
+    batches = [files[i : i + BATCH_FILES] for i in range(0, len(files), BATCH_FILES)]
+    with ThreadPoolExecutor(HASH_THREADS) as pool:
+        done = pool.map(lambda batch: [_hash_stable(root, rel, st) for rel, st in batch], batches)
+        return [found for batch in done for found in batch]
 
 
 def _changed_error(root: Path, rel: str) -> WorkspaceError:
@@ -244,9 +302,14 @@ def _hash_file(path: str, st: os.stat_result) -> str:
         after = os.fstat(fd)
     finally:
         os.close(fd)
-    if read != size or stat_key(after)[:4] != stat_key(st)[:4] or not stat.S_ISREG(after.st_mode):
+    if read != size or _version(after) != _version(st) or not stat.S_ISREG(after.st_mode):
         raise _Changed
     return digest.hexdigest()
+
+
+def _version(st: os.stat_result) -> tuple[int, int, int, int]:
+    """What changes when a file is written or replaced."""
+    return (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
 
 
 def _hash_chunks(fd: int, size: int) -> tuple[hashlib._Hash, int]:
@@ -265,17 +328,16 @@ def _hash_chunks(fd: int, size: int) -> tuple[hashlib._Hash, int]:
     return digest, read
 
 
-def check_bounds(
-    root: Path, files: list[tuple[str, os.stat_result]], *, max_bytes: int, max_files: int, complete: bool = True
-) -> None:
-    """Refuse a tree over `max_bytes` or `max_files` (`complete`: the listing was not cut short).
+def refuse(
+    root: Path, files: list[tuple[str, int]], *, max_bytes: int, max_files: int, complete: bool = True
+) -> NoReturn:
+    """Refuse a tree of `files` (path, size) over `max_bytes` or `max_files` (`complete`: the listing was not cut
+    short, else there are more files).
 
     Raises:
-        WorkspaceTooLarge: it is over; the message names the largest top-level folders and the fix.
+        WorkspaceTooLarge: always; the message names the largest top-level folders and the fix.
     """
-    total = sum(st.st_size for _, st in files)
-    if len(files) <= max_files and total <= max_bytes:
-        return
+    total = sum(size for _, size in files)
     by_files = total <= max_bytes  # over the file bound only: the folders with most files are the ones to name
     sizes = folder_sizes(files)
     largest = sorted(sizes, key=lambda s: (s[2], s[1]) if by_files else (s[1], s[2]), reverse=True)[:LARGEST_SHOWN]
@@ -289,12 +351,13 @@ def check_bounds(
     )
 
 
-def folder_sizes(files: list[tuple[str, os.stat_result]]) -> list[tuple[str, int, int]]:
-    """(top-level folder, bytes, files) for each top-level folder of `files` ("." for the files at the top)."""
+def folder_sizes(files: list[tuple[str, int]]) -> list[tuple[str, int, int]]:
+    """(top-level folder, bytes, files) for each top-level folder of `files` (path, size); "." for the files at
+    the top."""
     sizes: dict[str, list[int]] = defaultdict(lambda: [0, 0])
-    for rel, st in files:
+    for rel, size in files:
         top = rel.split("/", 1)[0] if "/" in rel else TOP_FILES
-        sizes[top][0] += st.st_size
+        sizes[top][0] += size
         sizes[top][1] += 1
     return [(folder, size, n) for folder, (size, n) in sizes.items()]
 
