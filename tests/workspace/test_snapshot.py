@@ -283,6 +283,18 @@ def test_tracked_files_git_finds_unchanged_are_neither_stated_nor_read_once_thei
     assert by_path["link"] == first.manifest.by_path()["link"]
 
 
+def test_where_git_ignores_the_disks_exec_bits_a_tracked_file_has_gits_mode(tmp_path: Path) -> None:
+    write(tmp_path, {"a.sh": "echo a", "b.sh": "echo b"})
+    git(tmp_path, "init", "-q")
+    git(tmp_path, "config", "core.fileMode", "false")
+    git(tmp_path, "add", "-A")
+    (tmp_path / "a.sh").chmod(0o755)  # git sees no change: the entry keeps the index's mode
+    (tmp_path / "b.sh").chmod(0o755)
+    write(tmp_path, {"b.sh": "echo B"})  # changed since the index: read from disk, with the mode on disk
+    modes = {e.path: e.mode for e in snap(tmp_path).manifest}
+    assert modes == {"a.sh": Mode.FILE, "b.sh": Mode.EXECUTABLE}
+
+
 def test_files_written_within_the_racy_window_are_read_again(tmp_path: Path) -> None:
     root, cache = tmp_path / "root", tmp_path / "cache"
     write(root, {"fresh.txt": "just written", "old.txt": "old"})

@@ -128,8 +128,11 @@ def snapshot(root: Path, *, max_bytes: int, max_files: int, cache_dir: Path | No
     if len(entries) + len(files) > max_files or total > max_bytes:
         sizes = [(e.path, e.size) for e in entries] + [(rel, st.st_size) for rel, st in files]
         refuse(root, sizes, max_bytes=max_bytes, max_files=max_files, complete=listing.git)
-    entries += _digest_all(root, files, cache)
-    _learn_blobs(cache, unknown, started_ns)
+    read = _digest_all(root, files, cache)
+    if unknown:
+        read = _with_git_modes(read, unknown)
+        _learn_blobs(cache, unknown, started_ns)
+    entries += read
     cache.save(started_ns)
     entries.sort(key=lambda e: e.path.encode("utf-8"))
     # no Manifest.of: a listing holds each path once, and no file lies under another
@@ -138,16 +141,18 @@ def snapshot(root: Path, *, max_bytes: int, max_files: int, cache_dir: Path | No
     )
 
 
-def _known_blobs(unchanged: list[tuple[str, str, str]], cache: StatCache) -> tuple[list[Entry], dict[str, str]]:
-    """The entries of the files git found unchanged whose blob's digest the cache knows, and the blob id of the
-    others (by path): those are stat'ed and read like any file."""
+def _known_blobs(
+    unchanged: list[tuple[str, str, str]], cache: StatCache
+) -> tuple[list[Entry], dict[str, tuple[str, str]]]:
+    """The entries of the files git found unchanged whose blob's digest the cache knows, and the (blob id, git mode)
+    of the others by path: those are stat'ed and read like any file."""
     entries: list[Entry] = []
-    unknown: dict[str, str] = {}
+    unknown: dict[str, tuple[str, str]] = {}
     blobs, used = cache.blobs, cache.found_blobs  # StatCache.by_blob, inlined: this loop runs once per file
     for rel, git_mode, blob_id in unchanged:
         known = blobs.get(blob_id)
         if known is None:
-            unknown[rel] = blob_id
+            unknown[rel] = (blob_id, git_mode)
         else:
             used[blob_id] = known
             entries.append(Entry(rel, GIT_MODES[git_mode], known[1], known[2]))
@@ -155,7 +160,19 @@ def _known_blobs(unchanged: list[tuple[str, str, str]], cache: StatCache) -> tup
     return entries, unknown
 
 
-def _learn_blobs(cache: StatCache, unknown: dict[str, str], started_ns: int) -> None:
+def _with_git_modes(entries: list[Entry], unknown: dict[str, tuple[str, str]]) -> list[Entry]:
+    """`entries` with git's mode for the tracked files git found unchanged: the mode their entry has once their blob
+    is known (they differ where git ignores the disk's modes: core.fileMode or core.symlinks false)."""
+    out = []
+    for entry in entries:
+        known = unknown.get(entry.path)
+        if known is not None and GIT_MODES[known[1]] is not entry.mode:
+            entry = Entry(entry.path, GIT_MODES[known[1]], entry.size, entry.digest)  # noqa: PLW2901
+        out.append(entry)
+    return out
+
+
+def _learn_blobs(cache: StatCache, unknown: dict[str, tuple[str, str]], started_ns: int) -> None:
     """Record the digest of each git blob read this time, if the file surely held that blob when it was read.
 
     git found the file unchanged since its index after this snapshot started; the stat it was read with shows no
@@ -163,7 +180,7 @@ def _learn_blobs(cache: StatCache, unknown: dict[str, str], started_ns: int) -> 
     the blob when it was read. A symlink is not recorded: reading it again costs what a lookup does.
     """
     limit = started_ns - RACY_NS
-    for rel, blob_id in unknown.items():
+    for rel, (blob_id, _) in unknown.items():
         e = cache.found.get(rel)
         if e is not None and e[2] < limit and e[3] < limit:
             cache.learn(blob_id, e[1], e[6])
