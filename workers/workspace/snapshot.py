@@ -24,6 +24,7 @@ import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from operator import attrgetter
 from pathlib import Path
 from typing import Final, NoReturn
 
@@ -134,7 +135,7 @@ def snapshot(root: Path, *, max_bytes: int, max_files: int, cache_dir: Path | No
         _learn_blobs(cache, unknown, started_ns)
     entries += read
     cache.save(started_ns)
-    entries.sort(key=lambda e: e.path.encode("utf-8"))
+    entries.sort(key=attrgetter("path"))  # code point order is UTF-8 byte order: the manifest's order
     # no Manifest.of: a listing holds each path once, and no file lies under another
     return Snapshot(
         root, Manifest(tuple(entries)), listing.git, hashed=cache.added, reused=cache.hits, from_git=cache.blob_hits
