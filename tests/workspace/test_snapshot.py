@@ -118,6 +118,12 @@ def test_a_forkqignore_applies_on_top_of_gits_listing(tmp_path: Path) -> None:
     git(tmp_path, "init", "-q")
     git(tmp_path, "add", "-A")
     assert paths(snap(tmp_path)) == [".forkqignore", "a.py"]
+    # a .forkqignore that is a link is not followed, and one deleted on disk has no rules
+    (tmp_path / ".forkqignore").unlink()
+    assert paths(snap(tmp_path)) == ["a.py", "data/big.bin"]
+    (tmp_path / ".forkqignore").symlink_to(tmp_path / "rules")
+    write(tmp_path, {"rules": "a.py\n"})
+    assert paths(snap(tmp_path)) == [".forkqignore", "a.py", "data/big.bin", "rules"]
 
 
 def test_without_git_installed_a_git_tree_is_walked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
