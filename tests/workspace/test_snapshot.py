@@ -46,8 +46,8 @@ def age(root: Path) -> None:
             os.utime(os.path.join(folder, name), ns=(old, old), follow_symlinks=False)
 
 
-def snap(root: Path, **kwargs: object) -> Snapshot:
-    return snapshot(root, max_bytes=kwargs.pop("max_bytes", BIG), max_files=kwargs.pop("max_files", 10**6), **kwargs)  # type: ignore[arg-type]
+def snap(root: Path, *, max_bytes: int = BIG, max_files: int = 10**6, cache_dir: Path | None = None) -> Snapshot:
+    return snapshot(root, max_bytes=max_bytes, max_files=max_files, cache_dir=cache_dir)
 
 
 def paths(s: Snapshot) -> list[str]:
