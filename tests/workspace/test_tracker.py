@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import stat
@@ -372,3 +373,48 @@ def test_a_rewrite_of_the_same_size_with_its_mtime_put_back_is_read_again(tmp_pa
     changes = collect_checked(root, tracker).changes
     assert changes == {"docs/guide.md": Entry("docs/guide.md", Mode.EXECUTABLE, 6, blob_digest(b"GUIDE\n"))}
     tracker.close()
+
+
+WATCH_LIMIT_SCRIPT = """
+import json, os, subprocess, sys
+from pathlib import Path
+from workers.workspace.manifest import EMPTY
+from workers.workspace.tracker import Tracker
+
+root = Path(sys.argv[1])
+# this user namespace's own watch limit: the tree's 3 folders, and 2 more
+Path("/proc/sys/user/max_inotify_watches").write_text("5")
+subprocess.run("mkdir -p a/b && echo 1 > a/b/f", shell=True, cwd=root, check=True)
+tracker = Tracker(root, EMPTY)
+tracker.start()
+steps = [[tracker.watching, sorted(tracker.collect().changes)]]
+subprocess.run("mkdir -p c/d/e/f && echo 2 > c/d/e/f/g && echo 3 >> a/b/f", shell=True, cwd=root, check=True)
+collected = tracker.collect()
+steps.append([tracker.watching, sorted(collected.changes), collected.rescanned])
+subprocess.run("echo 4 > c/d/e/h && rm a/b/f", shell=True, cwd=root, check=True)
+collected = tracker.collect()
+steps.append([tracker.watching, sorted(collected.changes), collected.rescanned])
+print(json.dumps(steps))
+"""
+
+
+def test_the_watch_limit_turns_the_tracker_to_rescans_without_losing_a_change(tmp_path: Path) -> None:
+    # Given a user namespace (no privilege needed) whose inotify watch limit is below what the tree grows to
+    probe = subprocess.run(["unshare", "-U", "-r", "true"], capture_output=True, check=False)
+    if probe.returncode != 0:
+        pytest.skip(f"no user namespace to set a watch limit in: {probe.stderr.decode().strip()}")
+    root = tmp_path / "tree"
+    root.mkdir()
+    out = subprocess.run(
+        ["unshare", "-U", "-r", sys.executable, "-c", WATCH_LIMIT_SCRIPT, str(root)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    # Then the collect that reached the limit still found everything, and the next ones walk the tree
+    assert json.loads(out.stdout) == [
+        [True, ["a/b/f"]],
+        [False, ["a/b/f", "c/d/e/f/g"], False],
+        [False, ["a/b/f", "c/d/e/h"], True],
+    ]
+    assert "watch limit reached" in out.stderr

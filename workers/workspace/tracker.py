@@ -14,8 +14,10 @@ last saw, or was too recent to trust (a write in the same timestamp tick keeps t
 
 Rules:
 - The top-level `.git` (the workspace's own repository) is not part of the tree.
-- Symlinks are never followed: a link is an entry whose blob is its target, and files are opened
-  with `O_NOFOLLOW`. Other file types (fifos, sockets, devices) and empty folders are not entries.
+- Symlinks are never followed: a link is an entry whose blob is its target, and a file is read
+  through folders opened one by one without following links (`beneath`), so a folder swapped for a
+  link by a process still running cannot lead a read out of the tree. Other file types (fifos,
+  sockets, devices) and empty folders are not entries.
 - A path a manifest cannot hold (a name that is not UTF-8, too long or too deep) is left out: it is
   logged and reported in `Collected.skipped`, so the caller can tell the model. So is a file the
   tracker cannot read; its previous entry then stays.
@@ -23,7 +25,8 @@ Rules:
   `WorkspaceTooLarge` and keeps nothing: the changes stay pending and the next collect reports them
   with whatever the next call changes. So the recorded tree never exceeds the bounds, and deleting
   files in the next call brings it back.
-- A hard link written through a name outside the folder it is watched in is seen only by a rescan.
+- A file with several names (hard links) written through one of them makes an event for that name
+  only: its other names in the tree keep their old entry until a rescan.
 
 One tracker per fork run, used by one thread at a time; it holds no state outside itself.
 """
@@ -42,7 +45,7 @@ from pathlib import Path
 from typing import Final
 
 from workers.errors import WorkspaceError, WorkspaceTooLarge
-from workers.workspace import inotify
+from workers.workspace import beneath, inotify
 from workers.workspace.manifest import Changes, Entry, Manifest, Mode, blob_digest, check_path
 
 log = logging.getLogger("forkq.workspace")
@@ -258,7 +261,7 @@ class Tracker:
         """The entry of the file or symlink at `path`, read only when its stat says it may have changed."""
         if stat.S_ISLNK(st.st_mode):
             try:
-                target = os.readlink(os.fsencode(self._abs(path)))
+                target = beneath.read_link(str(self.root), path)
             except FileNotFoundError:
                 return None
             except OSError as exc:
@@ -274,16 +277,14 @@ class Tracker:
 
     def _read(self, path: str, found: _Pass) -> Entry | None:
         try:
-            fd = os.open(self._abs(path), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+            read = beneath.read_file(str(self.root), path)
         except FileNotFoundError:
             return None
         except OSError as exc:
             return self._unreadable(path, exc, found)
-        with os.fdopen(fd, "rb") as file:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                return None  # replaced by a fifo or a device since the listing: not a file of the tree
-            data = file.read()
+        if read is None:
+            return None  # replaced by a fifo or a device since the listing: not a file of the tree
+        st, data = read
         found.rows[path] = None if _racy(st, time.time_ns()) else _row(st)
         return self._blob(path, Mode.of(st.st_mode), data, found)
 
