@@ -26,13 +26,12 @@ def sh(root: Path, command: str) -> None:
 
 
 def walk(root: Path) -> Manifest:
-    """The tree as it is on disk, read without the tracker: files and symlinks, no top-level `.git`."""
+    """The tree as it is on disk, read without the tracker: files and symlinks, no `.git` at any depth."""
     entries = []
     for folder, subfolders, files in os.walk(root):
         relative = Path(folder).relative_to(root).as_posix()
-        if relative == ".":
-            subfolders[:] = [f for f in subfolders if f != ".git"]
-        names = [f for f in files if relative != "." or f != ".git"]
+        subfolders[:] = [f for f in subfolders if f.lower() != ".git"]
+        names = [f for f in files if f.lower() != ".git"]
         for name in names + [f for f in subfolders if os.path.islink(os.path.join(folder, f))]:
             full = os.path.join(folder, name)
             path = name if relative == "." else f"{relative}/{name}"
@@ -48,8 +47,12 @@ def walk(root: Path) -> Manifest:
 
 
 def folders(root: Path) -> int:
-    """How many folders the tree has (its root included, the top-level `.git` left out)."""
-    return 1 + sum(1 for d, _, _ in os.walk(root) if d != str(root) and not d.startswith(str(root / ".git")))
+    """How many folders the tree has (its root included, `.git` folders and what is under them left out)."""
+    count = 0
+    for _, subfolders, _ in os.walk(root):
+        subfolders[:] = [f for f in subfolders if f.lower() != ".git"]
+        count += 1
+    return count
 
 
 def kernel_watches() -> int:
@@ -206,15 +209,13 @@ def test_a_file_rewritten_with_the_same_bytes_is_no_change(tree: tuple[Path, Tra
     assert collect_checked(root, tracker).changes == {}
 
 
-def test_the_top_level_git_folder_is_not_part_of_the_tree(tree: tuple[Path, Tracker]) -> None:
+def test_git_folders_are_not_part_of_the_tree_at_any_depth(tree: tuple[Path, Tracker]) -> None:
     root, tracker = tree
-    sh(
-        root,
-        "git init -q && git -c user.name=t -c user.email=t@t add -A && git -c user.name=t -c user.email=t@t "
-        "commit -qm base && mkdir -p sub/.git && echo nested > sub/.git/config",
-    )
-    assert set(collect_checked(root, tracker).changes) == {"sub/.git/config"}  # only the top one is the workspace's
-    sh(root, "echo edit >> README.md && git -c user.name=t -c user.email=t@t commit -qam edit")
+    git = "git -c user.name=t -c user.email=t@t"
+    sh(root, f"git init -q && {git} add -A && {git} commit -qm base && mkdir -p sub/.git sub/.GIT/x docs/more")
+    sh(root, "echo nested > sub/.git/config && echo y > sub/.GIT/x/y && echo f > sub/f && git -C docs/more init -q")
+    assert set(collect_checked(root, tracker).changes) == {"sub/f"}
+    sh(root, f"echo edit >> README.md && {git} commit -qam edit && echo z > sub/.git/z && rm -rf docs/more/.git")
     assert set(collect_checked(root, tracker).changes) == {"README.md"}
 
 
