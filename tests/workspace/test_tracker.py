@@ -399,19 +399,21 @@ print(json.dumps(steps))
 """
 
 
-def test_the_watch_limit_turns_the_tracker_to_rescans_without_losing_a_change(tmp_path: Path) -> None:
-    # Given a user namespace (no privilege needed) whose inotify watch limit is below what the tree grows to
+def in_user_namespace(script: str, root: Path) -> subprocess.CompletedProcess[str]:
+    """Run a Python script in a new user namespace, where it may set its own inotify limits (no privilege)."""
     probe = subprocess.run(["unshare", "-U", "-r", "true"], capture_output=True, check=False)
     if probe.returncode != 0:
-        pytest.skip(f"no user namespace to set a watch limit in: {probe.stderr.decode().strip()}")
+        pytest.skip(f"no user namespace to set inotify limits in: {probe.stderr.decode().strip()}")
+    return subprocess.run(
+        ["unshare", "-U", "-r", sys.executable, "-c", script, str(root)], capture_output=True, text=True, check=True
+    )
+
+
+def test_the_watch_limit_turns_the_tracker_to_rescans_without_losing_a_change(tmp_path: Path) -> None:
+    # Given a user namespace whose inotify watch limit is below what the tree grows to
     root = tmp_path / "tree"
     root.mkdir()
-    out = subprocess.run(
-        ["unshare", "-U", "-r", sys.executable, "-c", WATCH_LIMIT_SCRIPT, str(root)],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
+    out = in_user_namespace(WATCH_LIMIT_SCRIPT, root)
     # Then the collect that reached the limit still found everything, and the next ones walk the tree
     assert json.loads(out.stdout) == [
         [True, ["a/b/f"]],
@@ -419,3 +421,27 @@ def test_the_watch_limit_turns_the_tracker_to_rescans_without_losing_a_change(tm
         [False, ["a/b/f", "c/d/e/h"], True],
     ]
     assert "watch limit reached" in out.stderr
+
+
+NO_INSTANCE_SCRIPT = """
+import json, subprocess, sys
+from pathlib import Path
+from workers.workspace.manifest import EMPTY
+from workers.workspace.tracker import Tracker
+
+root = Path(sys.argv[1])
+Path("/proc/sys/user/max_inotify_instances").write_text("0")
+tracker = Tracker(root, EMPTY)
+tracker.start()
+subprocess.run("mkdir -p a && echo 1 > a/f", shell=True, cwd=root, check=True)
+collected = tracker.collect()
+print(json.dumps([tracker.watching, sorted(collected.changes), collected.rescanned]))
+"""
+
+
+def test_a_tracker_without_inotify_instances_left_rescans(tmp_path: Path) -> None:
+    root = tmp_path / "tree"
+    root.mkdir()
+    out = in_user_namespace(NO_INSTANCE_SCRIPT, root)
+    assert json.loads(out.stdout) == [False, ["a/f"], True]
+    assert "inotify_init1 failed" in out.stderr
