@@ -202,10 +202,11 @@ def test_a_file_replaced_by_a_folder_and_back_is_tracked(tree: tuple[Path, Track
     assert set(collect_checked(root, tracker).changes) == {"README.md", "README.md/inner/f"}
 
 
-def test_a_file_rewritten_with_the_same_bytes_is_no_change(tree: tuple[Path, Tracker]) -> None:
+def test_a_file_rewritten_with_the_same_bytes_is_no_change(tree: tuple[Path, Tracker], tmp_path: Path) -> None:
     root, tracker = tree
-    sh(root, "printf 'print(1)\\n' > src/main.py && cp README.md /tmp/forkq-same && cp /tmp/forkq-same README.md")
-    sh(root, "sed -i 's/nothing/matches/' docs/guide.md && touch run.sh && rm -f /tmp/forkq-same")
+    copy = tmp_path / "copy"
+    sh(root, f"printf 'print(1)\\n' > src/main.py && cp README.md {copy} && cp {copy} README.md")
+    sh(root, "sed -i 's/nothing/matches/' docs/guide.md && touch run.sh")
     assert collect_checked(root, tracker).changes == {}
 
 
