@@ -251,6 +251,10 @@ class ForkClient:
         persona: str | None = None,
         tool_filter: list[str] | tuple[str, ...] | None = None,
         max_depth: int | None = None,
+        # STUB(ws-upload): accepted and ignored until the workspace launch replaces this
+        workspace: str | None = None,
+        manifest: str | None = None,
+        network: bool | None = None,
     ) -> ForkHandle:
         """Validate, build the seed, write the bootstrap record, then enqueue the fork.
 
@@ -297,7 +301,16 @@ class ForkClient:
         return self.launch_checked(snapshot, agent, options, keep=snapshot is parent)
 
     def launch_checked(
-        self, snapshot: ParentSnapshot, agent: AgentParams, options: LaunchOptions, *, keep: bool = True
+        self,
+        snapshot: ParentSnapshot,
+        agent: AgentParams,
+        options: LaunchOptions,
+        *,
+        keep: bool = True,
+        # STUB(ws-upload): accepted and ignored until the workspace launch replaces this
+        workspace: str | None = None,
+        manifest: str | None = None,
+        network: bool | None = None,
     ) -> ForkHandle:
         """`launch` with its arguments already checked models (as the HTTP API's request holds them).
 
@@ -341,6 +354,12 @@ class ForkClient:
         if not self.store.put_launch(record, record_bytes, digest, seed.chunks, job=job):
             send_call(self.app, self.settings.queue, call)
         return ForkHandle(fork_id=fid, digest=digest, kind=record.kind, client=self)
+
+    def changes(self, fork_id: str) -> Any:
+        """STUB(ws-upload): the fork's changes (`.patch` bytes, `.files`); none until the workspace work replaces it."""
+        from types import SimpleNamespace  # noqa: PLC0415  (stub)
+
+        return SimpleNamespace(fork_id=fork_id, patch=b"", files=[])
 
     def agents(self) -> list[dict[str, Any]]:
         """The subagent definitions a launch can name: the built-ins and FORKQ_AGENTS_DIR's files, sorted.
