@@ -251,10 +251,6 @@ class ForkClient:
         persona: str | None = None,
         tool_filter: list[str] | tuple[str, ...] | None = None,
         max_depth: int | None = None,
-        # STUB(ws-upload): accepted and ignored until the workspace launch replaces this
-        workspace: str | None = None,
-        manifest: str | None = None,
-        network: bool | None = None,
     ) -> ForkHandle:
         """Validate, build the seed, write the bootstrap record, then enqueue the fork.
 
