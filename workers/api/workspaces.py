@@ -116,15 +116,17 @@ class Workspaces:
         manifest = Manifest.of(entries)
         check_bounds(manifest, self.settings)
         store, digest = self.store(scope), manifest.digest
+        if store.has_manifest(digest):  # its blobs are stored too: an unchanged tree asks nothing of each file
+            try:
+                store.put_manifest(manifest)  # renews it and its blobs when they near their expiry
+                return Offered(digest, [])
+            except WorkspaceError:  # some of its blobs expired (Redis flushed): asked for as for a new tree
+                pass
         missing = store.missing(sorted(manifest.digests()))
         if missing:
             return Offered(digest, missing)
-        if not store.has_manifest(digest):  # one stored before had its sizes checked then
-            self._check_sizes(scope, manifest)
-        try:
-            store.put_manifest(manifest)
-        except WorkspaceError:  # stored long ago, and some of its blobs expired since the question above
-            return Offered(digest, store.missing(sorted(manifest.digests())))
+        self._check_sizes(scope, manifest)
+        store.put_manifest(manifest)
         return Offered(digest, [])
 
     def upload(self, scope: str, digest: str, data: bytes) -> None:
