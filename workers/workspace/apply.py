@@ -9,7 +9,8 @@ Writing keeps the tree whole at every step that can fail: every new file is firs
 destination (same folder, a fresh name opened with O_EXCL, its mode set), then each file replaced or removed
 is moved aside into one backup folder at the target's top, folders left empty are removed, and the staged
 files are renamed into place. A failure midway undoes every step taken, in reverse; the backups are deleted
-only at the end.
+only at the end. (A process killed midway leaves them in `.forkq-apply-*` at the target's top: the replaced
+and removed files, numbered, for a person to restore.)
 
 Nothing is ever reached through a symlink inside the target: every path is opened from a descriptor of the
 target one component at a time with O_NOFOLLOW, so a folder of the tree that is a symlink (to anywhere) is a
@@ -209,16 +210,14 @@ def plan(root_fd: int, base: Manifest, changes: Mapping[str, Entry | None]) -> l
     Raises:
         ApplyConflict: some target file is neither the base version nor the fork's; names each and why.
     """
-    paths = changed_files(changes)
-    _refuse_git_paths(paths)
+    _refuse_git_paths(list(changes))
+    paths = changed_files(changes, base)
     base_entries = base.by_path()
     changed = set(paths)
     steps: list[_Step] = []
     conflicts: list[str] = []
     for path in paths:
         old, new = base_entries.get(path), changes[path]
-        if old == new or (old is not None and new is not None and (old.mode, old.digest) == (new.mode, new.digest)):
-            continue
         state = _current(root_fd, path, changed)
         if isinstance(state, str):
             conflicts.append(state)
