@@ -70,6 +70,8 @@ CASES: dict[str, tuple[Tree, Tree]] = {
     "quotes, backslash-free oddities": ({}, {'say "hi".txt': (F, b"hi\n"), "tab\tname": (F, b"t\n")}),
     "file replaced by a folder": ({"d": (F, b"file\n")}, {"d/inner": (F, b"inside\n")}),
     "folder replaced by a file": ({"d/inner": (F, b"inside\n")}, {"d": (F, b"file\n")}),
+    "symlink replaced by a folder": ({"a": (L, b"/etc")}, {"a/passwd": (F, b"in the tree\n")}),
+    "folder replaced by a symlink": ({"a/b": (F, b"in\n"), "a/c": (X, b"")}, {"a": (L, b"b")}),
     "many hunks": (
         {"m": (F, LONG * 3)},
         {"m": (F, (LONG * 3).replace(b"line 10\n", b"ten\n").replace(b"line 50\n", b"fifty\nfifty-one\n"))},

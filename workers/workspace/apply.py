@@ -81,11 +81,10 @@ class _State:
 class _Blocked(Exception):
     """A folder of a path cannot be entered: `reason` says why."""
 
-    def __init__(self, prefix: str, reason: str, *, is_file: bool = False) -> None:
+    def __init__(self, prefix: str, reason: str) -> None:
         super().__init__(reason)
         self.prefix = prefix
         self.reason = reason
-        self.is_file = is_file
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,7 +125,7 @@ def _open_folder(root_fd: int, parts: list[str], *, make: Callable[[int, str], N
                 prefix = "/".join(parts[: i + 1])
                 if stat.S_ISLNK(info.st_mode):
                     raise _Blocked(prefix, f"folder {prefix!r} is a symlink in the target") from exc
-                raise _Blocked(prefix, f"{prefix!r} is a file in the target", is_file=True) from exc
+                raise _Blocked(prefix, f"{prefix!r} is a file in the target") from exc
             os.close(fd)
             fd = child
         return fd
@@ -181,7 +180,7 @@ def _current(root_fd: int, path: str, changed: set[str]) -> _State | str:
     except FileNotFoundError:
         return _State(Kind.ABSENT)
     except _Blocked as exc:
-        if exc.is_file and exc.prefix in changed:
+        if exc.prefix in changed:  # the file or symlink in the way is changed too: checked, then moved aside
             return _State(Kind.ABSENT)
         return f"{path}: {exc.reason}; forkq never writes through a symlink or over a file it did not expect"
     try:
@@ -215,25 +214,25 @@ def plan(root_fd: int, base: Manifest, changes: Mapping[str, Entry | None]) -> l
     base_entries = base.by_path()
     changed = set(paths)
     steps: list[_Step] = []
-    conflicts: list[str] = []
+    conflicts: dict[str, str] = {}  # path → why
     for path in paths:
         old, new = base_entries.get(path), changes[path]
         state = _current(root_fd, path, changed)
         if isinstance(state, str):
-            conflicts.append(state)
+            conflicts[path] = state
         elif state.matches(new):
             continue  # already applied
         elif state.matches(old):
             steps.append(_Step(path, old, new))
         else:
-            conflicts.append(state.differs(path, old))
+            conflicts[path] = state.differs(path, old)
     if conflicts:
-        listed = "\n  ".join(conflicts)
+        listed = "\n  ".join(conflicts.values())
         raise ApplyConflict(
             f"the fork's changes do not apply: {len(conflicts)} file(s) differ from the version the fork started "
             f"from, so nothing was written:\n  {listed}\nreview them (`forkq changes`), then apply by hand or "
             "restore those files",
-            paths=[c.split(": ", 1)[0] for c in conflicts],
+            paths=list(conflicts),
         )
     return steps
 
@@ -261,20 +260,21 @@ class _Transaction:
         finally:
             os.close(fd)
 
-    def stage(self, step: _Step) -> bool:
+    def stage(self, step: _Step, *, wait: bool = True) -> bool:
         """Write the new file under a fresh name in its folder; False when a file in the way must go first."""
         assert step.new is not None
         folders, name = _split(step.path)
         try:
             fd = _open_folder(self.root_fd, folders, make=self.make_folder)
-        except _Blocked as exc:
-            if exc.is_file:
+        except _Blocked:
+            if wait:  # the plan found that file or symlink changed too: it is moved aside before the second try
                 return False
             raise
         try:
             data = self.read(step.new.digest)
             for _ in range(100):  # a name taken meanwhile: draw another
-                temp = f".{name[:200]}.forkq-{secrets.token_hex(6)}"
+                short = name.encode()[:200].decode("utf-8", "ignore")  # room for the suffix in NAME_MAX bytes
+                temp = f".{short}.forkq-{secrets.token_hex(6)}"
                 with contextlib.suppress(FileExistsError):
                     _write_new(fd, temp, step.new.mode, data)
                     break
@@ -403,8 +403,7 @@ def _write(transaction: _Transaction, steps: list[_Step]) -> None:
         if step.old is not None:
             transaction.remove_empty_folders(step.path)
     for step in waiting:
-        if not transaction.stage(step):
-            raise WorkspaceError(f"workspace path {step.path!r}: a file is still in the way of its folder")
+        transaction.stage(step, wait=False)
     for step in steps:
         if step.new is not None:
             transaction.place(step.path)
