@@ -203,7 +203,7 @@ def _refuse_git_paths(paths: list[str]) -> None:
             )
 
 
-def plan(root_fd: int, base: Manifest, changes: Mapping[str, Entry | None]) -> list[_Step]:
+def _plan(root_fd: int, base: Manifest, changes: Mapping[str, Entry | None]) -> list[_Step]:
     """The steps that apply `changes` to the target, after checking every file.
 
     Raises:
@@ -400,7 +400,7 @@ def _write(transaction: _Transaction, steps: list[_Step]) -> None:
         if step.old is not None:
             transaction.move_aside(step.path)
     for step in steps:
-        if step.old is not None:
+        if step.new is None:  # a replaced file's folder holds its staged successor: never empty
             transaction.remove_empty_folders(step.path)
     for step in waiting:
         transaction.stage(step, wait=False)
@@ -425,7 +425,7 @@ def apply_changes(
     except OSError as exc:
         raise WorkspaceError(f"apply target {str(target)!r}: expected a folder ({exc.strerror})", cause=exc) from exc
     try:
-        steps = plan(root_fd, base, changes)
+        steps = _plan(root_fd, base, changes)
         if not check and steps:
             _commit(root_fd, steps, read, target)
         return [step.path for step in steps]
