@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Container, Iterator
+from collections.abc import Callable, Container, Iterator
 from dataclasses import dataclass
 from typing import Final, Literal
 from wsgiref.simple_server import WSGIServer
@@ -61,6 +61,25 @@ class AbandonedToolCalls(Collector):
         for tool, count in sorted(ABANDONED.snapshot().items()):
             family.add_metric([tool], count)
         yield family
+
+
+class WorkspaceDisk(Collector):
+    """`forkq_workspace_*`: the disk a worker process uses for snapshot workspaces, read at each scrape."""
+
+    def __init__(self, totals: Callable[[], tuple[int, int, int, int]]) -> None:
+        self.totals = totals  # (runs holding a folder, their trees' bytes, the cache's bytes, the cache's limit)
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        """The current figures."""
+        runs, run_bytes, cache_bytes, cache_limit = self.totals()
+        yield GaugeMetricFamily("forkq_workspace_runs", "Runs of this process holding a workspace folder.", runs)
+        yield GaugeMetricFamily(
+            "forkq_workspace_run_bytes", "Bytes of the trees in this process's workspace folders.", run_bytes
+        )
+        yield GaugeMetricFamily("forkq_workspace_cache_bytes", "Bytes in this process's workspace cache.", cache_bytes)
+        yield GaugeMetricFamily(
+            "forkq_workspace_cache_limit_bytes", "The cache's bound (FORKQ_WORKSPACE_CACHE_MB).", cache_limit
+        )
 
 
 class Metrics:
@@ -110,6 +129,10 @@ class Metrics:
         self.forks_running = Gauge("forkq_forks_running", "Forks this process runs now.", registry=registry)
         registry.register(AbandonedToolCalls())
         self._zero_labels()
+
+    def watch_workspaces(self, totals: Callable[[], tuple[int, int, int, int]]) -> None:
+        """Serve the workspace disk gauges from `totals` (runs, their bytes, the cache's bytes and bound)."""
+        self.registry.register(WorkspaceDisk(totals))
 
     def _model_metrics(self, registry: CollectorRegistry) -> None:
         """The model calls', tokens' and tool calls' metrics."""

@@ -40,7 +40,7 @@ from workers.tools.registry import ToolRegistry
 from workers.workspace.materialize import WorkspaceCache
 
 if TYPE_CHECKING:  # a snapshot fork's run loads the workspace machinery; a shared one never does
-    from workers.service.workspace import RunWorkspace
+    from workers.service.workspace import RunWorkspace, WorkspaceUse
 
 log = logging.getLogger("forkq.worker")
 
@@ -142,7 +142,23 @@ class WorkerRuntime:
     @cached_property
     def metrics(self) -> Metrics:
         """This process's Prometheus metrics, in the runtime's own registry (served by the worker step)."""
-        return Metrics()
+        metrics = Metrics()
+        metrics.watch_workspaces(self._workspace_totals)
+        return metrics
+
+    @cached_property
+    def workspace_use(self) -> WorkspaceUse:
+        """The runs of this process holding a workspace folder (for the metrics)."""
+        from workers.service.workspace import WorkspaceUse  # noqa: PLC0415  (snapshot forks only)
+
+        return WorkspaceUse()
+
+    def _workspace_totals(self) -> tuple[int, int, int, int]:
+        """Runs holding a workspace folder, their trees' bytes, the cache's bytes and bound (zeros before any)."""
+        runs, run_bytes = self.workspace_use.totals() if "workspace_use" in vars(self) else (0, 0)
+        limit = self.settings.workspace_cache_mb * 1024 * 1024
+        cache = vars(self).get("workspace_cache")
+        return runs, run_bytes, 0 if cache is None else cache.used_bytes, limit
 
     @cached_property
     def provider(self) -> ModelProvider:
@@ -456,7 +472,12 @@ def _workspace(runtime: WorkerRuntime, record: BootstrapRecord, claim: Claim) ->
     from workers.service.workspace import RunWorkspace  # noqa: PLC0415  (snapshot forks only)
 
     return RunWorkspace(
-        record, settings=runtime.settings, blobs=runtime.blobs, cache=runtime.workspace_cache, epoch=claim.epoch
+        record,
+        settings=runtime.settings,
+        blobs=runtime.blobs,
+        cache=runtime.workspace_cache,
+        epoch=claim.epoch,
+        use=runtime.workspace_use,
     )
 
 

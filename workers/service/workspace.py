@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+import threading
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
@@ -71,11 +72,41 @@ def _alive(pid: int) -> bool:
     return True
 
 
+class WorkspaceUse:
+    """The runs of this process that hold a workspace folder, and the bytes of their trees (for the metrics)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._bytes: dict[int, int] = {}
+
+    def set(self, run: object, size: int) -> None:
+        """`run` holds a tree of `size` bytes now."""
+        with self._lock:
+            self._bytes[id(run)] = size
+
+    def drop(self, run: object) -> None:
+        """`run` removed its folder."""
+        with self._lock:
+            self._bytes.pop(id(run), None)
+
+    def totals(self) -> tuple[int, int]:
+        """Runs holding a folder, and the bytes of their trees."""
+        with self._lock:
+            return len(self._bytes), sum(self._bytes.values())
+
+
 class RunWorkspace:
     """One run's workspace (the loop's `Workspace`): its folder, its tracker, its sandbox."""
 
     def __init__(
-        self, record: BootstrapRecord, *, settings: Settings, blobs: BlobStore, cache: WorkspaceCache, epoch: int
+        self,
+        record: BootstrapRecord,
+        *,
+        settings: Settings,
+        blobs: BlobStore,
+        cache: WorkspaceCache,
+        epoch: int,
+        use: WorkspaceUse | None = None,
     ) -> None:
         assert record.workspace is not None and record.workspace.snapshot
         self.record = record
@@ -94,6 +125,8 @@ class RunWorkspace:
             enforce=settings.sandbox == "on",
         )
         self.tracker: Tracker | None = None
+        self.use = use or WorkspaceUse()
+        self.sizes: dict[str, int] = {}  # the tree's file sizes, kept up to date by the checkpoints (metrics)
 
     def base(self) -> Manifest:
         """The manifest the fork was launched with."""
@@ -117,6 +150,8 @@ class RunWorkspace:
             max_files=self.settings.workspace_max_files,
         )
         self.tracker.start()
+        self.sizes = {e.path: e.size for e in manifest}
+        self.use.set(self, sum(self.sizes.values()))
 
     def context(self, ctx: ToolContext) -> ToolContext:
         """`ctx` acting in this run's folder, confined to it."""
@@ -130,6 +165,12 @@ class RunWorkspace:
         if not collected.changes:
             return None
         self.blobs.put(collected.blobs)
+        for path, entry in collected.changes.items():
+            if entry is None:
+                self.sizes.pop(path, None)
+            else:
+                self.sizes[path] = entry.size
+        self.use.set(self, sum(self.sizes.values()))
         return encode_changes(collected.changes)
 
     def share(self) -> WorkspaceRef:
@@ -147,6 +188,7 @@ class RunWorkspace:
         if self.tracker is not None:
             self.tracker.close()
             self.tracker = None
+        self.use.drop(self)
         try:
             remove_tree(self.folder)
         except OSError as exc:  # never fail a run over its cleanup; the next worker start sweeps it
