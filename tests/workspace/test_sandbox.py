@@ -8,9 +8,13 @@ sandbox's and not the test's: the same command reads the secret when nothing con
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
 import shutil
+import struct
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -285,3 +289,41 @@ def test_require_names_the_fix_when_landlock_is_missing() -> None:
     error = SandboxUnavailable("cannot sandbox: no Landlock; set FORKQ_SANDBOX=off", reason="no Landlock")
     assert "FORKQ_SANDBOX=off" in str(error)
     assert error.field == "sandbox"
+
+
+def _without_landlock() -> None:
+    """In the child before exec: a seccomp filter that makes the Landlock calls fail as on a kernel without it."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    deny, allow = 0x00050000 | errno.ENOSYS, 0x7FFF0000
+    program = [(0x20, 0, 0, 0)]  # the syscall number
+    for number in (444, 445, 446):
+        program += [(0x15, 0, 1, number), (0x06, 0, 0, deny)]
+    program.append((0x06, 0, 0, allow))
+    filters = ctypes.create_string_buffer(b"".join(struct.pack("=HBBI", *insn) for insn in program))
+    fprog = ctypes.create_string_buffer(struct.pack("=HxxxxxxQ", len(program), ctypes.addressof(filters)))
+    assert libc.prctl(38, 1, 0, 0, 0) == 0  # no_new_privs
+    assert libc.prctl(22, 2, fprog, 0, 0) == 0  # seccomp filter
+
+
+def test_a_worker_that_cannot_sandbox_refuses_to_start_unless_the_operator_turns_it_off() -> None:
+    # Given a machine where Landlock is missing (its calls fail with ENOSYS) and no Redis to reach
+    def worker(sandbox_mode: str) -> subprocess.CompletedProcess[str]:
+        env = {**os.environ, "FORKQ_PROVIDER": "scripted", "FORKQ_REDIS_URL": "redis://127.0.0.1:1/0"}
+        env["FORKQ_SANDBOX"] = sandbox_mode
+        code = "import sys; from workers.cli import main; sys.exit(main(['worker']))"
+        return subprocess.run(
+            [sys.executable, "-c", code],
+            env=env,
+            capture_output=True,
+            text=True,
+            preexec_fn=_without_landlock,
+            check=False,
+        )
+
+    refused, allowed = worker("on"), worker("off")
+    # Then with the sandbox on it refuses at once (exit 2), naming what is missing and the fix
+    assert refused.returncode == 2, refused.stderr
+    assert "cannot sandbox snapshot forks' commands" in refused.stderr
+    assert "the kernel has no Landlock" in refused.stderr and "FORKQ_SANDBOX=off" in refused.stderr
+    # and with FORKQ_SANDBOX=off it goes on, to the next thing it lacks (Redis: exit 1)
+    assert allowed.returncode == 1 and "cannot sandbox" not in allowed.stderr, allowed.stderr
