@@ -327,3 +327,12 @@ def test_a_worker_that_cannot_sandbox_refuses_to_start_unless_the_operator_turns
     assert "the kernel has no Landlock" in refused.stderr and "FORKQ_SANDBOX=off" in refused.stderr
     # and with FORKQ_SANDBOX=off it goes on, to the next thing it lacks (Redis: exit 1)
     assert allowed.returncode == 1 and "cannot sandbox" not in allowed.stderr, allowed.stderr
+
+
+@pytest.mark.skipif(ABI < 6, reason="signal scoping needs Landlock ABI 6")
+def test_a_confined_command_cannot_kill_its_supervisor(mode: Mode, layout: Layout) -> None:
+    # the shell's parent is inside the sandbox; its parent, the supervisor that sweeps the call, is not
+    command = "sup=$(ps -o ppid= -p $PPID | tr -d ' '); kill -9 $sup && echo KILLED; echo still here"
+    out = mode.run(layout, command, layout.confinement())
+    assert "KILLED" not in out and "Operation not permitted" in out
+    assert "still here" in out and out.endswith("[exit code: 0]")  # stdout and stderr interleave in nobody modes

@@ -41,7 +41,6 @@ import errno
 import functools
 import json
 import os
-import platform
 import socket
 import struct
 import sys
@@ -279,9 +278,9 @@ def _drop_bounding_set() -> None:
 
 def _network_filter() -> None:
     """A seccomp filter: socket(AF_INET/AF_INET6) and io_uring_setup fail with EACCES, x32 calls too."""
-    arch = SECCOMP_ARCH.get(platform.machine())
+    arch = SECCOMP_ARCH.get(os.uname().machine)
     if arch is None:
-        raise OSError(errno.ENOSYS, f"no seccomp filter for the {platform.machine()} architecture")
+        raise OSError(errno.ENOSYS, f"no seccomp filter for the {os.uname().machine} architecture")
     audit_arch, nr_socket, nr_uring = arch
     ld, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_JMP|JGE|K, BPF_RET|K
     allow, deny = 0x7FFF0000, 0x00050000 | errno.EACCES  # SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO
