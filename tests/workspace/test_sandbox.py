@@ -336,3 +336,19 @@ def test_a_confined_command_cannot_kill_its_supervisor(mode: Mode, layout: Layou
     out = mode.run(layout, command, layout.confinement())
     assert "KILLED" not in out and "Operation not permitted" in out
     assert "still here" in out and out.endswith("[exit code: 0]")  # stdout and stderr interleave in nobody modes
+
+
+def test_shared_memory_is_the_runs_own(mode: Mode, layout: Layout) -> None:
+    # Given a file in the host's /dev/shm, as another fork's semaphore or shared memory would be
+    host = Path("/dev/shm") / f"forkq-test-{layout.base.name}"
+    host.write_text(SECRET, encoding="utf-8")
+    try:
+        lock = f"{PY} -c 'import multiprocessing; multiprocessing.Lock(); print(\"LOCK_OK\")'"
+        out = mode.run(layout, f"cat {host}; {lock}", layout.confinement())
+    finally:
+        host.unlink()
+    # Then the command cannot read it; with a namespace, /dev/shm is a folder of the run, where locks work
+    assert SECRET not in out
+    if mode.namespaces:
+        assert "LOCK_OK" in out
+        assert (layout.tmp / ".shm").is_dir()

@@ -76,6 +76,7 @@ SECCOMP_ARCH = {"x86_64": (0xC000003E, 41, 425), "aarch64": (0xC00000B7, 198, 42
 X32_SYSCALL_BIT = 0x40000000
 
 SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/opt", "/run/systemd/resolve")
+SHM = "/dev/shm"  # where a namespaced command finds the run's own folder for POSIX shared memory
 DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom", "/dev/tty")
 
 
@@ -366,7 +367,12 @@ class Ruleset:
             os.close(self.fd)
 
 
-def _landlock(c: Confinement, root_fd: int, tmp_fd: int, abi: int) -> None:
+def _landlock(c: Confinement, writable: tuple[int, ...], abi: int) -> None:
+    """Apply the ruleset; `writable`: the workspace, the temp folder and the shared-memory folder, held open.
+
+    A rule is found by walking up from a mount's root to where it is mounted: a folder bound elsewhere (the
+    workspace at the alias, the shared-memory folder at /dev/shm) needs a rule of its own, not its parent's.
+    """
     rules = Ruleset(abi, c.network)
     read = FS_READ_FILE | FS_READ_DIR
     for path in system_paths():
@@ -374,17 +380,20 @@ def _landlock(c: Confinement, root_fd: int, tmp_fd: int, abi: int) -> None:
     for device in DEVICES:
         rules.allow(device, FS_READ_FILE | FS_WRITE_FILE | FS_IOCTL_DEV)
     rules.allow("/proc", read)
-    everything = rules.fs
-    rules.allow_fd(root_fd, everything, str(c.root))
-    rules.allow_fd(tmp_fd, everything, str(c.tmp))
+    for fd, what in zip(writable, (c.root, c.tmp, SHM), strict=True):
+        rules.allow_fd(fd, rules.fs, str(what))
     rules.restrict()
 
 
-def enter_alias(c: Confinement) -> bool:
-    """Give the command the workspace at `alias` in namespaces of its own; whether that could be done."""
+def enter_alias(c: Confinement, shm: str) -> bool:
+    """Give the command the workspace at `alias` in namespaces of its own; whether that could be done.
+
+    `/dev/shm` there is the folder `shm`, private to the run (POSIX semaphores and shared memory, as
+    Python's multiprocessing uses, work without a folder every process of the host shares).
+    """
     alias = os.path.normpath(c.alias)
     try:
-        mountns.plan_for({alias: 0, str(c.tmp): 1})
+        mountns.plan_for({alias: 0, str(c.tmp): 1, SHM: 2})
     except ValueError:
         return False  # the alias holds the temp folder (or is `/`): the text replacement instead
     try:
@@ -393,13 +402,15 @@ def enter_alias(c: Confinement) -> bool:
         return False
     # from here on a failure leaves this process half-built: raised, so the command does not run.
     # Opened again in the new namespace: a bind's source must be a mount of the caller's own namespace
-    root_fd = os.open(c.root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-    tmp_fd = os.open(c.tmp, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    fds = {
+        path: os.open(real, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        for path, real in ((alias, c.root), (str(c.tmp), c.tmp), (SHM, shm))
+    }
     try:
-        mountns.new_root(str(c.tmp), {alias: root_fd, str(c.tmp): tmp_fd})
+        mountns.new_root(str(c.tmp), fds)
     finally:
-        os.close(root_fd)
-        os.close(tmp_fd)
+        for fd in fds.values():
+            os.close(fd)
     os.chdir(alias)
     return True
 
@@ -412,8 +423,11 @@ def confine_self(c: Confinement) -> bool:
     """
     root_fd = os.open(c.root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     tmp_fd = os.open(c.tmp, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    shm = os.path.join(c.tmp, ".shm")
+    os.makedirs(shm, mode=0o700, exist_ok=True)
+    shm_fd = os.open(shm, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        namespaced = enter_alias(c)
+        namespaced = enter_alias(c, shm)
         if not namespaced:
             os.chdir(c.root)
         if not c.enforce:
@@ -429,10 +443,10 @@ def confine_self(c: Confinement) -> bool:
             _drop_bounding_set()
             if not c.network:
                 _network_filter()
-            _landlock(c, root_fd, tmp_fd, abi)
+            _landlock(c, (root_fd, tmp_fd, shm_fd), abi)
         except OSError as exc:
             raise SandboxUnavailable(f"cannot sandbox the command: {exc}", reason=str(exc)) from exc
         return namespaced
     finally:
-        os.close(root_fd)
-        os.close(tmp_fd)
+        for fd in (root_fd, tmp_fd, shm_fd):
+            os.close(fd)
