@@ -184,9 +184,12 @@ def test_a_confined_command_cannot_reach_an_abstract_unix_socket_outside(
     assert "UNIX_CONNECTED" in mode.run(layout, command, without_namespaces(layout, enforce=False))
 
 
-def _network(tcp: int, udp: int) -> str:
+def _network(tcp: int, udp: int, unix: Path) -> str:
     return (
         f'{PY} -c "import socket\n'
+        "try:\n"
+        f"    socket.socket(socket.AF_UNIX).connect('{unix}'); print('UNIX_OK')\n"
+        "except OSError as e: print('UNIX', e)\n"
         "try:\n"
         f"    socket.create_connection(('127.0.0.1', {tcp}), timeout=5).close(); print('TCP_OK')\n"
         "except OSError as e: print('TCP', e)\n"
@@ -200,17 +203,19 @@ def _network(tcp: int, udp: int) -> str:
 
 
 def test_the_network_is_cut_when_asked(mode: Mode, layout: Layout, outsider: tuple[int, int, int, int, str]) -> None:
-    out = mode.run(layout, _network(outsider[2], outsider[3]), layout.confinement(network=False))
+    out = mode.run(layout, _network(outsider[2], outsider[3], layout.socket), layout.confinement(network=False))
     assert "TCP_OK" not in out
     assert "UDP_OK" not in out
     assert "TCP6_OK" not in out
+    assert "UNIX_OK" not in out  # a service's socket file is a way out too
     assert "Permission denied" in out
 
 
 def test_the_network_is_there_by_default(mode: Mode, layout: Layout, outsider: tuple[int, int, int, int, str]) -> None:
-    out = mode.run(layout, _network(outsider[2], outsider[3]), layout.confinement())
+    out = mode.run(layout, _network(outsider[2], outsider[3], layout.socket), layout.confinement())
     assert "TCP_OK" in out
     assert "UDP_OK" in out
+    assert "UNIX_OK" in out  # as a TCP port on localhost is: the documented limit of an open network
 
 
 def test_a_command_gets_none_of_the_workers_secrets(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -20,16 +20,19 @@ undone by anything the command does:
    out of reach. Landlock also refuses `ptrace` (and so `/proc/<pid>/root`, `environ`, `mem`) of the
    worker's processes, and from ABI 6 signals to them and connections to their abstract unix sockets.
 4. With `network` false: Landlock refuses TCP bind and connect (ABI 4), and a seccomp filter refuses
-   `socket(AF_INET | AF_INET6, ...)` (UDP and raw sockets too) and `io_uring_setup` (its socket
-   operation would bypass seccomp), with EACCES.
+   `socket()` of the families AF_INET and AF_INET6 (UDP and raw sockets too), AF_UNIX (a service's
+   socket file, such as a Redis or container runtime socket, is as much a way out as its TCP port;
+   `socketpair()` still works) and AF_VSOCK, and `io_uring_setup` (its socket operation would bypass
+   seccomp), with EACCES. Where a namespace is made, the command also has a network namespace of its own.
 
 With `enforce` false (the operator set FORKQ_SANDBOX=off) nothing is confined; the parent's path is
 still given where a namespace can be made. With `enforce` true, any step that cannot be applied raises:
 a command never runs less confined than asked.
 
-What it does not cover: pathname unix sockets (a Landlock ABI 7 kernel does not check `connect` on
-them: a command that knows a socket's path can reach a service listening on it), CPU and memory
-(cgroups are the deployer's), and the kernel's own attack surface.
+What it does not cover: with the network allowed, pathname unix sockets (a Landlock ABI 7 kernel does
+not check `connect` on them: a command that knows a socket's path can reach the service listening on
+it, as it can reach a TCP port on localhost); `/proc/<pid>/cmdline` of the host's processes (read, not
+their environment or memory); CPU and memory (cgroups are the deployer's); the kernel's own attack surface.
 
 Standard library and ctypes only; the shell's supervisor imports it without site-packages.
 """
@@ -70,7 +73,7 @@ PR_SET_NO_NEW_PRIVS = 38
 PR_CAPBSET_DROP = 24
 PR_SET_SECCOMP = 22
 SECCOMP_MODE_FILTER = 2
-AF_INET, AF_INET6 = 2, 10
+AF_UNIX, AF_INET, AF_INET6, AF_VSOCK = 1, 2, 10, 40
 # (audit arch, socket, io_uring_setup) per machine
 SECCOMP_ARCH = {"x86_64": (0xC000003E, 41, 425), "aarch64": (0xC00000B7, 198, 425)}
 X32_SYSCALL_BIT = 0x40000000
@@ -278,7 +281,7 @@ def _drop_bounding_set() -> None:
 
 
 def _network_filter() -> None:
-    """A seccomp filter: socket(AF_INET/AF_INET6) and io_uring_setup fail with EACCES, x32 calls too."""
+    """A seccomp filter: socket() of AF_INET, AF_INET6, AF_UNIX, AF_VSOCK and io_uring_setup fail with EACCES."""
     arch = SECCOMP_ARCH.get(os.uname().machine)
     if arch is None:
         raise OSError(errno.ENOSYS, f"no seccomp filter for the {os.uname().machine} architecture")
@@ -294,10 +297,12 @@ def _network_filter() -> None:
         (ret, 0, 0, deny),
         (jeq, 0, 1, nr_uring),
         (ret, 0, 0, deny),
-        (jeq, 0, 4, nr_socket),
+        (jeq, 0, 6, nr_socket),
         (ld, 0, 0, 16),  # args[0] (low half): the family
-        (jeq, 1, 0, AF_INET),
-        (jeq, 0, 1, AF_INET6),
+        (jeq, 3, 0, AF_INET),
+        (jeq, 2, 0, AF_INET6),
+        (jeq, 1, 0, AF_UNIX),
+        (jeq, 0, 1, AF_VSOCK),
         (ret, 0, 0, deny),
         (ret, 0, 0, allow),
     ]
