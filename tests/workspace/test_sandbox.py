@@ -267,6 +267,8 @@ def test_the_alias_is_replaced_in_a_command_only_without_a_namespace() -> None:
     c = Confinement(Path("/w/tree"), "/home/alice/proj/", Path("/w/tmp"))
     assert command_for(c, "cat /home/alice/proj/a.py", namespaced=False) == "cat /w/tree/a.py"
     assert command_for(c, "cat /home/alice/proj/a.py", namespaced=True) == "cat /home/alice/proj/a.py"
+    assert command_for(c, "cd /home/alice/proj; ls /home/alice/project", False) == "cd /w/tree; ls /home/alice/project"
+    assert command_for(c, "x='/home/alice/proj'", namespaced=False) == "x='/w/tree'"
 
 
 def test_a_confinement_maps_the_parent_path_both_ways() -> None:

@@ -7,10 +7,11 @@ undone by anything the command does:
    mount namespace (and a new network namespace when `network` is false) and a root of its own, in
    which the workspace is at the parent's path (`alias`) and the command starts there. Where it
    cannot (the usual case in a container: runtimes refuse `unshare` to unprivileged processes), the
-   command starts in the workspace itself, and **every occurrence of `alias` in the command's text is
-   replaced by the workspace's path** before it runs (`command_for`): a documented heuristic that
-   covers the paths the history names (`cat /parent/src/a.py`, `cd /parent && make`), not paths a
-   program builds at run time. The file tools map those paths themselves (`Confinement.inside`).
+   command starts in the workspace itself, and **every occurrence of `alias` in the command's text (as
+   a whole path: not `/parent2`) is replaced by the workspace's path** before it runs (`command_for`):
+   a documented heuristic that covers the paths the history names (`cat /parent/src/a.py`,
+   `cd /parent && make`), not paths a program builds or reads at run time (a script's own text, a
+   Makefile, a config file naming `/parent`). The file tools map those paths themselves (`Confinement.inside`).
 2. `PR_SET_NO_NEW_PRIVS`, and every capability is dropped from the bounding set where the process may.
 3. A Landlock ruleset (no privilege needed) allows read and execute on the system folders (`/usr`,
    `/bin`, `/sbin`, `/lib*`, `/etc`, `/opt`, and the Python installation the worker runs), read and
@@ -44,6 +45,7 @@ import errno
 import functools
 import json
 import os
+import re
 import socket
 import struct
 import sys
@@ -253,9 +255,11 @@ def sandbox_problems(mode: str) -> list[str]:
 
 def command_for(c: Confinement, command: str, namespaced: bool) -> str:
     """The command's text as it runs: `alias` replaced by `root` when the parent's path could not be given."""
-    if namespaced or c.alias.rstrip("/") in ("", str(c.root)):
+    alias = c.alias.rstrip("/")
+    if namespaced or alias in ("", str(c.root)):
         return command
-    return command.replace(c.alias.rstrip("/"), str(c.root))
+    # the whole path only: `/home/a/proj` in `/home/a/proj/x` or `cd /home/a/proj;`, not in `/home/a/project`
+    return re.sub(re.escape(alias) + r"(?![\w.-])", lambda _: str(c.root), command)
 
 
 def _check(result: int, what: str) -> int:
