@@ -289,3 +289,9 @@ def test_other_absolute_paths_stay_refused_in_a_snapshot_fork(registry: ToolRegi
     # and `..` out of the parent's path leads out of the workspace: refused the same way
     call = FunctionCall(id="c1", name="read_file", args={"path": f"{PARENT}/../outside/secret.txt"})
     assert "is outside the working directory" in error(registry.run(call, confined(work)))
+
+
+def test_a_confined_context_must_work_in_its_workspace(work: Path) -> None:
+    # the file tools act in cwd, the shell in the confinement's root: a context where they differ is refused
+    with pytest.raises(ValueError, match="is not its workspace's root"):
+        replace(context(work.parent), confinement=Confinement(work, PARENT, work.parent / "tmp"))

@@ -26,6 +26,7 @@ from __future__ import annotations
 import enum
 import logging
 import math
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -115,6 +116,11 @@ class ToolContext:
     deadline: float = math.inf
     # a snapshot fork's sandbox: `cwd` is then its workspace (`confinement.root`), seen at `confinement.alias`
     confinement: Confinement | None = None
+
+    def __post_init__(self) -> None:
+        # the file tools act in `cwd` and the shell in `confinement.root`: one folder, or the tools disagree
+        if self.confinement is not None and os.path.abspath(self.cwd) != os.path.abspath(self.confinement.root):
+            raise ValueError(f"a confined tool context's cwd {str(self.cwd)!r} is not its workspace's root")
 
     def seconds_left(self) -> float:
         """Seconds until the deadline (negative once past it)."""
