@@ -123,7 +123,7 @@ def skip_unless_same_user_namespace(mode: Mode) -> None:
         pytest.skip("the test's own user namespace stands between the command and the outsider")
 
 
-CONTROLLED = ["absolute path", "worker home", "a file in /tmp", "python open", "proc root of the worker"]
+CONTROLLED = ["absolute path", "worker home", "a file in /tmp", "python open", "proc root of the worker", "mount"]
 
 
 @pytest.mark.parametrize("escape", [*CONTROLLED, "proc fd of the worker"])
