@@ -23,7 +23,9 @@ from workers.service.metrics import MetricsServer, serve_metrics
 from workers.service.outcome import Outcome
 from workers.service.runner import WorkerRuntime
 from workers.service.tasks import enqueue_again, register_tasks
+from workers.service.workspace import sweep_stale_runs
 from workers.store.health import check_redis
+from workers.workspace.sandbox import sandbox_problems
 
 log = logging.getLogger("forkq.worker")
 
@@ -68,11 +70,14 @@ class ForkqWorkerStep(bootsteps.StartStopStep):
         health = check_redis(self.runtime.settings)
         for warning in health.warnings:
             log.warning("%s", warning)
-        problems = provider_problems(self.runtime.settings) + health.problems
-        # `forkq worker` refused to start already where commands cannot be sandboxed with FORKQ_SANDBOX=on
-        self.runtime.metrics.sandbox_enabled.set(self.runtime.settings.sandbox == "on")
+        settings = self.runtime.settings
+        # `forkq worker` checks the sandbox before Celery starts; `celery -A workers.app worker` comes here first
+        problems = provider_problems(settings) + health.problems + sandbox_problems(settings.sandbox)
+        self.runtime.metrics.sandbox_enabled.set(settings.sandbox == "on")
         if problems:
             raise ConfigurationError("worker refuses to start: " + "; ".join(problems))
+        if removed := sweep_stale_runs(settings):  # a killed worker's run folders: its forks run elsewhere now
+            log.info("removed %d workspace folder(s) of worker processes that are gone", removed)
         self.metrics_server = _serve_worker_metrics(self.runtime, parent.pool_cls)
         prestart_threads(parent.pool)
         self.heartbeat.start(parent.timer)
