@@ -18,13 +18,7 @@ from workers.errors import RecordIntegrityError, WorkspaceError
 from workers.store.blobs import BlobStore
 from workers.workspace.cache import WorkspaceCache
 from workers.workspace.manifest import Entry, Manifest, Mode, blob_digest
-from workers.workspace.materialize import (
-    KERNEL_COPY_MIN,
-    apply_changes_to_tree,
-    build,
-    disk_usage,
-    remove_tree,
-)
+from workers.workspace.materialize import KERNEL_COPY_MIN, apply_changes_to_tree, build
 
 BIG = bytes(range(256)) * (KERNEL_COPY_MIN // 256 + 3)  # over the kernel-copy size
 TREE: dict[str, tuple[Mode, bytes]] = {
@@ -302,31 +296,6 @@ def test_a_cache_of_no_bytes_writes_straight_from_the_fetched_blobs(tmp_path: Pa
 
     assert read_tree(tmp_path / "two") == TREE
     assert len(blobs.calls) == 2 and cache.used_bytes == 0
-
-
-def test_remove_tree_removes_a_tree_a_command_made_read_only(tmp_path: Path, cache: WorkspaceCache):
-    outside = tmp_path / "outside"
-    outside.mkdir()
-    (outside / "kept").write_text("x")
-    tree = {**TREE, "out": (Mode.SYMLINK, os.fsencode(outside))}
-    build(manifest_of(tree), tmp_path / "tree", cache, Blobs(tree))
-    subprocess.run(["chmod", "-R", "a-w", str(tmp_path / "tree")], check=True)
-    (tmp_path / "tree" / "src").chmod(0o000)
-
-    remove_tree(tmp_path / "tree")
-    remove_tree(tmp_path / "tree")  # already gone: nothing to do
-
-    assert not (tmp_path / "tree").exists()
-    assert (outside / "kept").read_text() == "x" and os.access(outside, os.W_OK)
-
-
-def test_disk_usage_counts_the_blocks_of_a_tree(tmp_path: Path, cache: WorkspaceCache):
-    build(manifest_of(TREE), tmp_path / "tree", cache, Blobs(TREE))
-
-    used = disk_usage(tmp_path / "tree")
-
-    assert len(BIG) <= used < len(BIG) + 200 * 1024
-    assert disk_usage(tmp_path / "absent") == 0
 
 
 def test_a_cache_file_a_crash_cut_short_is_found_at_restart_and_fetched_again(tmp_path: Path):

@@ -33,6 +33,7 @@ from typing import Final
 
 from workers.errors import WorkspaceError
 from workers.workspace.cache import Fetch, WorkspaceCache, fetch_verified
+from workers.workspace.cleanup import disk_usage, remove_tree
 from workers.workspace.manifest import Changes, Entry, Manifest, Mode
 
 __all__ = [
@@ -409,46 +410,3 @@ def _git(root: str, *args: str) -> None:
             "working git (2.28 or later)",
             field="git",
         )
-
-
-def remove_tree(path: Path) -> None:
-    """Remove a run's folder, even where a command made parts of it read-only; nothing outside it (a symlink
-    is removed, never followed). A folder that is already gone is fine."""
-    mode = _lstat_mode(str(path))
-    if not mode:
-        return
-    if not stat.S_ISDIR(mode):
-        os.unlink(path)
-        return
-    try:
-        shutil.rmtree(path)
-    except OSError:  # a read-only folder: make every folder writable again (the run is over), then remove
-        _make_writable(str(path))
-        shutil.rmtree(path)
-
-
-def _make_writable(folder: str) -> None:
-    with contextlib.suppress(OSError):
-        os.chmod(folder, stat.S_IMODE(os.lstat(folder).st_mode) | stat.S_IRWXU)
-    with contextlib.suppress(OSError), os.scandir(folder) as found:
-        for item in found:
-            if item.is_dir(follow_symlinks=False):
-                _make_writable(item.path)
-
-
-def disk_usage(path: Path) -> int:
-    """The bytes of disk the tree at `path` takes (its blocks; symlinks are not followed)."""
-    try:
-        info = os.lstat(path)
-    except FileNotFoundError:
-        return 0
-    total = info.st_blocks * 512
-    if stat.S_ISDIR(info.st_mode):
-        with contextlib.suppress(OSError), os.scandir(path) as found:
-            for item in found:
-                if item.is_dir(follow_symlinks=False):
-                    total += disk_usage(Path(item.path))
-                else:
-                    with contextlib.suppress(OSError):
-                        total += item.stat(follow_symlinks=False).st_blocks * 512
-    return total
