@@ -209,6 +209,33 @@ def test_a_git_build_starts_clean_and_its_diff_shows_exactly_the_forks_edit(tmp_
     assert git(root, "log", "--format=%an %ad", "--date=unix") == "forkq 946684800\n"
 
 
+def test_a_git_build_ignores_the_workers_own_git_configuration(
+    tmp_path: Path, cache: WorkspaceCache, monkeypatch: pytest.MonkeyPatch
+):
+    # Given a worker whose environment names a git config with a failing hook, signing and a filter, and a GIT_DIR
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "pre-commit").write_text("#!/bin/sh\nexit 1\n")
+    (hooks / "pre-commit").chmod(0o755)
+    config = tmp_path / "gitconfig"
+    config.write_text(
+        f"[core]\n\thooksPath = {hooks}\n[commit]\n\tgpgSign = true\n"
+        "[filter \"x\"]\n\tclean = false\n\trequired = true\n"
+    )
+    monkeypatch.setenv("GIT_CONFIG_GLOBAL", str(config))
+    monkeypatch.setenv("GIT_DIR", str(tmp_path / "elsewhere"))
+    tree = {**TREE, ".gitattributes": (Mode.FILE, b"* filter=x\n")}
+
+    # When a tree is built with its base commit
+    build(manifest_of(tree), tmp_path / "tree", cache, Blobs(tree), git=True)
+
+    # Then the commit was made in the tree, with no hook, signature or filter
+    monkeypatch.delenv("GIT_DIR")
+    assert git(tmp_path / "tree", "status", "--porcelain") == ""
+    assert git(tmp_path / "tree", "show", "-s", "--format=%G?") == "N\n"
+    assert not (tmp_path / "elsewhere").exists()
+
+
 def test_one_tree_gives_one_base_commit_on_every_build(tmp_path: Path, cache: WorkspaceCache):
     build(manifest_of(TREE), tmp_path / "one", cache, Blobs(TREE), git=True)
     build(manifest_of(TREE), tmp_path / "two", cache, Blobs(TREE), git=True)
