@@ -219,8 +219,7 @@ def test_a_git_build_ignores_the_workers_own_git_configuration(
     (hooks / "pre-commit").chmod(0o755)
     config = tmp_path / "gitconfig"
     config.write_text(
-        f"[core]\n\thooksPath = {hooks}\n[commit]\n\tgpgSign = true\n"
-        "[filter \"x\"]\n\tclean = false\n\trequired = true\n"
+        f'[core]\n\thooksPath = {hooks}\n[commit]\n\tgpgSign = true\n[filter "x"]\n\tclean = false\n\trequired = true\n'
     )
     monkeypatch.setenv("GIT_CONFIG_GLOBAL", str(config))
     monkeypatch.setenv("GIT_DIR", str(tmp_path / "elsewhere"))
