@@ -94,3 +94,24 @@ def test_a_worker_start_removes_the_run_folders_of_dead_worker_processes_only(
 
     assert sweep_stale_runs(settings) == 1
     assert sorted(os.listdir(runs)) == [f"{os.getpid()}.f-mine.1"]
+
+
+def test_a_call_that_grows_the_workspace_past_its_bound_is_answered_with_an_error_and_not_journaled(
+    live: Callable[..., ForkClient], parent: dict[str, Any], tmp_path: Path
+) -> None:
+    # Given a fork bounded to 2,000 bytes that writes a 5,000-byte file, then removes it and writes a small one
+    steps = [
+        step(call("big", "run_shell_command", command="head -c 5000 /dev/zero > big.bin")),
+        step(call("fix", "run_shell_command", command="rm big.bin && echo small > small.txt")),
+        step("done"),
+    ]
+    client = live(steps, workspace_dir=tmp_path / "ws", workspace_max_bytes=2000)
+    handle = client.launch(parent_for(parent, workdir(tmp_path)), REGULAR, workspace="snapshot")
+    assert handle.wait(timeout=30).status is Status.SUCCEEDED
+
+    # Then the model read why, nothing of the oversize call was journaled, and the next call's changes were
+    entries = journal(client, handle.fork_id)
+    results = tool_results(entries)
+    assert "FORKQ_WORKSPACE_MAX_BYTES" in results["big"]["error"], results
+    changed = {e.call_id: decode_changes(e.changes) for e in entries if e.changes is not None}
+    assert list(changed) == ["fix"] and list(changed["fix"]) == ["small.txt"]

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, Protocol
 
+from workers.errors import WorkspaceTooLarge
 from workers.history.messages import Content, Part
 from workers.history.selection import ForkSeed
 from workers.history.structured import check_answer, feedback_text
@@ -337,7 +338,7 @@ class ChildLoop:
             call = pending.call
             outcome = self._outcome(state, step, pending)
             # the files the call changed go with its result, fenced like it: a revival rebuilds them from the journal
-            changes = self.workspace.checkpoint() if self.workspace is not None else None
+            changes, outcome = self._checkpoint(outcome)
             self.io.emit(ToolEvent(data=ToolData(step=step + 1, tool=call.name, ok="error" not in outcome)))
             self._write(
                 state,
@@ -349,6 +350,20 @@ class ChildLoop:
                 response=outcome,
                 changes=changes,
             )  # applying the step's last result adds the answers to the messages
+
+    def _checkpoint(self, outcome: dict[str, Any]) -> tuple[list[Any] | None, dict[str, Any]]:
+        """The files the call changed (None: none, or a shared fork), and the call's outcome: an error instead when
+        the call grew the workspace past its bounds (its changes are then kept out of the journal, until a later
+        call brings the tree back under the bounds)."""
+        if self.workspace is None:
+            return None, outcome
+        try:
+            return self.workspace.checkpoint(), outcome
+        except WorkspaceTooLarge as exc:
+            return None, {
+                "error": f"{exc}. Remove or shrink files so the workspace fits; until then this call's file "
+                "changes are not recorded (a restarted run would not have them)"
+            }
 
     def _outcome(self, state: Conversation, step: int, pending: PendingCall) -> dict[str, Any]:
         """Pass the call through the gate (nesting, declarations, allowlist, approval), then run it."""
