@@ -318,3 +318,39 @@ def test_send_to_a_cancelled_fork_exits_2_saying_why(forkq: Run) -> None:
     code, out, err = forkq("send", fork_id, "hello?")
     assert (code, out) == (2, "")
     assert f"fork {fork_id} cancelled, so it takes no more messages" in err
+
+
+def test_a_snapshot_over_the_bounds_exits_2_naming_the_largest_folders_and_the_fix_and_writes_nothing(
+    forkq: Run, tmp_path: Path, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a parent's tree whose `data/` folder holds most of its bytes, and a 4 KB bound
+    tree = tmp_path / "proj"
+    (tree / "data").mkdir(parents=True)
+    (tree / "data" / "dump.bin").write_bytes(b"\0" * 6000)
+    (tree / "main.py").write_text("print()\n", encoding="utf-8")
+    monkeypatch.setenv("FORKQ_WORKSPACE_MAX_BYTES", "4096")
+
+    # When a snapshot fork is launched from it
+    code, out, err = forkq("launch", "--parent", parent_file(tmp_path, cwd=str(tree)), "--prompt", PROMPT)
+
+    # Then it exits 2, naming the folder, the bound and the fix, and Redis holds nothing
+    assert (code, out) == (2, "")
+    assert "data" in err and "FORKQ_WORKSPACE_MAX_BYTES" in err and ".forkqignore" in err and "shared" in err, err
+    assert redis_client.dbsize() == 0
+
+
+def test_a_shared_launch_outside_the_shared_roots_exits_2_and_writes_nothing(
+    forkq: Run, tmp_path: Path, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FORKQ_SHARED_ROOTS", str(tmp_path / "shared"))
+    argv = ["launch", "--parent", parent_file(tmp_path, cwd="/etc"), "--prompt", PROMPT, "--workspace", "shared"]
+    code, _, err = forkq(*argv)
+    assert code == 2 and "FORKQ_SHARED_ROOTS" in err
+    assert redis_client.dbsize() == 0
+
+
+def test_changes_and_apply_of_a_shared_fork_say_it_has_no_snapshot(forkq: Run, tmp_path: Path) -> None:
+    fork_id = launch(forkq, "--fork-turns", "1", "--workspace", "shared")
+    for command in ("changes", "apply"):
+        code, _, err = forkq(command, fork_id)
+        assert code == 1 and "no snapshot workspace" in err, err
