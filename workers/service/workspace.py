@@ -21,11 +21,13 @@ from pathlib import Path
 from typing import Any, Final
 
 from broker_config.settings import Settings
+from workers.errors import ForkqError, WorkspaceError
 from workers.records.fork import BootstrapRecord
 from workers.store.blobs import BlobStore
 from workers.tools.registry import ToolContext
 from workers.workspace.manifest import EMPTY, Entry, Manifest, encode_changes
 from workers.workspace.materialize import WorkspaceCache, apply_changes_to_tree, build, remove_tree
+from workers.workspace.materialize import commit_base as _commit_base_tree
 from workers.workspace.ref import WorkspaceRef
 from workers.workspace.sandbox import Confinement
 from workers.workspace.tracker import Tracker
@@ -33,6 +35,7 @@ from workers.workspace.tracker import Tracker
 log = logging.getLogger("forkq.workspace")
 
 RUNS: Final = "runs"
+READY_WAIT_S: Final = 900.0  # a tool call's wait for its tree: past git's own time limits for the base commit
 CACHE: Final = "cache"
 
 
@@ -127,41 +130,87 @@ class RunWorkspace:
         self.tracker: Tracker | None = None
         self.use = use or WorkspaceUse()
         self.sizes: dict[str, int] = {}  # the tree's file sizes, kept up to date by the checkpoints (metrics)
+        self._ready = threading.Event()  # set once the tree is complete and watched: tools may run
+        self._failed: BaseException | None = None
+        self._finishing: threading.Thread | None = None
 
     def base(self) -> Manifest:
         """The manifest the fork was launched with."""
         return EMPTY if self.ref.manifest is None else self.blobs.get_manifest(self.ref.manifest)
 
     def open(self, changes: Mapping[str, Entry | None]) -> None:
-        """Build the tree as of the journal: the base snapshot, then the changes recorded so far."""
+        """Build the tree as of the journal: the base snapshot, then the changes recorded so far.
+
+        With a git base, the repository is made (and the changes replayed on top of its commit) in a thread while
+        the run's first model call is under way; every tool call waits for it.
+        """
         if self.folder.exists():  # a run of the same epoch in this process cannot be; a leftover can
             remove_tree(self.folder)
         self.folder.mkdir(parents=True, mode=0o700)
         self.tmp.mkdir(mode=0o700)
-        manifest = self.base()
-        build(manifest, self.root, self.cache, self.blobs.get, git=self.ref.git)
-        if changes:
-            apply_changes_to_tree(self.root, dict(changes), self.cache, self.blobs.get)
-            manifest = manifest.apply(changes)
-        self.tracker = Tracker(
-            self.root,
-            manifest,
-            max_bytes=self.settings.workspace_max_bytes,
-            max_files=self.settings.workspace_max_files,
-        )
-        self.tracker.start()
-        self.sizes = {e.path: e.size for e in manifest}
-        self.use.set(self, sum(self.sizes.values()))
+        base = self.base()
+        build(base, self.root, self.cache, self.blobs.get)
+        if self.ref.git:
+            self._finishing = threading.Thread(target=self._finish, args=(base, dict(changes)), daemon=True)
+            self._finishing.start()
+        else:
+            self._finish(base, dict(changes))
+            self._wait()
+
+    def _finish(self, base: Manifest, changes: dict[str, Entry | None]) -> None:
+        """The rest of the build: the base's repository (git's `.git` is never tracked or journaled), the journal's
+        changes on top of its commit (so `git diff` shows the fork's own changes, whichever run made them), and
+        the tracker."""
+        try:
+            if self.ref.git:
+                try:
+                    _commit_base_tree(self.root, base)
+                except WorkspaceError as exc:  # the fork still runs; `git status` then says there is no repository
+                    log.warning("fork %s: its workspace has no git repository: %s", self.record.fork_id, exc)
+            manifest = base
+            if changes:
+                apply_changes_to_tree(self.root, changes, self.cache, self.blobs.get)
+                manifest = base.apply(changes)
+            tracker = Tracker(
+                self.root,
+                manifest,
+                max_bytes=self.settings.workspace_max_bytes,
+                max_files=self.settings.workspace_max_files,
+            )
+            tracker.start()
+            self.tracker = tracker
+            self.sizes = {e.path: e.size for e in manifest}
+            self.use.set(self, sum(self.sizes.values()))
+        except BaseException as exc:  # raised again to the first tool call, which ends the run with it
+            self._failed = exc
+        finally:
+            self._ready.set()
+
+    def _wait(self) -> Tracker:
+        """The tracker, once the tree is complete.
+
+        Raises:
+            WorkspaceError: the tree could not be completed (the cause attached).
+        """
+        if not self._ready.wait(READY_WAIT_S):
+            raise WorkspaceError(f"fork {self.record.fork_id}: its workspace was not ready within {READY_WAIT_S:g} s")
+        if self._failed is not None:
+            if isinstance(self._failed, ForkqError):
+                raise self._failed
+            raise WorkspaceError(
+                f"fork {self.record.fork_id}: its workspace could not be built: {self._failed}", cause=self._failed
+            )
+        assert self.tracker is not None
+        return self.tracker
 
     def context(self, ctx: ToolContext) -> ToolContext:
-        """`ctx` acting in this run's folder, confined to it."""
+        """`ctx` acting in this run's folder, confined to it (once the tree is complete)."""
+        self._wait()
         return replace(ctx, cwd=self.root, confinement=self.confinement)
 
     def checkpoint(self) -> list[Any] | None:
         """Store the files the last call changed; their journal form (None: it changed none)."""
-        if self.tracker is None:
-            return None
-        collected = self.tracker.collect()
+        collected = self._wait().collect()
         if not collected.changes:
             return None
         self.blobs.put(collected.blobs)
@@ -175,16 +224,18 @@ class RunWorkspace:
 
     def share(self) -> WorkspaceRef:
         """The tree as of the last checkpoint, its manifest stored (its blobs are): a nested subagent's start."""
-        assert self.tracker is not None, "open() first"
-        return self.ref.model_copy(update={"manifest": self.blobs.put_manifest(self.tracker.manifest)})
+        return self.ref.model_copy(update={"manifest": self.blobs.put_manifest(self._wait().manifest)})
 
     def merge(self, changes: Mapping[str, Entry | None]) -> None:
         """Write a nested subagent's changes into the tree; the next checkpoint journals them with its call."""
         if changes:
+            self._wait()
             apply_changes_to_tree(self.root, dict(changes), self.cache, self.blobs.get)
 
     def close(self) -> None:
         """Stop watching and remove the run's folder."""
+        if self._finishing is not None:  # never remove the folder under git's feet
+            self._finishing.join(READY_WAIT_S)
         if self.tracker is not None:
             self.tracker.close()
             self.tracker = None

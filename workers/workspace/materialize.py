@@ -383,6 +383,16 @@ def _refuse_git_paths(manifest: Manifest) -> None:
             )
 
 
+def commit_base(dest: Path, manifest: Manifest) -> None:
+    """Make the built tree in `dest` the one commit of a fresh repository there (what `build(git=True)` does last).
+
+    Raises:
+        WorkspaceError: the manifest holds a `.git` path, or git fails.
+    """
+    _refuse_git_paths(manifest)
+    _commit_base(str(dest))
+
+
 def _commit_base(root: str) -> None:
     """A fresh repository in `root` whose one commit is everything in it."""
     _git(root, "init", "-q", "--template=")
