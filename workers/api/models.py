@@ -98,7 +98,7 @@ def body_digest(data: Mapping[str, Any]) -> str:
     earlier server matches a request sent again to this one; and no parsed snapshot is dumped to compute it.
     """
     options = data.get("options") or {}
-    named = {name: options.get(name) for name in launch.LaunchOptions.model_fields}
+    named = {name: options.get(name) for name in launch.LaunchOptions.model_fields if name not in WORKSPACE_OPTIONS}
     # the workspace's options only when given: a body without them has the digest it had before they existed
     named |= {name: options[name] for name in WORKSPACE_OPTIONS if options.get(name) is not None}
     canonical = {"schema_version": 1, "parent": data["parent"], "agent": data["agent"], "options": named}
