@@ -113,11 +113,7 @@ def build_parser() -> Parser:
     events = by_id("events", "Print a fork's progress events (--json: one JSON object per line).")
     events.add_argument("--follow", action="store_true", help="keep printing until the fork ends")
     by_id("inspect", "Print a fork's bootstrap record and launch options.")
-    changes = by_id("changes", "Print a snapshot fork's changes as a patch `git apply` accepts (binary files too).")
-    changes.add_argument("--stat", action="store_true", help="print the changed files and their line counts")
-    apply = by_id("apply", "Apply a snapshot fork's changes to the parent's cwd (or --dir), all or nothing.")
-    apply.add_argument("--dir", help="the folder to apply them to (default: the parent's cwd at launch)")
-    apply.add_argument("--check", action="store_true", help="only check that they apply; write nothing")
+    _workspace_commands(by_id)
     send = add(
         "send",
         "Give a fork a message: continue a succeeded fork, or reach a running or parked one before its next call.",
@@ -139,6 +135,15 @@ def build_parser() -> Parser:
     )
     _process_commands(add)
     return parser
+
+
+def _workspace_commands(by_id: Callable[..., Parser]) -> None:
+    """`forkq changes` and `forkq apply`: a snapshot fork's changes, read or applied."""
+    changes = by_id("changes", "Print a snapshot fork's changes as a patch `git apply` accepts (binary files too).")
+    changes.add_argument("--stat", action="store_true", help="print the changed files and their line counts")
+    apply = by_id("apply", "Apply a snapshot fork's changes to the parent's cwd (or --dir), all or nothing.")
+    apply.add_argument("--dir", help="the folder to apply them to (default: the parent's cwd at launch)")
+    apply.add_argument("--check", action="store_true", help="only check that they apply; write nothing")
 
 
 def _launch_arguments(launch: Parser) -> None:

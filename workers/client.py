@@ -278,10 +278,9 @@ class ForkClient:
             persona: a system prompt replacing the child's (regular subagents, completed-turn forks).
             tool_filter: the tools the child keeps (regular subagents, completed-turn forks).
             max_depth: the deepest nesting below this launch, at most FORKQ_MAX_SUBAGENT_DEPTH.
-            workspace: `snapshot` (default, FORKQ_WORKSPACE): the fork gets its own copy of the parent's cwd,
-                stored in Redis, and hands its changes back (`changes`, `apply`); `shared`: its tools act on cwd.
-            manifest: a workspace uploaded through `forkq serve` (its manifest's digest) instead of reading cwd.
-            network: False cuts a snapshot fork's tools off the network.
+            workspace, manifest, network: the fork's files (docs/workspaces.md): `snapshot` (FORKQ_WORKSPACE's
+                default), its own copy of cwd (or of the uploaded `manifest`), `network=False` cutting its
+                commands off; `shared`, its tools act on cwd in place.
 
         Raises:
             InvalidAgentParams: the Agent call's parameters break the contract, or the launch
@@ -294,19 +293,10 @@ class ForkClient:
         # an AgentParams passed the contract when it was built: it is not checked again
         agent = params if isinstance(params, AgentParams) else validate_agent_params(params)
         options = LaunchOptions(
-            fork_id=fork_id,
-            seed_mode=seed_mode,
-            persona=persona,
-            tool_filter=tool_filter,
-            max_depth=max_depth,
-            approval_policy=approval_policy,
-            output_schema=output_schema,
-            max_wall_s=max_wall_s,
-            max_turns=max_turns,
-            workspace=workspace,
-            workspace_manifest=manifest,
-            network=network,
-        )
+            fork_id=fork_id, seed_mode=seed_mode, persona=persona, tool_filter=tool_filter, max_depth=max_depth,
+            approval_policy=approval_policy, output_schema=output_schema, max_wall_s=max_wall_s, max_turns=max_turns,
+            workspace=workspace, workspace_manifest=manifest, network=network,
+        )  # fmt: skip
         snapshot = parent if isinstance(parent, ParentSnapshot) else parse_parent_snapshot(dict(parent))
         # one parsed here from a dict cannot be passed again: keep nothing of it
         return self.launch_checked(snapshot, agent, options, keep=snapshot is parent)
