@@ -393,8 +393,9 @@ PARKING = [
 
 
 def parked_fork(http: httpx.Client, parent: dict[str, Any], work: Path) -> str:
-    """A fork parked on a file edit (approval mode default, approval policy park)."""
-    fork_id = launch(http, {**parent, "cwd": str(work), "approval_mode": "default"}, approval_policy="park")
+    """A fork parked on a file edit (approval mode default, approval policy park), acting on `work` in place."""
+    parked = {**parent, "cwd": str(work), "approval_mode": "default"}
+    fork_id = launch(http, parked, approval_policy="park", workspace="shared")
     wait_status(http, fork_id, "awaiting_approval")
     return fork_id
 

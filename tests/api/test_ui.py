@@ -120,8 +120,9 @@ def steps_shown(page: Page) -> list[str]:
 
 
 def park(http: httpx.Client, parent: dict[str, Any], work: Path) -> str:
-    """A fork parked on a file edit (approval mode default, approval policy park)."""
-    fork_id = launch(http, {**parent, "cwd": str(work), "approval_mode": "default"}, approval_policy="park")
+    """A fork parked on a file edit (approval mode default, approval policy park), acting on `work` in place."""
+    parked = {**parent, "cwd": str(work), "approval_mode": "default"}
+    fork_id = launch(http, parked, approval_policy="park", workspace="shared")
     wait_status(http, fork_id, "awaiting_approval")
     return fork_id
 
@@ -230,7 +231,7 @@ def test_the_page_follows_a_fork_from_queued_to_succeeded_with_its_transcript_an
     page, api = web.page, web.api
     # Given a fork launched with no worker running (it stays queued), whose model reads a file, then answers
     (work / "notes.txt").write_text("the limit is 10 per second\n", encoding="utf-8")
-    fork_id = launch(http, {**parent, "cwd": str(work)})
+    fork_id = launch(http, {**parent, "cwd": str(work)}, workspace="shared")
     sign_in(page, api, session=parent["session_id"])
     row = open_fork(page, fork_id)
     expect(row.locator(".status")).to_have_text("queued")

@@ -223,9 +223,13 @@ def test_a_launch_names_an_uploaded_manifest_and_one_naming_an_unknown_manifest_
 
 
 BAD_OPTIONS = {  # (options, the field named, words of the message)
-    "mode": ({"workspace": "copy"}, "workspace", 'is not "snapshot"'),
-    "digest": ({"workspace_manifest": "abc"}, "workspace_manifest", "is not a manifest's digest"),
-    "network": ({"network": "no"}, "network", "is not true or false"),
+    "mode": ({"workspace": "copy"}, "workspace", "must be `snapshot`"),
+    "digest": (
+        {"workspace_manifest": "abc"},
+        "workspace_manifest",
+        "must be the digest an upload of the workspace answered",
+    ),
+    "network": ({"network": "no"}, "network", "must be true or false"),
     "shared-with-manifest": (
         {"workspace": "shared", "workspace_manifest": "0" * 64},
         "workspace_manifest",
