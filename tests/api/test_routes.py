@@ -582,6 +582,9 @@ def test_the_openapi_document_is_valid_and_names_every_endpoint_and_the_bearer_s
         "/v1/forks/{fork_id}/messages",
         "/v1/agents",
         "/v1/providers",
+        "/v1/workspaces",
+        "/v1/workspaces/blobs/{digest}",
+        "/v1/forks/{fork_id}/changes",
         "/healthz",
     }
     assert document["components"]["securitySchemes"]["HTTPBearer"] == {

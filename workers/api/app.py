@@ -24,6 +24,7 @@ from workers.api.problems import install_error_handlers
 from workers.api.routes import Services, fork_router
 from workers.api.sse import document_events
 from workers.api.ui import UI_PATHS, ui_router
+from workers.api.workspaces import Workspaces
 from workers.base.keys import Keys
 from workers.cli_args import package_version
 from workers.client import ForkClient
@@ -89,11 +90,13 @@ def _lifespan(settings: Settings) -> Callable[[FastAPI], AbstractAsyncContextMan
             socket_timeout=settings.api_keepalive_s + READ_MARGIN_S,
         )
         idempotency = IdempotencyKeys(client.redis, keys, ttl_s=settings.api_idempotency_ttl_s)
+        workspaces = Workspaces(client.redis, keys, settings)
         app.state.services = Services(
             settings=settings,
             client=client,
             reader=AsyncForkReader(followers, keys),
-            launcher=Launcher(client, idempotency),
+            launcher=Launcher(client, idempotency, workspaces),
+            workspaces=workspaces,
         )
         try:
             yield

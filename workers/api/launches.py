@@ -15,11 +15,11 @@ from dataclasses import dataclass
 from typing import Final
 
 from workers.api.idempotency import Claim, IdempotencyKeys
-from workers.api.models import LaunchRequest
+from workers.api.models import LaunchOptions, LaunchRequest
+from workers.api.workspaces import Workspaces, workspace_scope
 from workers.client import ForkClient, new_fork_id
 from workers.errors import ForkNotFound, IdempotencyConflict
 from workers.records.fork import Status
-from workers.subagents.launch import LaunchOptions
 
 IN_FLIGHT_WAIT_S: Final = 10.0  # how long a repeat waits for the first launch with its key to write its fork
 IN_FLIGHT_POLL_S: Final = 0.05
@@ -42,19 +42,22 @@ def key_digest(token_id: str, key: str) -> str:
 class Launcher:
     """Launches forks for the API: `ForkClient.launch` with the request's options, optionally once per key."""
 
-    def __init__(self, client: ForkClient, keys: IdempotencyKeys) -> None:
+    def __init__(self, client: ForkClient, keys: IdempotencyKeys, workspaces: Workspaces) -> None:
         self.client = client
         self.keys = keys
+        self.workspaces = workspaces
 
     def launch(self, body: LaunchRequest, *, key: str | None = None, token_id: str = "") -> Outcome:
         """Launch the fork the request describes, or, for a key seen before with the same body, find it.
 
         Raises:
             InvalidAgentParams, InvalidParentSnapshot: as `ForkClient.launch` (nothing is written).
+            WorkspaceError: the workspace options do not fit, or name a manifest the caller's scope does not hold.
             IdempotencyConflict: the key was used with another body, or its first launch is still under way.
         """
+        scope = workspace_scope(token_id)
         if key is None:
-            return self._launch(body, body.options)
+            return self._launch(body, body.options, scope)
         digest = key_digest(token_id, key)
         claim = Claim(body=body.digest, fork_id=body.options.fork_id or new_fork_id())
         deadline = time.monotonic() + IN_FLIGHT_WAIT_S
@@ -62,7 +65,7 @@ class Launcher:
             held = self.keys.claim(digest, claim)
             if held is None:  # ours: launch, and give the key up if the launch is refused
                 try:
-                    return self._launch(body, body.options.model_copy(update={"fork_id": claim.fork_id}))
+                    return self._launch(body, body.options.model_copy(update={"fork_id": claim.fork_id}), scope)
                 except BaseException:
                     self.keys.release(digest, claim)
                     raise
@@ -82,7 +85,16 @@ class Launcher:
             field="Idempotency-Key",
         )
 
-    def _launch(self, body: LaunchRequest, options: LaunchOptions) -> Outcome:
+    def _launch(self, body: LaunchRequest, options: LaunchOptions, scope: str) -> Outcome:
+        ws = self.workspaces.for_launch(scope, options.workspace, options.workspace_manifest, options.network)
         # the snapshot came with this request alone: nothing of it is kept for sibling launches
-        handle = self.client.launch_checked(body.parent, body.agent, options, keep=False)
+        handle = self.client.launch_checked(
+            body.parent,
+            body.agent,
+            options,
+            keep=False,
+            workspace=ws.workspace,
+            manifest=ws.manifest,
+            network=ws.network,
+        )
         return Outcome(handle.fork_id, self.client.status(handle.fork_id).status, created=True)

@@ -20,14 +20,19 @@ from pydantic import (
     PrivateAttr,
     model_validator,
 )
+from pydantic.json_schema import SkipJsonSchema
 
+from workers.errors import WorkspaceError
 from workers.history.params import AgentParams, validate_agent_params
 from workers.history.snapshot import ParentSnapshot, parse_parent_snapshot
 from workers.records.fork import Status, Usage
 from workers.store.replies import Decision, SendReply
-from workers.subagents.launch import LaunchOptions
+from workers.subagents import launch
+from workers.workspace.manifest import Entry, is_digest
 
 MAX_WAIT_S: Final = 60.0  # a long poll holds a connection, never a thread; under proxies' usual idle timeouts
+DIGEST_PATTERN: Final = "^[0-9a-f]{64}$"
+WORKSPACE_OPTIONS: Final = ("workspace", "workspace_manifest", "network")  # the API's options beyond LaunchOptions
 
 
 def _agent_call(value: object) -> object:
@@ -38,6 +43,58 @@ def _agent_call(value: object) -> object:
 def _parent_snapshot(value: object) -> object:
     """A parent snapshot checked as `forkq launch --parent` checks its file; anything else to pydantic."""
     return parse_parent_snapshot(value) if isinstance(value, dict) else value
+
+
+def _manifest_digest(value: object) -> object:
+    """A manifest's digest as a launch names it (64 lowercase hex digits), or None."""
+    if value is not None and not is_digest(value):
+        raise WorkspaceError(
+            f"workspace_manifest {str(value)[:80]!r} is not a manifest's digest (64 lowercase hex digits); pass the "
+            "`manifest` POST /v1/workspaces answered",
+            field="workspace_manifest",
+        )
+    return value
+
+
+def _workspace_mode(value: object) -> object:
+    if value is not None and value not in ("snapshot", "shared"):
+        raise WorkspaceError(
+            f'workspace {str(value)[:80]!r} is not "snapshot" (the fork works on its own copy) or "shared" (in '
+            "the parent's cwd, in place); pass one of them, or leave it out for the server's default",
+            field="workspace",
+        )
+    return value
+
+
+def _network(value: object) -> object:
+    if value is not None and not isinstance(value, bool):
+        raise WorkspaceError(
+            f"network {str(value)[:80]!r} is not true or false; pass false to cut the fork's commands off the "
+            "network, or leave it out",
+            field="network",
+        )
+    return value
+
+
+class LaunchOptions(launch.LaunchOptions):
+    """A launch's options over HTTP: `ForkClient.launch`'s, and the workspace's (an uploaded manifest's digest).
+
+    The same name as the Python API's model, whose options it extends: clients' types keep their name.
+    """
+
+    workspace: Annotated[Literal["snapshot", "shared"] | SkipJsonSchema[None], BeforeValidator(_workspace_mode)] = (
+        Field(
+            None,
+            description="`snapshot`: the fork works on its own copy of `workspace_manifest` (an empty tree without "
+            "one); `shared`: in the parent's cwd, in place. Default: the server's FORKQ_WORKSPACE.",
+        )
+    )
+    workspace_manifest: Annotated[
+        Annotated[str, Field(pattern=DIGEST_PATTERN)] | SkipJsonSchema[None], BeforeValidator(_manifest_digest)
+    ] = Field(None, description="The digest of a manifest uploaded with POST /v1/workspaces (a snapshot's files).")
+    network: Annotated[bool | SkipJsonSchema[None], BeforeValidator(_network)] = Field(
+        None, description="`false`: the fork's commands have no network (default: `true`)."
+    )
 
 
 class LaunchRequest(BaseModel):
@@ -91,12 +148,10 @@ def body_digest(data: Mapping[str, Any]) -> str:
     earlier server matches a request sent again to this one; and no parsed snapshot is dumped to compute it.
     """
     options = data.get("options") or {}
-    canonical = {
-        "schema_version": 1,
-        "parent": data["parent"],
-        "agent": data["agent"],
-        "options": {name: options.get(name) for name in LaunchOptions.model_fields},
-    }
+    named = {name: options.get(name) for name in launch.LaunchOptions.model_fields}
+    # the workspace's options only when given: a body without them has the digest it had before they existed
+    named |= {name: options[name] for name in WORKSPACE_OPTIONS if options.get(name) is not None}
+    canonical = {"schema_version": 1, "parent": data["parent"], "agent": data["agent"], "options": named}
     text = json.dumps(canonical, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
@@ -203,3 +258,57 @@ class Listing(BaseModel):
     """A list of subagent definitions or providers, as `forkq agents --json` / `forkq providers --json` print it."""
 
     items: list[dict[str, Any]]
+
+
+def _entries(value: object) -> object:
+    """A manifest's entries, each checked as the manifest module checks it (`field`: `entries[i].<field>`)."""
+    if not isinstance(value, list):
+        return value  # pydantic's own message: a list is expected
+    parsed = []
+    for index, raw in enumerate(value):
+        try:
+            parsed.append(Entry.parse(raw))
+        except WorkspaceError as exc:
+            field = f"entries[{index}]" + (f".{exc.field}" if exc.field else "")
+            raise WorkspaceError(f"entries[{index}]: {exc.message}", field=field) from exc
+    return parsed
+
+
+class WorkspaceOffer(BaseModel):
+    """`POST /v1/workspaces`: a tree's manifest, every file by path, mode, size and the SHA-256 of its bytes."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    schema_version: Literal[1] = 1
+    entries: Annotated[list[Entry], BeforeValidator(_entries)] = Field(
+        description="The files: `path` (relative, `/`-separated), `mode` (33188 a file, 33261 an executable, 40960 "
+        "a symlink, whose bytes are its target), `size` (bytes) and `digest` (SHA-256 of the bytes, lowercase hex)."
+    )
+
+
+class WorkspaceOffered(BaseModel):
+    """The manifest's digest, and the blobs the server lacks: upload them, then offer again; none: it is stored."""
+
+    manifest: str = Field(description="The manifest's digest: the launch option `workspace_manifest`.")
+    missing: list[str] = Field(description="The digests of the blobs to upload (PUT /v1/workspaces/blobs/{digest}).")
+
+
+class ChangedFile(BaseModel):
+    """One file a fork changed: its path, how (added, modified, deleted, ...), and its lines added and removed."""
+
+    path: str
+    status: str
+    added: int
+    removed: int
+    binary: bool
+
+
+class ChangesBody(BaseModel):
+    """A fork's changes to its workspace: the files, and the patch `git apply` takes (null with `stat`)."""
+
+    fork_id: str
+    files: list[ChangedFile]
+    patch: str | None = Field(
+        description="The git patch (binary files as git binary patches); bytes that are not UTF-8 are replaced: "
+        "ask for text/x-diff for the exact bytes. Null with `stat`."
+    )

@@ -21,7 +21,9 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 from starlette.types import Send
 
+from workers.api.models import LaunchOptions
 from workers.errors import (
+    ApplyConflict,
     ForkNotEnded,
     ForkNotFound,
     ForkNotPaused,
@@ -35,8 +37,9 @@ from workers.errors import (
     MessageRefused,
     RecordExistsError,
     RequestRefused,
+    SandboxUnavailable,
+    WorkspaceError,
 )
-from workers.subagents.launch import LaunchOptions
 
 log = logging.getLogger("forkq.api")
 LAUNCH_OPTIONS: Final = tuple(LaunchOptions.model_fields)
@@ -53,6 +56,9 @@ STATUS_OF: Final[Sequence[tuple[type[ForkqError], int]]] = (
     (MessageRefused, 409),  # an ended fork, a full inbox; an empty or oversized message is 422 (its field)
     (IdempotencyConflict, 409),
     (RecordExistsError, 409),  # a fork id chosen by the caller that another launch took
+    (SandboxUnavailable, 503),  # no worker can confine a snapshot fork's tools: the operator's to fix
+    (ApplyConflict, 409),
+    (WorkspaceError, 422),  # a manifest, blob or workspace option the request got wrong
 )
 
 

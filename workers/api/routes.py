@@ -13,14 +13,18 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Final, cast
 
 from fastapi import APIRouter, Depends, Header, Path, Query, Request, Security
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.security import HTTPBearer
 
 from broker_config.settings import Settings
 from workers.api.launches import Launcher
 from workers.api.models import (
+    DIGEST_PATTERN,
     MAX_WAIT_S,
     Cancelled,
+    ChangedFile,
+    ChangesBody,
     Decided,
     DecisionRequest,
     Health,
@@ -33,10 +37,13 @@ from workers.api.models import (
     ResultBody,
     SessionFork,
     SessionForks,
+    WorkspaceOffer,
+    WorkspaceOffered,
 )
 from workers.api.problems import ErrorBody
 from workers.api.sse import DESCRIBED, EVENT_ID_PATTERN, event_stream
 from workers.api.transcript import Transcript, build_transcript
+from workers.api.workspaces import Workspaces, workspace_scope
 from workers.base.keys import FORK_ID_RE, SESSION_RE
 from workers.client import ForkClient
 from workers.errors import ForkNotEnded
@@ -62,6 +69,7 @@ class Services:
     client: ForkClient
     reader: AsyncForkReader
     launcher: Launcher
+    workspaces: Workspaces
 
 
 async def services(request: Request) -> Services:
@@ -71,6 +79,8 @@ async def services(request: Request) -> Services:
 
 Svc = Annotated[Services, Depends(services)]
 ForkId = Annotated[str, Path(pattern=FORK_ID_PATTERN, description="A fork id, as the launch returned it.")]
+Digest = Annotated[str, Path(pattern=DIGEST_PATTERN, description="The SHA-256 of the blob's bytes, lowercase hex.")]
+DIFF_MEDIA: Final = "text/x-diff"
 
 
 Responses = dict[int | str, dict[str, Any]]
@@ -204,6 +214,47 @@ def send_message(fork_id: ForkId, body: MessageRequest, svc: Svc) -> MessageSent
     return MessageSent(fork_id=sent.fork_id, outcome=sent.outcome, waiting=sent.waiting)
 
 
+def _scope(request: Request) -> str:
+    """The workspace scope of the request's caller."""
+    return workspace_scope(str(getattr(request.state, "token_id", "")))
+
+
+def offer_workspace(body: WorkspaceOffer, request: Request, svc: Svc) -> WorkspaceOffered:
+    """Offer a tree's manifest: its digest, and the blobs the server lacks (upload them, then offer again);
+    once none is missing, the manifest is stored and a launch may name it."""
+    offered = svc.workspaces.offer(_scope(request), body.entries)
+    return WorkspaceOffered(manifest=offered.manifest, missing=offered.missing)
+
+
+async def upload_blob(digest: Digest, request: Request, svc: Svc) -> Response:
+    """Upload one file's bytes (the raw body), checked against its digest: 204 once stored."""
+    data = await request.body()  # read whole and bounded by `BodyLimit`
+    await run_in_threadpool(svc.workspaces.upload, _scope(request), digest, data)
+    return Response(status_code=204)
+
+
+async def fork_changes(
+    fork_id: ForkId,
+    request: Request,
+    svc: Svc,
+    stat: Annotated[bool, Query(description="Only the changed files (JSON), no patch.")] = False,
+) -> Response:
+    """The fork's changes to its workspace: a git patch (text/x-diff, binary files included), or, with `stat` or
+    `Accept: application/json`, the changed files (and the patch) as JSON."""
+    await svc.reader.state(fork_id)  # 404 for a fork that does not exist
+    changes = await run_in_threadpool(svc.client.changes, fork_id)
+    patch: bytes = changes.patch
+    accept = request.headers.get("accept", "")
+    if not stat and ("application/json" not in accept or DIFF_MEDIA in accept):
+        return Response(patch, media_type=DIFF_MEDIA)
+    files = [
+        ChangedFile(path=f.path, status=str(f.status), added=f.added, removed=f.removed, binary=f.binary)
+        for f in changes.files
+    ]
+    text = None if stat else patch.decode("utf-8", errors="replace")
+    return JSONResponse(ChangesBody(fork_id=fork_id, files=files, patch=text).model_dump(mode="json"))
+
+
 def list_agents(svc: Svc) -> Listing:
     """The subagent definitions a launch can name (`forkq agents --json`)."""
     return Listing(items=svc.client.agents())
@@ -241,6 +292,7 @@ def fork_router(*, secured: bool) -> APIRouter:
     )
     _add_read_routes(v1)
     _add_write_routes(v1)
+    _add_workspace_routes(v1)
     v1.add_api_route("/agents", list_agents, methods=["GET"])
     v1.add_api_route("/providers", list_providers, methods=["GET"])
     router.include_router(v1)
@@ -297,4 +349,46 @@ def _add_write_routes(v1: APIRouter) -> None:
         methods=["POST"],
         status_code=202,
         responses=_errors(404, 409, *BODY_ERRORS),
+    )
+
+
+def _add_workspace_routes(v1: APIRouter) -> None:
+    """The endpoints of uploaded workspaces (a manifest, its blobs) and of a fork's changes."""
+    v1.add_api_route(
+        "/workspaces",
+        offer_workspace,
+        methods=["POST"],
+        response_model=WorkspaceOffered,
+        responses=_errors(*BODY_ERRORS),
+    )
+    v1.add_api_route(
+        "/workspaces/blobs/{digest}",
+        upload_blob,
+        methods=["PUT"],
+        status_code=204,
+        response_class=Response,
+        responses=_errors(*BODY_ERRORS),
+        openapi_extra={
+            "requestBody": {
+                "required": True,
+                "description": "The file's exact bytes (a symlink's: its target).",
+                "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
+            }
+        },
+    )
+    v1.add_api_route(
+        "/forks/{fork_id}/changes",
+        fork_changes,
+        methods=["GET"],
+        response_class=Response,
+        responses=_errors(
+            404,
+            other={
+                200: {
+                    "model": ChangesBody,
+                    "description": "The git patch (text/x-diff), or the files and patch as JSON",
+                    "content": {DIFF_MEDIA: {"schema": {"type": "string"}}},
+                }
+            },
+        ),
     )

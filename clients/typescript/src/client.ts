@@ -1,6 +1,7 @@
 import { ForkqApiError, boundedText, describe, errorOf } from "./errors.js";
 import type {
   Cancelled,
+  ChangesBody,
   Decided,
   ForkState,
   Health,
@@ -12,8 +13,10 @@ import type {
   ResultBody,
   SessionForks,
   Transcript,
+  WorkspaceOffered,
 } from "./schema.js";
 import { readEvents, type ForkEvent } from "./events.js";
+import { blobOf, mapBounded, workspaceFiles } from "./workspace.js";
 
 /** How to reach `forkq serve`. */
 export interface ClientOptions {
@@ -50,6 +53,25 @@ export interface EventsOptions {
   reconnectDelayMs?: number;
 }
 
+/** Options of `uploadWorkspace`. */
+export interface UploadOptions extends CallOptions {
+  /** Blobs uploaded at once (default 8). */
+  concurrency?: number;
+}
+
+/** What `uploadWorkspace` did: the manifest's digest (the launch option `workspace_manifest`), and the files it
+ * sent (0 when the server had them all). */
+export interface UploadedWorkspace {
+  manifest: string;
+  uploaded: number;
+}
+
+/** A launch: the request's body, and, with `workspaceDir`, a folder uploaded first as its workspace. */
+export type LaunchInput = LaunchRequest & {
+  /** A folder (the parent's cwd) to upload as the fork's snapshot workspace before the launch (Node.js). */
+  workspaceDir?: string;
+};
+
 /** What `result` answered: the result of an ended fork, or the state of one that has not ended (yet). */
 export type ResultOutcome = { ended: true; result: ResultBody } | { ended: false; state: ForkState };
 
@@ -59,12 +81,18 @@ const MAX_WAIT_S = 60;
 
 interface ApiRequest {
   what: string;
-  method: "GET" | "POST";
+  method: "GET" | "POST" | "PUT";
   path: string;
   body?: unknown;
+  /** Bytes sent as they are (application/octet-stream), instead of `body` as JSON. */
+  raw?: Uint8Array<ArrayBuffer>;
   headers?: Record<string, string>;
   waitMs?: number;
+  /** Read the answer as text (not JSON). */
+  text?: boolean;
 }
+
+const DEFAULT_UPLOADS = 8;
 
 /** A client of forkq's HTTP API (docs/api.md): every method is one request, `events` a resumable stream. */
 export class ForkqClient {
@@ -91,11 +119,61 @@ export class ForkqClient {
     this.fetchImpl = options.fetch ?? globalThis.fetch.bind(globalThis);
   }
 
-  /** Launch a fork (`POST /v1/forks`); with `idempotencyKey`, at most once per key. */
-  async launch(request: LaunchRequest, options: CallOptions & { idempotencyKey?: string } = {}): Promise<Launched> {
+  /** Launch a fork (`POST /v1/forks`); with `idempotencyKey`, at most once per key. With `workspaceDir`, the folder
+   * is uploaded first (`uploadWorkspace`) and the fork works on that snapshot (`options.workspace_manifest`). */
+  async launch(input: LaunchInput, options: CallOptions & { idempotencyKey?: string } = {}): Promise<Launched> {
+    const { workspaceDir, ...request } = input;
+    if (workspaceDir !== undefined) {
+      const { manifest } = await this.uploadWorkspace(workspaceDir, options);
+      request.options = { ...request.options, workspace: "snapshot", workspace_manifest: manifest };
+    }
     const headers: Record<string, string> = options.idempotencyKey ? { "Idempotency-Key": options.idempotencyKey } : {};
     const req = { what: "launch", method: "POST", path: "/v1/forks", body: request, headers } as const;
     return (await this.call<Launched>(req, options)).body;
+  }
+
+  /** Upload a folder as a workspace (Node.js): its manifest, then only the files the server lacks, then the
+   * manifest again, which the server then stores. A second upload of the same tree sends no file. */
+  async uploadWorkspace(dir: string, options: UploadOptions = {}): Promise<UploadedWorkspace> {
+    const files = await workspaceFiles(dir);
+    const body = { entries: files.map(({ path, mode, size, digest }) => ({ path, mode, size, digest })) };
+    const offer = { what: `workspace of ${dir}`, method: "POST", path: "/v1/workspaces", body } as const;
+    const first = (await this.call<WorkspaceOffered>(offer, options)).body;
+    if (first.missing.length === 0) return { manifest: first.manifest, uploaded: 0 };
+    const byDigest = new Map(files.map((file) => [file.digest, file]));
+    const missing = first.missing.map((digest) => byDigest.get(digest)).filter((file) => file !== undefined);
+    await mapBounded(missing, options.concurrency ?? DEFAULT_UPLOADS, async (file) => {
+      const raw = await blobOf(file);
+      const path = `/v1/workspaces/blobs/${file.digest}`;
+      await this.call<void>({ what: `upload of ${file.path}`, method: "PUT", path, raw }, options);
+    });
+    const stored = (await this.call<WorkspaceOffered>(offer, options)).body;
+    if (stored.missing.length > 0) {
+      throw new ForkqApiError(
+        0,
+        `workspace of ${dir}: the server still lacks ${stored.missing.length} files after the upload; upload again`,
+        "workspaceDir",
+      );
+    }
+    return { manifest: stored.manifest, uploaded: missing.length };
+  }
+
+  /** The fork's changes to its workspace: the changed files and the git patch (`stat`: the files only). */
+  async changes(forkId: string, options: CallOptions & { stat?: boolean } = {}): Promise<ChangesBody> {
+    const path = `${forkPath(forkId)}/changes${options.stat ? "?stat=1" : ""}`;
+    return (await this.call<ChangesBody>({ what: `changes of fork ${forkId}`, method: "GET", path }, options)).body;
+  }
+
+  /** The fork's changes as a git patch (`git apply` takes it), as text. */
+  async patch(forkId: string, options: CallOptions = {}): Promise<string> {
+    const req = {
+      what: `patch of fork ${forkId}`,
+      method: "GET",
+      path: `${forkPath(forkId)}/changes`,
+      headers: { Accept: "text/x-diff" },
+      text: true,
+    } as const;
+    return (await this.call<string>(req, options)).body;
   }
 
   /** The fork's state (`GET /v1/forks/{id}`). */
@@ -245,17 +323,20 @@ export class ForkqClient {
     const { signal, release } = either(options.signal, timeout);
     const headers: Record<string, string> = { Accept: "application/json", ...this.authHeaders(), ...req.headers };
     if (req.body !== undefined) headers["Content-Type"] = "application/json";
+    if (req.raw !== undefined) headers["Content-Type"] = "application/octet-stream";
+    const payload = req.raw ?? (req.body === undefined ? undefined : JSON.stringify(req.body));
     try {
       const response = await this.fetchImpl(`${this.baseUrl}${req.path}`, {
         method: req.method,
         headers,
         signal,
-        ...(req.body === undefined ? {} : { body: JSON.stringify(req.body) }),
+        ...(payload === undefined ? {} : { body: payload }),
       });
       if (!response.ok && !accept.includes(response.status)) {
         throw errorOf(response.status, req.what, await boundedText(response));
       }
-      return { status: response.status, body: (await response.json()) as T };
+      if (response.status === 204) return { status: 204, body: undefined as T };
+      return { status: response.status, body: (req.text ? await response.text() : await response.json()) as T };
     } catch (error) {
       if (error instanceof ForkqApiError) throw error;
       if (options.signal?.aborted) throw options.signal.reason;

@@ -57,6 +57,22 @@ export interface Cancelled {
   status: Status;
 }
 
+/** One file a fork changed: its path, how (added, modified, deleted, ...), and its lines added and removed. */
+export interface ChangedFile {
+  path: string;
+  status: string;
+  added: number;
+  removed: number;
+  binary: boolean;
+}
+
+/** A fork's changes to its workspace: the files, and the patch `git apply` takes (null with `stat`). */
+export interface ChangesBody {
+  fork_id: string;
+  files: ChangedFile[];
+  patch: string | null;
+}
+
 /** One message of a conversation: a role and its parts. */
 export interface Content {
   role: "user" | "model";
@@ -94,6 +110,14 @@ export interface DeniedEvent {
   id: string;
   type: "denied";
   data: DecisionData;
+}
+
+/** One file of a workspace: its path, mode, size in bytes and the digest of its blob. */
+export interface Entry {
+  path: string;
+  mode: Mode;
+  size: number;
+  digest: string;
 }
 
 /** The body of every error response. */
@@ -183,7 +207,7 @@ export interface Health {
   redis_fit: boolean;
 }
 
-/** A launch's options beyond the Agent call; one left out (or None) takes its default. */
+/** A launch's options over HTTP: `ForkClient.launch`'s, and the workspace's (an uploaded manifest's digest). */
 export interface LaunchOptions {
   fork_id?: string;
   seed_mode?: "fork_turns" | "completed_turns";
@@ -194,6 +218,9 @@ export interface LaunchOptions {
   output_schema?: Record<string, unknown>;
   max_wall_s?: number;
   max_turns?: number;
+  workspace?: "snapshot" | "shared";
+  workspace_manifest?: string;
+  network?: boolean;
 }
 
 /** `POST /v1/forks`: the Agent tool call's arguments, the launch options, and the parent snapshot. */
@@ -243,6 +270,9 @@ export interface MessageSent {
   outcome: "continued" | "queued";
   waiting: number;
 }
+
+/** A manifest entry's mode, as git writes it. */
+export type Mode = 33188 | 33261 | 40960;
 
 /** A model call is about to be made: its 1-based step and the digest of its request. */
 export interface ModelCallData {
@@ -493,4 +523,16 @@ export interface Usage {
 export interface WaitingCall {
   call_id: string;
   name: string;
+}
+
+/** `POST /v1/workspaces`: a tree's manifest, every file by path, mode, size and the SHA-256 of its bytes. */
+export interface WorkspaceOffer {
+  schema_version?: 1;
+  entries: Entry[];
+}
+
+/** The manifest's digest, and the blobs the server lacks: upload them, then offer again; none: it is stored. */
+export interface WorkspaceOffered {
+  manifest: string;
+  missing: string[];
 }
