@@ -115,7 +115,6 @@ def build_parser() -> Parser:
     by_id("inspect", "Print a fork's bootstrap record and launch options.")
     changes = by_id("changes", "Print a snapshot fork's changes as a patch `git apply` accepts (binary files too).")
     changes.add_argument("--stat", action="store_true", help="print the changed files and their line counts")
-    changes.add_argument("--json", action="store_true", help="print JSON: the files and the patch")
     apply = by_id("apply", "Apply a snapshot fork's changes to the parent's cwd (or --dir), all or nothing.")
     apply.add_argument("--dir", help="the folder to apply them to (default: the parent's cwd at launch)")
     apply.add_argument("--check", action="store_true", help="only check that they apply; write nothing")
