@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, Strict
 
 from workers.base.keys import HEX_DIGEST_RE
 
@@ -21,7 +22,7 @@ class WorkspaceRef(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    mode: WorkspaceMode
+    mode: Annotated[WorkspaceMode, Strict(False)]  # records are validated strictly: a stored word reads as its enum
     # snapshot: the digest of the base manifest (its blobs are in `scope`); None for an empty workspace
     manifest: str | None = Field(None, pattern=HEX_DIGEST_RE.pattern)
     scope: str = "default"  # whose blobs: the tenant's
