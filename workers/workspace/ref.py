@@ -5,7 +5,7 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, Strict
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from workers.base.keys import HEX_DIGEST_RE
 
@@ -22,7 +22,8 @@ class WorkspaceRef(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    mode: Annotated[WorkspaceMode, Strict(False)]  # records are validated strictly: a stored word reads as its enum
+    # records are validated strictly: the stored word is made its enum first
+    mode: Annotated[WorkspaceMode, BeforeValidator(WorkspaceMode)]
     # snapshot: the digest of the base manifest (its blobs are in `scope`); None for an empty workspace
     manifest: str | None = Field(None, pattern=HEX_DIGEST_RE.pattern)
     scope: str = "default"  # whose blobs: the tenant's
