@@ -69,6 +69,8 @@ class ForkqWorkerStep(bootsteps.StartStopStep):
         for warning in health.warnings:
             log.warning("%s", warning)
         problems = provider_problems(self.runtime.settings) + health.problems
+        # `forkq worker` refused to start already where commands cannot be sandboxed with FORKQ_SANDBOX=on
+        self.runtime.metrics.sandbox_enabled.set(self.runtime.settings.sandbox == "on")
         if problems:
             raise ConfigurationError("worker refuses to start: " + "; ".join(problems))
         self.metrics_server = _serve_worker_metrics(self.runtime, parent.pool_cls)

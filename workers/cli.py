@@ -436,9 +436,11 @@ def cmd_worker(args: argparse.Namespace) -> int:
     require_extra("worker", "forkq worker")
     from workers.app import make_app
     from workers.providers.routing import provider_problems
+    from workers.workspace.sandbox import sandbox_problems
 
     settings = _settings()
-    problems = provider_problems(settings)  # before Redis: naming no provider is the first thing to fix
+    # before Redis: naming no provider, or a machine that cannot sandbox commands, is the first thing to fix
+    problems = provider_problems(settings) + sandbox_problems(settings.sandbox)
     health = check_redis(settings)
     if problems or (health.problems and health.reachable):  # settings to fix: exit 2
         raise ConfigurationError("worker refuses to start: " + "; ".join(problems + health.problems))
@@ -493,12 +495,14 @@ def cmd_check(args: argparse.Namespace) -> int:
 
         stale = heartbeat_problem(settings.heartbeat_file, settings.heartbeat_s)
         health.problems += [stale] if stale else []
+        sandbox = _sandbox_status(settings.sandbox, health.problems)
     if args.json:
         report = {
             "ok": not health.problems,
             "redis": redact_url(settings.redis_url),
             "queue": settings.queue,
             "worker_heartbeat": str(settings.heartbeat_file) if args.worker else None,
+            "sandbox": sandbox if args.worker else None,
             "problems": health.problems,
             "warnings": health.warnings,
         }
@@ -506,12 +510,24 @@ def cmd_check(args: argparse.Namespace) -> int:
         return EXIT_FAIL if health.problems else EXIT_OK
     for warning in health.warnings:
         print(f"forkq check: warning: {warning}", file=sys.stderr)
+    if args.worker:
+        print(f"sandbox: {sandbox}")
     for problem in health.problems:
         print(f"forkq check: {problem}", file=sys.stderr)
     if not health.problems:
         worker = f", worker heartbeat {settings.heartbeat_file}" if args.worker else ""
         print(f"forkq check: ok (redis {redact_url(settings.redis_url)}, queue {settings.queue!r}{worker})")
     return EXIT_FAIL if health.problems else EXIT_OK
+
+
+def _sandbox_status(mode: str, problems: list[str]) -> str:
+    """This host's sandbox, as `forkq check --worker` shows it; a problem is added when it is on and unusable."""
+    from workers.workspace.sandbox import probe, sandbox_problems
+
+    problems += sandbox_problems(mode)
+    if mode == "off":
+        return "off (FORKQ_SANDBOX=off: snapshot forks' commands run unconfined); " + probe().line()
+    return probe().line()
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:

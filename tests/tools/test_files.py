@@ -9,14 +9,17 @@ from __future__ import annotations
 import time
 import tracemalloc
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.tools_support import context, error, output, run, run_bounded
+from workers.history.messages import FunctionCall
 from workers.tools import files as builtin_tools
-from workers.tools.registry import ToolRegistry
+from workers.tools.registry import ToolContext, ToolRegistry
+from workers.workspace.sandbox import Confinement
 
 # ── confinement to the working directory ───────────────────────────────────────────────────────
 
@@ -241,3 +244,48 @@ def test_a_fifo_is_refused_at_once_by_the_tools_that_open_files(
     message = error(run_bounded(registry, work, fifo, tool, **FILE_CALLS[tool]))
     assert message == "'pipe' is a FIFO, not a regular file; the file tools read and write regular files only"
     assert time.monotonic() - started < 2
+
+
+# ── a snapshot fork: the parent's path leads into the workspace ───────────────────────────────────
+
+PARENT = "/home/alice/proj"  # the parent's cwd, which this machine does not have
+
+
+def confined(work: Path) -> ToolContext:
+    """The context of a snapshot fork whose workspace is `work`, seen by the parent at PARENT."""
+    tmp = work.parent / "tmp"
+    tmp.mkdir(exist_ok=True)
+    return replace(context(work), confinement=Confinement(work, PARENT, tmp))
+
+
+def test_a_write_to_the_parents_path_lands_in_the_workspace(registry: ToolRegistry, work: Path) -> None:
+    call = FunctionCall(id="c1", name="write_file", args={"path": f"{PARENT}/src/x.py", "content": "x = 1\n"})
+    output(registry.run(call, confined(work)))
+    assert (work / "src" / "x.py").read_text(encoding="utf-8") == "x = 1\n"
+
+
+@pytest.mark.parametrize(
+    ("tool", "args", "expected"),
+    [
+        ("read_file", {"path": f"{PARENT}/a.txt"}, "from the parent"),
+        ("list_directory", {"path": PARENT}, "a.txt"),
+        ("glob", {"pattern": "*.txt", "path": PARENT}, "a.txt"),
+        ("grep_search", {"pattern": "parent", "path": f"{PARENT}/a.txt"}, "a.txt:1:from the parent"),
+    ],
+)
+def test_the_parents_paths_are_read_from_the_workspace(
+    registry: ToolRegistry, work: Path, tool: str, args: dict[str, Any], expected: str
+) -> None:
+    (work / "a.txt").write_text("from the parent\n", encoding="utf-8")
+    assert expected in output(registry.run(FunctionCall(id="c1", name=tool, args=args), confined(work)))
+
+
+def test_other_absolute_paths_stay_refused_in_a_snapshot_fork(registry: ToolRegistry, work: Path) -> None:
+    outside = work.parent / "outside" / "secret.txt"
+    call = FunctionCall(id="c1", name="read_file", args={"path": str(outside)})
+    message = error(registry.run(call, confined(work)))
+    # the working directory is named as the model knows it: the parent's path
+    assert f"is outside the working directory {PARENT!r}" in message
+    # and `..` out of the parent's path leads out of the workspace: refused the same way
+    call = FunctionCall(id="c1", name="read_file", args={"path": f"{PARENT}/../outside/secret.txt"})
+    assert "is outside the working directory" in error(registry.run(call, confined(work)))

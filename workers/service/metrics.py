@@ -108,6 +108,11 @@ class Metrics:
             "forkq_lease_losses", "Runs that stopped because their lease was lost (fenced out).", registry=registry
         )
         self.forks_running = Gauge("forkq_forks_running", "Forks this process runs now.", registry=registry)
+        self.sandbox_enabled = Gauge(
+            "forkq_sandbox_enabled",
+            "1: snapshot forks' commands are sandboxed; 0: FORKQ_SANDBOX=off",
+            registry=registry,
+        )
         registry.register(AbandonedToolCalls())
         self._zero_labels()
 

@@ -1,7 +1,8 @@
 """The built-in file tools of a coding fork: read, list, write and edit files (search and shell: their own modules).
 
 Every path argument resolves against the fork's working directory and is refused when it escapes it
-(`..`, an absolute path elsewhere, a symlink pointing out). Resolving and opening are one step
+(`..`, an absolute path elsewhere, a symlink pointing out). In a snapshot fork (`ToolContext.confinement`)
+an absolute path under the parent's cwd names the same place in the fork's workspace. Resolving and opening are one step
 (`workers.tools.beneath`): a tool reads or writes the very file it resolved, even while a symlink is
 swapped in meanwhile, and creates missing parent directories one at a time from the descriptor of
 the one above. Only regular files are read or written: a FIFO, socket or device is refused after
@@ -59,13 +60,15 @@ def relative(root: RootDir, ctx: ToolContext, path: str) -> str:
         raise ToolError(f"path {path!r} cannot be resolved (a NUL byte); use a plain path inside the working directory")
     if not path.startswith("/"):
         return path
+    if ctx.confinement is not None:  # the parent's path, as the inherited history names files: the workspace's
+        path = ctx.confinement.inside(path) or path
     for prefix in (root.path, os.path.abspath(ctx.cwd)):
         if path == prefix:
             return "."
         if path.startswith(prefix.rstrip("/") + "/"):
             return path[len(prefix.rstrip("/")) + 1 :]
     # reaching the directory through a symlink elsewhere: where it resolves now (the open stays confined)
-    return resolve_inside(Path(root.path), path).relative_to(root.path).as_posix() or "."
+    return resolve_inside(Path(root.path), path, ctx.confinement).relative_to(root.path).as_posix() or "."
 
 
 def open_path(root: RootDir, ctx: ToolContext, path: str, flags: int) -> int:
@@ -83,9 +86,8 @@ def open_path(root: RootDir, ctx: ToolContext, path: str, flags: int) -> int:
         ) from exc
     except OSError as exc:
         if exc.errno == errno.EXDEV:
-            raise ToolError(
-                f"path {path!r} is outside the working directory {root.path!r}; use a path inside it"
-            ) from exc
+            where = ctx.confinement.alias if ctx.confinement is not None else root.path
+            raise ToolError(f"path {path!r} is outside the working directory {where!r}; use a path inside it") from exc
         if exc.errno == errno.ELOOP:
             raise ToolError(
                 f"path {path!r} cannot be resolved (too many levels of symbolic links); "

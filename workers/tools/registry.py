@@ -40,6 +40,7 @@ from jsonschema.validators import Draft202012Validator, validator_for
 from workers.errors import ConfigurationError, ForkqError
 from workers.history.messages import FunctionCall
 from workers.tools.threads import HandlerThreads
+from workers.workspace.sandbox import Confinement
 
 log = logging.getLogger("forkq.tools")
 
@@ -112,6 +113,8 @@ class ToolContext:
     idempotency_key: str
     cancelled: Callable[[], bool] = never_cancelled
     deadline: float = math.inf
+    # a snapshot fork's sandbox: `cwd` is then its workspace (`confinement.root`), seen at `confinement.alias`
+    confinement: Confinement | None = None
 
     def seconds_left(self) -> float:
         """Seconds until the deadline (negative once past it)."""
@@ -353,17 +356,21 @@ class HandlerCall:
         }
 
 
-def resolve_inside(cwd: Path, path: str) -> Path:
+def resolve_inside(cwd: Path, path: str, confinement: Confinement | None = None) -> Path:
     """`path` resolved against `cwd` (symlinks followed); refuses anything outside `cwd`.
 
     A check of what a path names now, not a way to open it: the file tools open paths beneath the
     working directory in one step (`workers.tools.beneath`), since a symlink can be swapped in between.
+    With a `confinement`, an absolute path under the parent's path (`alias`) names the same place in
+    the workspace, and messages name the working directory by the parent's path.
 
     Raises:
         ToolError: the path escapes `cwd` (by `..`, as an absolute path, or through a symlink), or
             cannot be resolved at all.
     """
     root = cwd.resolve()
+    if confinement is not None:
+        path = confinement.inside(path) or path
     try:
         target = (root / path).resolve()
     except (OSError, RuntimeError, ValueError) as exc:  # NUL bytes, symlink loops
@@ -371,5 +378,6 @@ def resolve_inside(cwd: Path, path: str) -> Path:
             f"path {path!r} cannot be resolved ({exc}); use a plain path inside the working directory"
         ) from exc
     if target != root and root not in target.parents:
-        raise ToolError(f"path {path!r} is outside the working directory {str(root)!r}; use a path inside it")
+        shown = confinement.alias if confinement is not None else str(root)
+        raise ToolError(f"path {path!r} is outside the working directory {shown!r}; use a path inside it")
     return target

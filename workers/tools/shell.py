@@ -1,8 +1,11 @@
 """`run_shell_command`: a bash command in the fork's working directory, whose processes all end with the call.
 
-The shell is not a sandbox: a command starts in the working directory but may `cd` anywhere. What
-this module guarantees is that nothing a command starts outlives the call, and that the worker's own
-credentials are not in its environment.
+Without a confinement (a `shared` workspace) the shell is not a sandbox: a command starts in the
+working directory but may `cd` anywhere. With one (`ToolContext.confinement`, a `snapshot` fork) the
+command's process is sandboxed before it execs the shell (`workers.workspace.sandbox`: Landlock,
+seccomp, and the workspace at the parent's path where a mount namespace can be made), and its HOME
+and TMPDIR are the run's temp folder. What this module always guarantees is that nothing a command
+starts outlives the call, and that the worker's own credentials are not in its environment.
 
 Each call runs under its own supervisor process (`workers.tools.shell_supervisor`), in a session of its
 own. The supervisor is a child subreaper: whatever the command leaves behind (a `cmd &` still
@@ -12,7 +15,8 @@ is cancelled (it is sent SIGTERM), and when the worker thread that started it en
 death included (`PR_SET_PDEATHSIG`). The worker process itself is never a subreaper, so no orphan
 of a call (or of anything else the worker runs) waits on it to be reaped.
 
-The limits: a command can find its supervisor in the process table (it runs as the same user) and
+The limits: an unconfined command (or a confined one on a kernel before Landlock ABI 6, whose
+signals are not scoped) can find its supervisor in the process table (it runs as the same user) and
 SIGKILL it; the worker then kills every process left in the call's session, but one that moved to
 a session of its own before escapes. Processes handed to another service (`at`, `systemd-run`) are
 not the call's descendants, and one in uninterruptible sleep past the sweep (`SWEEP_MAX_S`) is left.
@@ -35,6 +39,7 @@ from typing import Any
 
 from workers.tools.registry import ToolContext, ToolError
 from workers.tools.shell_supervisor import SWEEP_MAX_S
+from workers.workspace.sandbox import Confinement
 
 SHELL_DEFAULT_TIMEOUT_S = 120
 SHELL_MAX_TIMEOUT_S = 600
@@ -86,20 +91,25 @@ class CappedOutput:
         return f"{head}\n[... output truncated: {self.omitted} bytes omitted ...]\n{tail}"
 
 
-def _child_env() -> dict[str, str]:
+def _child_env(confinement: Confinement | None) -> dict[str, str]:
     # os.environ here is not configuration (that is Settings' alone): it is the process's own
     # environment, of which an allowlist is handed on to the command, as any shell would inherit it
-    return {
+    env = {
         name: value
         for name, value in os.environ.items()
         if name in CHILD_ENV_NAMES or name.startswith(CHILD_ENV_PREFIXES)
     }
+    if confinement is not None:  # the worker's home is out of the sandbox's reach: the run's temp folder instead
+        env["HOME"] = env["TMPDIR"] = str(confinement.tmp)
+    return env
 
 
-def _spawn(command: str, cwd: Path) -> subprocess.Popen[bytes]:
+def _spawn(command: str, cwd: Path, confinement: Confinement | None) -> subprocess.Popen[bytes]:
     shell = shutil.which("bash") or "/bin/sh"
     # -I: no PYTHON* variables, no user site; -S: no site-packages (the supervisor needs the stdlib only)
     argv = [sys.executable, "-I", "-S", str(SUPERVISOR), str(os.getpid()), shell, command]
+    if confinement is not None:
+        argv.append(confinement.to_json())
     try:
         # a session of its own: no terminal signal of the worker reaches the command
         return subprocess.Popen(
@@ -109,7 +119,7 @@ def _spawn(command: str, cwd: Path) -> subprocess.Popen[bytes]:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            env=_child_env(),
+            env=_child_env(confinement),
         )
     except OSError as exc:
         raise ToolError(f"cannot start the shell {shell!r}: {exc}") from exc
@@ -244,7 +254,7 @@ def run_shell_command(args: Mapping[str, Any], ctx: ToolContext) -> str:
             f"(max_wall_s), and a command needs {SHELL_MIN_TIMEOUT_S:g} s plus {SHELL_STOP_S + SHELL_DRAIN_S:g} s "
             "to be stopped; finish without it, or launch the fork with a larger max_wall_s"
         )
-    proc = _spawn(command, root)
+    proc = _spawn(command, root, ctx.confinement)
     stdout = proc.stdout
     if stdout is None:  # pragma: no cover - stdout=PIPE always gives a pipe
         raise ToolError("the shell's output pipe is missing")

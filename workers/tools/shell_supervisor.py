@@ -14,6 +14,13 @@ The shell does not run as the supervisor's child but as its grandchild, under a 
 parent" process: the shell's `$PPID` is that parent, so `kill -9 $PPID` orphans the shell to the
 supervisor, which then sweeps it like any other orphan.
 
+A snapshot fork's command comes with its sandbox (`Confinement.to_json`, a fifth argument): the
+shell's parent confines itself before it starts the shell (`workers.workspace.sandbox.confine_self`:
+namespaces where they can be made, Landlock, seccomp), so the supervisor stays outside the sandbox and
+keeps its power to kill everything the command starts, while the command, from Landlock ABI 6 on, can
+no longer signal or trace the supervisor. A sandbox that cannot be applied is not run around: the
+command is not run, and its output says why (exit code 126).
+
 What escapes it: processes that are not descendants of the call (a job handed to another service,
 such as `at`, `systemd-run` or a container runtime); processes stuck in uninterruptible sleep for
 longer than the sweep waits (`SWEEP_MAX_S`); and a command that searches the process table for the
@@ -94,9 +101,29 @@ def _wait_for(shell: int) -> int:
             return status
 
 
-def _run_shell(shell: str, command: str) -> None:
-    """The shell's parent: run the shell, then end as it ended. Never returns."""
+def _confine(confinement: str, command: str) -> str:
+    """Confine this process (the shell's parent) as the JSON `confinement` says; the command's text to run.
+
+    The sandbox module is loaded from forkq's own folder (this script runs with neither site-packages
+    nor forkq on its path), in this process and not the supervisor: the supervisor stays outside the
+    sandbox, so it can still kill everything the command starts.
+    """
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    from workers.workspace.sandbox import Confinement, command_for, confine_self  # noqa: PLC0415 - only when asked
+
+    spec = Confinement.from_json(confinement)
+    return command_for(spec, command, confine_self(spec))
+
+
+def _run_shell(shell: str, command: str, confinement: str | None) -> None:
+    """The shell's parent: confine itself (when asked), run the shell, then end as it ended. Never returns."""
     try:
+        if confinement is not None:
+            try:
+                command = _confine(confinement, command)
+            except Exception as exc:
+                os.write(2, f"the command was not run: {exc}\n".encode())
+                os._exit(126)
         # Python ignores SIGPIPE and SIGXFSZ, and an ignored signal stays ignored across exec
         for signum in (signal.SIGTERM, signal.SIGPIPE, signal.SIGXFSZ):
             signal.signal(signum, signal.SIG_DFL)
@@ -116,7 +143,7 @@ def _run_shell(shell: str, command: str) -> None:
         os._exit(127)
 
 
-def _start(shell: str, command: str) -> int:
+def _start(shell: str, command: str, confinement: str | None) -> int:
     """The pid of the shell's parent, a process between the supervisor and the shell.
 
     The shell's `$PPID` is that process, not the supervisor: a command that kills its parent
@@ -125,7 +152,7 @@ def _start(shell: str, command: str) -> int:
     """
     pid = os.fork()
     if pid == 0:  # a process group of its own, default signal handling
-        _run_shell(shell, command)
+        _run_shell(shell, command, confinement)
     return pid
 
 
@@ -137,8 +164,12 @@ def _prctl(option: int, value: int) -> None:
 
 
 def main(argv: list[str]) -> int:
-    """Run `argv[3]` with the shell `argv[2]` for the worker process `argv[1]`; the shell's exit code."""
+    """Run `argv[3]` with the shell `argv[2]` for the worker process `argv[1]`; the shell's exit code.
+
+    `argv[4]`, when given, is the sandbox of the command (`Confinement.to_json`).
+    """
     parent, shell, command = int(argv[1]), argv[2], argv[3]
+    confinement = argv[4] if len(argv) > 4 else None
     signal.signal(signal.SIGTERM, _stop)
     try:  # without them, what the command leaves behind would outlive it: refuse rather than run it
         _prctl(PR_SET_CHILD_SUBREAPER, 1)
@@ -150,7 +181,7 @@ def main(argv: list[str]) -> int:
         return 128 + signal.SIGTERM
     status = None
     try:
-        pid = _start(shell, command)
+        pid = _start(shell, command, confinement)
         status = _wait_for(pid)
     except Stop:
         pass
