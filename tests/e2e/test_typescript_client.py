@@ -136,13 +136,12 @@ def test_a_fork_launched_with_a_tree_the_typescript_client_uploaded_runs_on_it_a
     report = json.loads(_run([*script, str(folder)], "the upload script").strip().splitlines()[-1])
 
     # Then the second upload sent nothing, and the fork read the uploaded file and changed it in its own copy
-    assert report["first"]["uploaded"] == 1 and report["second"] == {
-        "manifest": report["first"]["manifest"],
-        "uploaded": 0,
-    }
+    assert report["first"]["uploaded"] == 1
+    assert report["second"] == {"manifest": report["first"]["manifest"], "uploaded": 0}
     assert report["outcome"]["ended"] and report["outcome"]["result"]["status"] == "succeeded", report
-    transcript = http.get(f"/v1/forks/{report['fork_id']}/transcript").json()
+    with api.client() as http:
+        transcript = http.get(f"/v1/forks/{report['fork_id']}/transcript").json()
+        patch = http.get(f"/v1/forks/{report['fork_id']}/changes").text
     [result] = [s for s in transcript["steps"] if s["kind"] == "tool_result"]
     assert result["output"].startswith("uploaded notes") and result["changed"] == ["notes.md"]
-    patch = http.get(f"/v1/forks/{report['fork_id']}/changes").text
     assert "+more" in patch and not folder.exists()
