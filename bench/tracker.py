@@ -4,8 +4,9 @@ Run: `python bench/tracker.py [--files 10000] [--megabytes 100] [--runs 100]`. G
 files (100 folders of equal share, random content) in a temp folder and its manifest, starts a tracker
 on it, then for each run edits one random file with a real shell command (`sed -i`, which writes a new
 file and renames it over the old one, or `echo >> f`) and times `collect()` alone. For comparison it
-times `start()` (watching every folder, a stat per file), a full rescan (`use_inotify=False`) with
-nothing changed and with one file changed, and a rescan that reads every byte.
+times a collect after writing a 1, 10 and 50 MB file (the slope), `start()` (watching every folder,
+a stat per file), a full rescan (`use_inotify=False`) with nothing changed and with one file changed,
+and a rescan that reads every byte.
 """
 
 from __future__ import annotations
@@ -88,6 +89,11 @@ def main() -> None:
         assert tracker.watching and not tracker.collect().changes
         timed_collects(tracker, root, paths, "sed -i 's/$/x/' {path}", runs=args.runs, rng=rng)
         timed_collects(tracker, root, paths, "echo line {i} >> {path}", runs=args.runs, rng=rng)
+        for megabytes in (1, 10, 50):  # the slope: a collect costs what was written
+            subprocess.run(f"head -c {megabytes}000000 /dev/urandom > big.bin", shell=True, cwd=root, check=True)
+            began = time.perf_counter()
+            assert list(tracker.collect().changes) == ["big.bin"]
+            print(f"collect after writing a {megabytes} MB file: {(time.perf_counter() - began) * 1000:.1f} ms")
         began = time.perf_counter()
         built = tracker.manifest
         print(f"the manifest after the collects, built when asked: {(time.perf_counter() - began) * 1000:.1f} ms")

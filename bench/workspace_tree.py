@@ -31,7 +31,7 @@ def sizes(files: int, total_bytes: int, seed: int = 29) -> list[int]:
     return out
 
 
-def make_tree(root: Path, files: int = 10_000, total_bytes: int = 100 * 1024 * 1024, *, git: bool = True) -> Path:
+def make_tree(root: Path, files: int = 10_000, total_bytes: int = 100 * 1024 * 1024, git: bool = True) -> Path:
     """Write the tree under `root` (created; it must not exist or be empty) and return `root`."""
     root.mkdir(parents=True, exist_ok=True)
     rng = random.Random(7)

@@ -291,6 +291,7 @@ def test_check_json_reports_ok_or_the_problems(forkq: Run, monkeypatch: pytest.M
     assert (code, err, report["ok"]) == (1, "", False)
     assert report["worker_heartbeat"] == str(tmp_path / "no-worker.heartbeat")
     assert len(report["problems"]) == 1 and "no-worker.heartbeat" in report["problems"][0]
+    assert report["sandbox"].startswith("landlock ")  # what this host can do to sandbox commands
 
 
 def test_result_notification_json_prints_the_notification_with_the_fork_id_and_status(forkq: Run) -> None:

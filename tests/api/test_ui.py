@@ -409,3 +409,37 @@ def test_a_parked_call_is_denied_with_a_reason_and_another_fork_cancelled_from_t
     expect(page.locator("#pending")).to_be_hidden()
     expect(page.get_by_role("button", name="Cancel fork")).to_be_hidden()
     assert http.get(f"/v1/forks/{cancelled}").json()["status"] == "cancelled"
+
+
+def test_a_snapshot_forks_changed_files_and_its_diff_are_shown_once_it_ended(
+    http: httpx.Client, web: Web, scripted_worker: Callable[..., WorkController], parent: dict[str, Any]
+) -> None:
+    # Given a snapshot fork (an empty workspace: nothing was uploaded) whose command writes a file, then answers
+    scripted_worker(
+        [step(call("s1", "run_shell_command", command="printf 'hi\\n' > hello.txt")), step("Wrote hello.txt.")]
+    )
+    fork_id = launch(http, {**parent, "approval_mode": "yolo"}, workspace="snapshot")
+    wait_status(http, fork_id, "succeeded")
+
+    # When the page shows it
+    sign_in(web.page, web.api, session=parent["session_id"])
+    open_fork(web.page, fork_id)
+
+    # Then its changes follow the output: the file, its line counts, and the patch as text
+    expect(web.page.locator("#changes-panel")).to_be_visible()
+    expect(web.page.locator("#changed-files li")).to_have_count(1)
+    expect(web.page.locator("#changed-files li")).to_contain_text("added hello.txt +1 −0")
+    expect(web.page.locator("#diff")).to_contain_text("+++ b/hello.txt")
+    expect(web.page.locator("#steps .step.tool_result .changed")).to_have_text("changed: hello.txt")
+
+
+def test_a_shared_fork_shows_no_changes_panel(
+    http: httpx.Client, web: Web, scripted_worker: Callable[..., WorkController], parent: dict[str, Any], work: Path
+) -> None:
+    scripted_worker([step("Nothing to change.")])
+    fork_id = launch(http, {**parent, "cwd": str(work)}, workspace="shared")
+    wait_status(http, fork_id, "succeeded")
+    sign_in(web.page, web.api, session=parent["session_id"])
+    open_fork(web.page, fork_id)
+    expect(web.page.locator("#output")).to_have_text("Nothing to change.")
+    expect(web.page.locator("#changes-panel")).to_be_hidden()

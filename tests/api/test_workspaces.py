@@ -83,6 +83,21 @@ def test_a_changed_file_is_the_one_blob_a_later_offer_asks_for(http: httpx.Clien
     assert missing == [hashlib.sha256(b"print('bye')\n").hexdigest()]
 
 
+def test_a_stored_manifest_whose_blob_is_gone_asks_for_it_again(
+    http: httpx.Client, api: Api, redis_client: redis.Redis
+) -> None:
+    # Given a stored tree, near its expiry, one of whose blobs is gone (expired, or Redis lost it)
+    manifest = upload_all(http, FILES)
+    keys = Keys(api.settings.namespace)
+    gone = hashlib.sha256(FILES["README.md"]).hexdigest()
+    redis_client.delete(keys.blob("default", gone))
+    redis_client.expire(keys.manifest("default", manifest), 60)
+
+    answer = http.post("/v1/workspaces", json={"entries": entries_of(FILES)}).json()
+
+    assert answer == {"manifest": manifest, "missing": [gone]}
+
+
 def test_a_blob_whose_bytes_are_not_its_digest_is_422_and_nothing_is_stored(
     http: httpx.Client, redis_client: redis.Redis
 ) -> None:

@@ -93,3 +93,55 @@ def test_the_client_launches_follows_and_acts_on_the_forks_of_a_live_server(
     report = node_test(built_client, test_file, **live_server)
 
     assert f"pass {count}" in report and "fail 0" in report, report
+
+
+UPLOAD_AND_LAUNCH = """
+import { readFileSync, rmSync } from "node:fs";
+import { ForkqClient } from "./dist/index.js";
+const [url, token, parentPath, dir] = process.argv.slice(1);
+const api = new ForkqClient({ baseUrl: url, token });
+const first = await api.uploadWorkspace(dir);
+const second = await api.uploadWorkspace(dir);
+rmSync(dir, { recursive: true });  // from now on the tree exists only as the upload
+const parent = { ...JSON.parse(readFileSync(parentPath, "utf-8")), cwd: dir, approval_mode: "yolo" };
+const agent = { description: "read", prompt: "Read the notes.", subagent_type: "general-purpose" };
+const launched = await api.launch({ parent, agent, options: { workspace_manifest: first.manifest } });
+const outcome = await api.result(launched.fork_id, { wait: 30 });
+console.log(JSON.stringify({ first, second, fork_id: launched.fork_id, outcome }));
+"""
+
+
+def test_a_fork_launched_with_a_tree_the_typescript_client_uploaded_runs_on_it_after_the_folder_is_gone(
+    built_client: str,
+    api: Api,
+    scripted_worker: Callable[..., WorkController],
+    parent: dict[str, Any],
+    tmp_path: Path,
+) -> None:
+    # Given a parent's folder, and a worker whose model reads a file of it by the parent's absolute path, then edits it
+    folder = tmp_path / "laptop" / "proj"
+    folder.mkdir(parents=True)
+    (folder / "notes.md").write_text("uploaded notes\n", encoding="utf-8")
+    scripted_worker(
+        [
+            step(call("r1", "run_shell_command", command=f"cat {folder}/notes.md && echo more >> notes.md")),
+            step("all done"),
+        ]
+    )
+    parent_path = tmp_path / "parent.json"
+    parent_path.write_text(json.dumps(parent), encoding="utf-8")
+
+    # When the TypeScript client uploads it twice, the folder is removed, and a fork is launched naming the upload
+    script = [built_client, "--input-type=module", "-e", UPLOAD_AND_LAUNCH, api.url, TOKEN, str(parent_path)]
+    report = json.loads(_run([*script, str(folder)], "the upload script").strip().splitlines()[-1])
+
+    # Then the second upload sent nothing, and the fork read the uploaded file and changed it in its own copy
+    assert report["first"]["uploaded"] == 1
+    assert report["second"] == {"manifest": report["first"]["manifest"], "uploaded": 0}
+    assert report["outcome"]["ended"] and report["outcome"]["result"]["status"] == "succeeded", report
+    with api.client() as http:
+        transcript = http.get(f"/v1/forks/{report['fork_id']}/transcript").json()
+        patch = http.get(f"/v1/forks/{report['fork_id']}/changes").text
+    [result] = [s for s in transcript["steps"] if s["kind"] == "tool_result"]
+    assert result["output"].startswith("uploaded notes") and result["changed"] == ["notes.md"]
+    assert "+more" in patch and not folder.exists()

@@ -62,11 +62,13 @@ os.write(w2, b"x")
 sys.exit(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
 """
 
-# holds the secret open, listens on an abstract unix socket and on TCP and UDP ports; prints its pid, fd, ports
+# holds the secret open, listens on an abstract and a pathname unix socket and on TCP and UDP ports;
+# prints its pid, the secret's fd and its ports
 OUTSIDER = r"""
 import os, socket, sys, time
 fd = os.open(sys.argv[1], os.O_RDONLY)
 unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM); unix.bind("\0" + sys.argv[2]); unix.listen(8)
+path = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM); path.bind(sys.argv[3]); path.listen(8)
 tcp = socket.create_server(("127.0.0.1", 0))
 udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); udp.bind(("127.0.0.1", 0))
 print(os.getpid(), fd, tcp.getsockname()[1], udp.getsockname()[1], flush=True)
@@ -128,6 +130,11 @@ class Layout:
         return self.base / "cache" / "blob"
 
     @property
+    def socket(self) -> Path:
+        """A service's unix socket, beside the workspace."""
+        return self.base / "service.sock"
+
+    @property
     def outside(self) -> Path:
         """A file in /tmp outside the run's temp folder."""
         return self.base / "outside.txt"
@@ -171,7 +178,7 @@ class Mode:
         prefix = list(SETPRIV) if self.prefix else []
         python = SYSTEM_PYTHON if self.prefix else sys.executable
         proc = subprocess.Popen(
-            [*prefix, python, "-c", OUTSIDER, str(layout.sibling), name],
+            [*prefix, python, "-c", OUTSIDER, str(layout.sibling), name, str(layout.socket)],
             stdout=subprocess.PIPE,
             text=True,
             env={"PATH": "/usr/bin:/bin", "FORKQ_REDIS_URL": f"redis://:{SECRET}@redis:6379/0"},

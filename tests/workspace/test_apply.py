@@ -100,6 +100,19 @@ def test_a_conflict_names_each_file_and_writes_nothing(name: str, tmp_path: Path
         assert snapshot(tmp_path) == before
 
 
+def test_odd_names_apply_and_conflict_by_their_own_name(tmp_path: Path) -> None:
+    long_name = "é" * 127  # 254 bytes: its staging name must still fit in NAME_MAX
+    blobs = Blobs()
+    manifest, changes = changes_of({}, {"a: b.txt": (F, b"new\n"), f"dir/{long_name}": (X, b"x")}, blobs)
+    (tmp_path / "ok").mkdir()
+    apply_changes(tmp_path / "ok", manifest, changes, blobs.read)
+    assert read_tree(tmp_path / "ok") == {"a: b.txt": (F, b"new\n"), f"dir/{long_name}": (X, b"x")}
+    write_tree(tmp_path / "drift", {"a: b.txt": (F, b"the parent's\n")})
+    with pytest.raises(ApplyConflict) as raised:
+        apply_changes(tmp_path / "drift", manifest, changes, blobs.read)
+    assert raised.value.paths == ["a: b.txt"]
+
+
 def test_files_already_applied_count_as_applied_and_the_rest_is_written(tmp_path: Path) -> None:
     blobs = Blobs()
     manifest, changes = changes_of(BASE, FORK, blobs)

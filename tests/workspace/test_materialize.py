@@ -327,3 +327,32 @@ def test_disk_usage_counts_the_blocks_of_a_tree(tmp_path: Path, cache: Workspace
 
     assert len(BIG) <= used < len(BIG) + 200 * 1024
     assert disk_usage(tmp_path / "absent") == 0
+
+
+def test_a_cache_file_a_crash_cut_short_is_found_at_restart_and_fetched_again(tmp_path: Path):
+    # Given a cache whose copy of the large blob was cut short (the worker died while writing it)
+    blobs = Blobs(TREE)
+    build(manifest_of(TREE), tmp_path / "one", WorkspaceCache(tmp_path / "cache", 1 << 26), blobs)
+    cut = tmp_path / "cache" / blob_digest(BIG)[:2] / blob_digest(BIG)
+    cut.chmod(0o644)
+    with open(cut, "r+b") as file:
+        file.truncate(len(BIG) // 2)
+
+    # When the restarted worker builds the tree
+    restarted = WorkspaceCache(tmp_path / "cache", 1 << 26)
+    build(manifest_of(TREE), tmp_path / "two", restarted, blobs)
+
+    # Then only that blob was fetched again, and both the tree and the cache hold it whole
+    assert blobs.calls[1] == [blob_digest(BIG)]
+    assert read_tree(tmp_path / "two") == TREE and cut.read_bytes() == BIG
+    assert restarted.used_bytes == sum(len(b) for b in blobs.data.values())
+
+
+def test_a_change_that_does_not_fit_the_tree_leaves_no_stray_file(tmp_path: Path, cache: WorkspaceCache):
+    build(manifest_of(TREE), tmp_path / "tree", cache, Blobs(TREE))
+    over_a_folder = {"src/pkg": Entry("src/pkg", Mode.FILE, 2, blob_digest(b"x\n"))}
+
+    with pytest.raises(WorkspaceError, match=r"src/pkg|Is a directory"):
+        apply_changes_to_tree(tmp_path / "tree", over_a_folder, cache, Blobs({"x": (Mode.FILE, b"x\n")}))
+
+    assert sorted(os.listdir(tmp_path / "tree" / "src")) == ["data.bin", "empty", "pkg"]

@@ -3,8 +3,10 @@ is the fork's tree byte for byte; `git apply --stat` agrees with our stat."""
 
 from __future__ import annotations
 
+import random
 import shutil
 import string
+import time
 from pathlib import Path
 
 import pytest
@@ -68,6 +70,8 @@ CASES: dict[str, tuple[Tree, Tree]] = {
     "quotes, backslash-free oddities": ({}, {'say "hi".txt': (F, b"hi\n"), "tab\tname": (F, b"t\n")}),
     "file replaced by a folder": ({"d": (F, b"file\n")}, {"d/inner": (F, b"inside\n")}),
     "folder replaced by a file": ({"d/inner": (F, b"inside\n")}, {"d": (F, b"file\n")}),
+    "symlink replaced by a folder": ({"a": (L, b"/etc")}, {"a/passwd": (F, b"in the tree\n")}),
+    "folder replaced by a symlink": ({"a/b": (F, b"in\n"), "a/c": (X, b"")}, {"a": (L, b"b")}),
     "many hunks": (
         {"m": (F, LONG * 3)},
         {"m": (F, (LONG * 3).replace(b"line 10\n", b"ten\n").replace(b"line 50\n", b"fifty\nfifty-one\n"))},
@@ -154,7 +158,35 @@ def test_changes_equal_to_the_base_give_an_empty_patch() -> None:
 
 def test_changed_files_are_sorted_by_their_utf8_bytes() -> None:
     entry = Entry("b", Mode.FILE, 0, blob_digest(b""))
-    assert changed_files({"b": entry, "a/z": None, "a": None, "ä": None, "Z": None}) == ["Z", "a", "a/z", "b", "ä"]
+    changes = {"b": entry, "a/z": None, "a": None, "ä": None, "Z": None}
+    assert changed_files(changes) == ["Z", "a", "a/z", "b", "ä"]
+    blobs = Blobs()
+    base, _ = changes_of({"b": (F, b""), "a": (F, b"a")}, {}, blobs)
+    assert changed_files(changes, base) == ["a"]  # b is as it was; a/z, ä and Z were never there
+
+
+def test_a_long_file_of_few_distinct_lines_still_diffs_quickly_and_applies(tmp_path: Path) -> None:
+    # Given files difflib alone would take minutes on: many lines, few distinct ones, edits all over
+    rng = random.Random(7)
+    few = [b"%d\n" % rng.randrange(101) for _ in range(60_000)]
+    unique = [b"unique line %d\n" % i for i in range(60_000)]
+    base: Tree = {"few": (F, b"".join(few)), "unique": (F, b"".join(unique))}
+    for lines in (few, unique):
+        for _ in range(20):
+            lines[rng.randrange(len(lines))] = b"edited\n"
+    new: Tree = {"few": (F, b"".join(few)), "unique": (F, b"".join(unique))}
+    # When the patch is made
+    started = time.monotonic()
+    patch, stats = patch_of(base, new)
+    elapsed = time.monotonic() - started
+    # Then git applies it; the file of unique lines got small hunks, the other was replaced as a whole
+    write_tree(tmp_path, base)
+    git(tmp_path, "apply", "-", stdin=patch)
+    assert read_tree(tmp_path) == new
+    few_stat, unique_stat = stats
+    assert few_stat.added == few_stat.removed > 10_000  # all between the first and the last edit
+    assert (unique_stat.added, unique_stat.removed) == (20, 20)
+    assert elapsed < 30  # minutes without the bound; a generous margin for a loaded machine
 
 
 def test_statuses_name_what_happened_to_each_file() -> None:
@@ -233,5 +265,9 @@ def test_any_change_of_any_small_tree_applies_with_git(
         assert applied.returncode == 0, applied.stderr.decode() + "\n" + patch.decode(errors="replace")
         assert read_tree(folder) == new
         assert len(stats) == patch.count(b"diff --git ")
+        write_tree(folder / "stat", base)  # a fresh copy: --stat only reads the patch, but wants a folder
+        assert git(folder / "stat", "apply", "--stat", "--allow-empty", "-", stdin=patch).stdout.decode() == (
+            render_stat(stats) if stats else ""
+        )
     finally:
         shutil.rmtree(folder)

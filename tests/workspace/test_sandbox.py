@@ -8,9 +8,13 @@ sandbox's and not the test's: the same command reads the secret when nothing con
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
 import shutil
+import struct
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -180,9 +184,12 @@ def test_a_confined_command_cannot_reach_an_abstract_unix_socket_outside(
     assert "UNIX_CONNECTED" in mode.run(layout, command, without_namespaces(layout, enforce=False))
 
 
-def _network(tcp: int, udp: int) -> str:
+def _network(tcp: int, udp: int, unix: Path) -> str:
     return (
         f'{PY} -c "import socket\n'
+        "try:\n"
+        f"    socket.socket(socket.AF_UNIX).connect('{unix}'); print('UNIX_OK')\n"
+        "except OSError as e: print('UNIX', e)\n"
         "try:\n"
         f"    socket.create_connection(('127.0.0.1', {tcp}), timeout=5).close(); print('TCP_OK')\n"
         "except OSError as e: print('TCP', e)\n"
@@ -196,17 +203,19 @@ def _network(tcp: int, udp: int) -> str:
 
 
 def test_the_network_is_cut_when_asked(mode: Mode, layout: Layout, outsider: tuple[int, int, int, int, str]) -> None:
-    out = mode.run(layout, _network(outsider[2], outsider[3]), layout.confinement(network=False))
+    out = mode.run(layout, _network(outsider[2], outsider[3], layout.socket), layout.confinement(network=False))
     assert "TCP_OK" not in out
     assert "UDP_OK" not in out
     assert "TCP6_OK" not in out
+    assert "UNIX_OK" not in out  # a service's socket file is a way out too
     assert "Permission denied" in out
 
 
 def test_the_network_is_there_by_default(mode: Mode, layout: Layout, outsider: tuple[int, int, int, int, str]) -> None:
-    out = mode.run(layout, _network(outsider[2], outsider[3]), layout.confinement())
+    out = mode.run(layout, _network(outsider[2], outsider[3], layout.socket), layout.confinement())
     assert "TCP_OK" in out
     assert "UDP_OK" in out
+    assert "UNIX_OK" in out  # as a TCP port on localhost is: the documented limit of an open network
 
 
 def test_a_command_gets_none_of_the_workers_secrets(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -258,6 +267,8 @@ def test_the_alias_is_replaced_in_a_command_only_without_a_namespace() -> None:
     c = Confinement(Path("/w/tree"), "/home/alice/proj/", Path("/w/tmp"))
     assert command_for(c, "cat /home/alice/proj/a.py", namespaced=False) == "cat /w/tree/a.py"
     assert command_for(c, "cat /home/alice/proj/a.py", namespaced=True) == "cat /home/alice/proj/a.py"
+    assert command_for(c, "cd /home/alice/proj; ls /home/alice/project", False) == "cd /w/tree; ls /home/alice/project"
+    assert command_for(c, "x='/home/alice/proj'", namespaced=False) == "x='/w/tree'"
 
 
 def test_a_confinement_maps_the_parent_path_both_ways() -> None:
@@ -285,3 +296,66 @@ def test_require_names_the_fix_when_landlock_is_missing() -> None:
     error = SandboxUnavailable("cannot sandbox: no Landlock; set FORKQ_SANDBOX=off", reason="no Landlock")
     assert "FORKQ_SANDBOX=off" in str(error)
     assert error.field == "sandbox"
+
+
+def _without_landlock() -> None:
+    """In the child before exec: a seccomp filter that makes the Landlock calls fail as on a kernel without it."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    deny, allow = 0x00050000 | errno.ENOSYS, 0x7FFF0000
+    program = [(0x20, 0, 0, 0)]  # the syscall number
+    for number in (444, 445, 446):
+        program += [(0x15, 0, 1, number), (0x06, 0, 0, deny)]
+    program.append((0x06, 0, 0, allow))
+    filters = ctypes.create_string_buffer(b"".join(struct.pack("=HBBI", *insn) for insn in program))
+    fprog = ctypes.create_string_buffer(struct.pack("=HxxxxxxQ", len(program), ctypes.addressof(filters)))
+    assert libc.prctl(38, 1, 0, 0, 0) == 0  # no_new_privs
+    assert libc.prctl(22, 2, fprog, 0, 0) == 0  # seccomp filter
+
+
+def test_a_worker_that_cannot_sandbox_refuses_to_start_unless_the_operator_turns_it_off() -> None:
+    # Given a machine where Landlock is missing (its calls fail with ENOSYS) and no Redis to reach
+    def worker(sandbox_mode: str) -> subprocess.CompletedProcess[str]:
+        env = {**os.environ, "FORKQ_PROVIDER": "scripted", "FORKQ_REDIS_URL": "redis://127.0.0.1:1/0"}
+        env["FORKQ_SANDBOX"] = sandbox_mode
+        code = "import sys; from workers.cli import main; sys.exit(main(['worker']))"
+        return subprocess.run(
+            [sys.executable, "-c", code],
+            env=env,
+            capture_output=True,
+            text=True,
+            preexec_fn=_without_landlock,
+            check=False,
+        )
+
+    refused, allowed = worker("on"), worker("off")
+    # Then with the sandbox on it refuses at once (exit 2), naming what is missing and the fix
+    assert refused.returncode == 2, refused.stderr
+    assert "cannot sandbox snapshot forks' commands" in refused.stderr
+    assert "the kernel has no Landlock" in refused.stderr and "FORKQ_SANDBOX=off" in refused.stderr
+    # and with FORKQ_SANDBOX=off it goes on, to the next thing it lacks (Redis: exit 1)
+    assert allowed.returncode == 1 and "cannot sandbox" not in allowed.stderr, allowed.stderr
+
+
+@pytest.mark.skipif(ABI < 6, reason="signal scoping needs Landlock ABI 6")
+def test_a_confined_command_cannot_kill_its_supervisor(mode: Mode, layout: Layout) -> None:
+    # the shell's parent is inside the sandbox; its parent, the supervisor that sweeps the call, is not
+    command = "sup=$(ps -o ppid= -p $PPID | tr -d ' '); kill -9 $sup && echo KILLED; echo still here"
+    out = mode.run(layout, command, layout.confinement())
+    assert "KILLED" not in out and "Operation not permitted" in out
+    assert "still here" in out and out.endswith("[exit code: 0]")  # stdout and stderr interleave in nobody modes
+
+
+def test_shared_memory_is_the_runs_own(mode: Mode, layout: Layout) -> None:
+    # Given a file in the host's /dev/shm, as another fork's semaphore or shared memory would be
+    host = Path("/dev/shm") / f"forkq-test-{layout.base.name}"
+    host.write_text(SECRET, encoding="utf-8")
+    try:
+        lock = f"{PY} -c 'import multiprocessing; multiprocessing.Lock(); print(\"LOCK_OK\")'"
+        out = mode.run(layout, f"cat {host}; {lock}", layout.confinement())
+    finally:
+        host.unlink()
+    # Then the command cannot read it; with a namespace, /dev/shm is a folder of the run, where locks work
+    assert SECRET not in out
+    if mode.namespaces:
+        assert "LOCK_OK" in out
+        assert (layout.tmp / ".shm").is_dir()

@@ -46,8 +46,8 @@ def age(root: Path) -> None:
             os.utime(os.path.join(folder, name), ns=(old, old), follow_symlinks=False)
 
 
-def snap(root: Path, **kwargs: object) -> Snapshot:
-    return snapshot(root, max_bytes=kwargs.pop("max_bytes", BIG), max_files=kwargs.pop("max_files", 10**6), **kwargs)  # type: ignore[arg-type]
+def snap(root: Path, *, max_bytes: int = BIG, max_files: int = 10**6, cache_dir: Path | None = None) -> Snapshot:
+    return snapshot(root, max_bytes=max_bytes, max_files=max_files, cache_dir=cache_dir)
 
 
 def paths(s: Snapshot) -> list[str]:
@@ -118,6 +118,12 @@ def test_a_forkqignore_applies_on_top_of_gits_listing(tmp_path: Path) -> None:
     git(tmp_path, "init", "-q")
     git(tmp_path, "add", "-A")
     assert paths(snap(tmp_path)) == [".forkqignore", "a.py"]
+    # a .forkqignore that is a link is not followed, and one deleted on disk has no rules
+    (tmp_path / ".forkqignore").unlink()
+    assert paths(snap(tmp_path)) == ["a.py", "data/big.bin"]
+    (tmp_path / ".forkqignore").symlink_to(tmp_path / "rules")
+    write(tmp_path, {"rules": "a.py\n"})
+    assert paths(snap(tmp_path)) == [".forkqignore", "a.py", "data/big.bin", "rules"]
 
 
 def test_without_git_installed_a_git_tree_is_walked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -26,13 +26,12 @@ def sh(root: Path, command: str) -> None:
 
 
 def walk(root: Path) -> Manifest:
-    """The tree as it is on disk, read without the tracker: files and symlinks, no top-level `.git`."""
+    """The tree as it is on disk, read without the tracker: files and symlinks, no `.git` at any depth."""
     entries = []
     for folder, subfolders, files in os.walk(root):
         relative = Path(folder).relative_to(root).as_posix()
-        if relative == ".":
-            subfolders[:] = [f for f in subfolders if f != ".git"]
-        names = [f for f in files if relative != "." or f != ".git"]
+        subfolders[:] = [f for f in subfolders if f.lower() != ".git"]
+        names = [f for f in files if f.lower() != ".git"]
         for name in names + [f for f in subfolders if os.path.islink(os.path.join(folder, f))]:
             full = os.path.join(folder, name)
             path = name if relative == "." else f"{relative}/{name}"
@@ -48,8 +47,12 @@ def walk(root: Path) -> Manifest:
 
 
 def folders(root: Path) -> int:
-    """How many folders the tree has (its root included, the top-level `.git` left out)."""
-    return 1 + sum(1 for d, _, _ in os.walk(root) if d != str(root) and not d.startswith(str(root / ".git")))
+    """How many folders the tree has (its root included, `.git` folders and what is under them left out)."""
+    count = 0
+    for _, subfolders, _ in os.walk(root):
+        subfolders[:] = [f for f in subfolders if f.lower() != ".git"]
+        count += 1
+    return count
 
 
 def kernel_watches() -> int:
@@ -199,22 +202,21 @@ def test_a_file_replaced_by_a_folder_and_back_is_tracked(tree: tuple[Path, Track
     assert set(collect_checked(root, tracker).changes) == {"README.md", "README.md/inner/f"}
 
 
-def test_a_file_rewritten_with_the_same_bytes_is_no_change(tree: tuple[Path, Tracker]) -> None:
+def test_a_file_rewritten_with_the_same_bytes_is_no_change(tree: tuple[Path, Tracker], tmp_path: Path) -> None:
     root, tracker = tree
-    sh(root, "printf 'print(1)\\n' > src/main.py && cp README.md /tmp/forkq-same && cp /tmp/forkq-same README.md")
-    sh(root, "sed -i 's/nothing/matches/' docs/guide.md && touch run.sh && rm -f /tmp/forkq-same")
+    copy = tmp_path / "copy"
+    sh(root, f"printf 'print(1)\\n' > src/main.py && cp README.md {copy} && cp {copy} README.md")
+    sh(root, "sed -i 's/nothing/matches/' docs/guide.md && touch run.sh")
     assert collect_checked(root, tracker).changes == {}
 
 
-def test_the_top_level_git_folder_is_not_part_of_the_tree(tree: tuple[Path, Tracker]) -> None:
+def test_git_folders_are_not_part_of_the_tree_at_any_depth(tree: tuple[Path, Tracker]) -> None:
     root, tracker = tree
-    sh(
-        root,
-        "git init -q && git -c user.name=t -c user.email=t@t add -A && git -c user.name=t -c user.email=t@t "
-        "commit -qm base && mkdir -p sub/.git && echo nested > sub/.git/config",
-    )
-    assert set(collect_checked(root, tracker).changes) == {"sub/.git/config"}  # only the top one is the workspace's
-    sh(root, "echo edit >> README.md && git -c user.name=t -c user.email=t@t commit -qam edit")
+    git = "git -c user.name=t -c user.email=t@t"
+    sh(root, f"git init -q && {git} add -A && {git} commit -qm base && mkdir -p sub/.git sub/.GIT/x docs/more")
+    sh(root, "echo nested > sub/.git/config && echo y > sub/.GIT/x/y && echo f > sub/f && git -C docs/more init -q")
+    assert set(collect_checked(root, tracker).changes) == {"sub/f"}
+    sh(root, f"echo edit >> README.md && {git} commit -qam edit && echo z > sub/.git/z && rm -rf docs/more/.git")
     assert set(collect_checked(root, tracker).changes) == {"README.md"}
 
 
@@ -398,19 +400,21 @@ print(json.dumps(steps))
 """
 
 
-def test_the_watch_limit_turns_the_tracker_to_rescans_without_losing_a_change(tmp_path: Path) -> None:
-    # Given a user namespace (no privilege needed) whose inotify watch limit is below what the tree grows to
+def in_user_namespace(script: str, root: Path) -> subprocess.CompletedProcess[str]:
+    """Run a Python script in a new user namespace, where it may set its own inotify limits (no privilege)."""
     probe = subprocess.run(["unshare", "-U", "-r", "true"], capture_output=True, check=False)
     if probe.returncode != 0:
-        pytest.skip(f"no user namespace to set a watch limit in: {probe.stderr.decode().strip()}")
+        pytest.skip(f"no user namespace to set inotify limits in: {probe.stderr.decode().strip()}")
+    return subprocess.run(
+        ["unshare", "-U", "-r", sys.executable, "-c", script, str(root)], capture_output=True, text=True, check=True
+    )
+
+
+def test_the_watch_limit_turns_the_tracker_to_rescans_without_losing_a_change(tmp_path: Path) -> None:
+    # Given a user namespace whose inotify watch limit is below what the tree grows to
     root = tmp_path / "tree"
     root.mkdir()
-    out = subprocess.run(
-        ["unshare", "-U", "-r", sys.executable, "-c", WATCH_LIMIT_SCRIPT, str(root)],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
+    out = in_user_namespace(WATCH_LIMIT_SCRIPT, root)
     # Then the collect that reached the limit still found everything, and the next ones walk the tree
     assert json.loads(out.stdout) == [
         [True, ["a/b/f"]],
@@ -418,3 +422,27 @@ def test_the_watch_limit_turns_the_tracker_to_rescans_without_losing_a_change(tm
         [False, ["a/b/f", "c/d/e/h"], True],
     ]
     assert "watch limit reached" in out.stderr
+
+
+NO_INSTANCE_SCRIPT = """
+import json, subprocess, sys
+from pathlib import Path
+from workers.workspace.manifest import EMPTY
+from workers.workspace.tracker import Tracker
+
+root = Path(sys.argv[1])
+Path("/proc/sys/user/max_inotify_instances").write_text("0")
+tracker = Tracker(root, EMPTY)
+tracker.start()
+subprocess.run("mkdir -p a && echo 1 > a/f", shell=True, cwd=root, check=True)
+collected = tracker.collect()
+print(json.dumps([tracker.watching, sorted(collected.changes), collected.rescanned]))
+"""
+
+
+def test_a_tracker_without_inotify_instances_left_rescans(tmp_path: Path) -> None:
+    root = tmp_path / "tree"
+    root.mkdir()
+    out = in_user_namespace(NO_INSTANCE_SCRIPT, root)
+    assert json.loads(out.stdout) == [False, ["a/f"], True]
+    assert "inotify_init1 failed" in out.stderr

@@ -65,7 +65,8 @@ def too_large(limit: int, what: str) -> RequestRefused:
     """The 413 for a body over the limit."""
     return RequestRefused(
         f"the request body is larger than {limit:,} bytes ({what}), the server's limit (FORKQ_API_MAX_BODY_BYTES); "
-        "send a smaller parent snapshot, e.g. with less history",
+        "send a smaller body: a parent snapshot with less history, or a workspace without its largest files "
+        '(.gitignore or .forkqignore, or workspace "shared")',
         status=413,
     )
 

@@ -88,13 +88,9 @@ class Launcher:
     def _launch(self, body: LaunchRequest, options: LaunchOptions, scope: str) -> Outcome:
         ws = self.workspaces.for_launch(scope, options.workspace, options.workspace_manifest, options.network)
         # the snapshot came with this request alone: nothing of it is kept for sibling launches
-        handle = self.client.launch_checked(
-            body.parent,
-            body.agent,
-            options,
-            keep=False,
-            workspace=ws.workspace,
-            manifest=ws.manifest,
-            network=ws.network,
+        chosen = options.model_copy(
+            update={"workspace": ws.workspace, "workspace_manifest": ws.manifest, "network": ws.network}
         )
+        # read_files=False: a request names a path of the parent's machine, never one of this server to read
+        handle = self.client.launch_checked(body.parent, body.agent, chosen, keep=False, read_files=False)
         return Outcome(handle.fork_id, self.client.status(handle.fork_id).status, created=True)

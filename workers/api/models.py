@@ -20,7 +20,6 @@ from pydantic import (
     PrivateAttr,
     model_validator,
 )
-from pydantic.json_schema import SkipJsonSchema
 
 from workers.errors import WorkspaceError
 from workers.history.params import AgentParams, validate_agent_params
@@ -28,7 +27,7 @@ from workers.history.snapshot import ParentSnapshot, parse_parent_snapshot
 from workers.records.fork import Status, Usage
 from workers.store.replies import Decision, SendReply
 from workers.subagents import launch
-from workers.workspace.manifest import Entry, is_digest
+from workers.workspace.manifest import Entry
 
 MAX_WAIT_S: Final = 60.0  # a long poll holds a connection, never a thread; under proxies' usual idle timeouts
 DIGEST_PATTERN: Final = "^[0-9a-f]{64}$"
@@ -45,56 +44,7 @@ def _parent_snapshot(value: object) -> object:
     return parse_parent_snapshot(value) if isinstance(value, dict) else value
 
 
-def _manifest_digest(value: object) -> object:
-    """A manifest's digest as a launch names it (64 lowercase hex digits), or None."""
-    if value is not None and not is_digest(value):
-        raise WorkspaceError(
-            f"workspace_manifest {str(value)[:80]!r} is not a manifest's digest (64 lowercase hex digits); pass the "
-            "`manifest` POST /v1/workspaces answered",
-            field="workspace_manifest",
-        )
-    return value
-
-
-def _workspace_mode(value: object) -> object:
-    if value is not None and value not in ("snapshot", "shared"):
-        raise WorkspaceError(
-            f'workspace {str(value)[:80]!r} is not "snapshot" (the fork works on its own copy) or "shared" (in '
-            "the parent's cwd, in place); pass one of them, or leave it out for the server's default",
-            field="workspace",
-        )
-    return value
-
-
-def _network(value: object) -> object:
-    if value is not None and not isinstance(value, bool):
-        raise WorkspaceError(
-            f"network {str(value)[:80]!r} is not true or false; pass false to cut the fork's commands off the "
-            "network, or leave it out",
-            field="network",
-        )
-    return value
-
-
-class LaunchOptions(launch.LaunchOptions):
-    """A launch's options over HTTP: `ForkClient.launch`'s, and the workspace's (an uploaded manifest's digest).
-
-    The same name as the Python API's model, whose options it extends: clients' types keep their name.
-    """
-
-    workspace: Annotated[Literal["snapshot", "shared"] | SkipJsonSchema[None], BeforeValidator(_workspace_mode)] = (
-        Field(
-            None,
-            description="`snapshot`: the fork works on its own copy of `workspace_manifest` (an empty tree without "
-            "one); `shared`: in the parent's cwd, in place. Default: the server's FORKQ_WORKSPACE.",
-        )
-    )
-    workspace_manifest: Annotated[
-        Annotated[str, Field(pattern=DIGEST_PATTERN)] | SkipJsonSchema[None], BeforeValidator(_manifest_digest)
-    ] = Field(None, description="The digest of a manifest uploaded with POST /v1/workspaces (a snapshot's files).")
-    network: Annotated[bool | SkipJsonSchema[None], BeforeValidator(_network)] = Field(
-        None, description="`false`: the fork's commands have no network (default: `true`)."
-    )
+LaunchOptions = launch.LaunchOptions  # with the workspace options (`workspace`, `workspace_manifest`, `network`)
 
 
 class LaunchRequest(BaseModel):

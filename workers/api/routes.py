@@ -143,7 +143,8 @@ async def fork_notification(fork_id: ForkId, svc: Svc) -> Notification:
             f"(GET /v1/forks/{fork_id}/result?wait=60)",
             fork_id=fork_id,
         )
-    text = render_task_notification(result, description=state.description)
+    changed = await run_in_threadpool(svc.client.changed_files, fork_id)  # a snapshot fork's, for the parent to apply
+    text = render_task_notification(result, description=state.description, changed_files=changed)
     return Notification(fork_id=fork_id, status=result.status, notification=text)
 
 
@@ -243,15 +244,11 @@ async def fork_changes(
     `Accept: application/json`, the changed files (and the patch) as JSON."""
     await svc.reader.state(fork_id)  # 404 for a fork that does not exist
     changes = await run_in_threadpool(svc.client.changes, fork_id)
-    patch: bytes = changes.patch
     accept = request.headers.get("accept", "")
     if not stat and ("application/json" not in accept or DIFF_MEDIA in accept):
-        return Response(patch, media_type=DIFF_MEDIA)
-    files = [
-        ChangedFile(path=f.path, status=str(f.status), added=f.added, removed=f.removed, binary=f.binary)
-        for f in changes.files
-    ]
-    text = None if stat else patch.decode("utf-8", errors="replace")
+        return Response(await run_in_threadpool(changes.patch), media_type=DIFF_MEDIA)
+    files = [ChangedFile.model_validate(f) for f in await run_in_threadpool(changes.stat)]
+    text = None if stat else (await run_in_threadpool(changes.patch)).decode("utf-8", errors="replace")
     return JSONResponse(ChangesBody(fork_id=fork_id, files=files, patch=text).model_dump(mode="json"))
 
 

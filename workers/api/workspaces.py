@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Final, Literal
+from typing import Final
 
 import redis
 
@@ -27,10 +27,10 @@ from workers.base.keys import Keys
 from workers.errors import RequestRefused, WorkspaceError, WorkspaceTooLarge
 from workers.store.blobs import DEFAULT_SCOPE, BlobStore
 from workers.workspace.manifest import EMPTY, Entry, Manifest, blob_digest
+from workers.workspace.ref import WorkspaceMode
 
 LARGEST_SHOWN: Final = 5  # folders a refusal names
 STRLEN_BATCH: Final = 1000
-WorkspaceMode = Literal["snapshot", "shared"]
 
 
 def workspace_scope(principal: str) -> str:
@@ -116,15 +116,17 @@ class Workspaces:
         manifest = Manifest.of(entries)
         check_bounds(manifest, self.settings)
         store, digest = self.store(scope), manifest.digest
+        if store.has_manifest(digest):  # its blobs are stored too: an unchanged tree asks nothing of each file
+            try:
+                store.put_manifest(manifest)  # renews it and its blobs when they near their expiry
+                return Offered(digest, [])
+            except WorkspaceError:  # some of its blobs expired (Redis flushed): asked for as for a new tree
+                pass
         missing = store.missing(sorted(manifest.digests()))
         if missing:
             return Offered(digest, missing)
-        if not store.has_manifest(digest):  # one stored before had its sizes checked then
-            self._check_sizes(scope, manifest)
-        try:
-            store.put_manifest(manifest)
-        except WorkspaceError:  # stored long ago, and some of its blobs expired since the question above
-            return Offered(digest, store.missing(sorted(manifest.digests())))
+        self._check_sizes(scope, manifest)
+        store.put_manifest(manifest)
         return Offered(digest, [])
 
     def upload(self, scope: str, digest: str, data: bytes) -> None:
@@ -160,9 +162,9 @@ class Workspaces:
         Raises:
             WorkspaceError: a shared workspace names a manifest, or the manifest is not stored in `scope`.
         """
-        mode: WorkspaceMode = workspace or self.settings.workspace
+        mode = workspace or WorkspaceMode(self.settings.workspace)
         net = True if network is None else network
-        if mode == "shared":
+        if mode is WorkspaceMode.SHARED:
             if manifest is not None:
                 raise WorkspaceError(
                     f'workspace_manifest {manifest} names a snapshot, but the workspace is "shared" (the fork '

@@ -15,7 +15,8 @@ is cancelled (it is sent SIGTERM), and when the worker thread that started it en
 death included (`PR_SET_PDEATHSIG`). The worker process itself is never a subreaper, so no orphan
 of a call (or of anything else the worker runs) waits on it to be reaped.
 
-The limits: a command can find its supervisor in the process table (it runs as the same user) and
+The limits: an unconfined command (or a confined one on a kernel before Landlock ABI 6, whose
+signals are not scoped) can find its supervisor in the process table (it runs as the same user) and
 SIGKILL it; the worker then kills every process left in the call's session, but one that moved to
 a session of its own before escapes. Processes handed to another service (`at`, `systemd-run`) are
 not the call's descendants, and one in uninterruptible sleep past the sweep (`SWEEP_MAX_S`) is left.

@@ -14,6 +14,13 @@ The shell does not run as the supervisor's child but as its grandchild, under a 
 parent" process: the shell's `$PPID` is that parent, so `kill -9 $PPID` orphans the shell to the
 supervisor, which then sweeps it like any other orphan.
 
+A snapshot fork's command comes with its sandbox (`Confinement.to_json`, a fifth argument): the
+shell's parent confines itself before it starts the shell (`workers.workspace.sandbox.confine_self`:
+namespaces where they can be made, Landlock, seccomp), so the supervisor stays outside the sandbox and
+keeps its power to kill everything the command starts, while the command, from Landlock ABI 6 on, can
+no longer signal or trace the supervisor. A sandbox that cannot be applied is not run around: the
+command is not run, and its output says why (exit code 126).
+
 What escapes it: processes that are not descendants of the call (a job handed to another service,
 such as `at`, `systemd-run` or a container runtime); processes stuck in uninterruptible sleep for
 longer than the sweep waits (`SWEEP_MAX_S`); and a command that searches the process table for the

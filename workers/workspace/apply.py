@@ -9,7 +9,8 @@ Writing keeps the tree whole at every step that can fail: every new file is firs
 destination (same folder, a fresh name opened with O_EXCL, its mode set), then each file replaced or removed
 is moved aside into one backup folder at the target's top, folders left empty are removed, and the staged
 files are renamed into place. A failure midway undoes every step taken, in reverse; the backups are deleted
-only at the end.
+only at the end. (A process killed midway leaves them in `.forkq-apply-*` at the target's top: the replaced
+and removed files, numbered, for a person to restore.)
 
 Nothing is ever reached through a symlink inside the target: every path is opened from a descriptor of the
 target one component at a time with O_NOFOLLOW, so a folder of the tree that is a symlink (to anywhere) is a
@@ -80,11 +81,10 @@ class _State:
 class _Blocked(Exception):
     """A folder of a path cannot be entered: `reason` says why."""
 
-    def __init__(self, prefix: str, reason: str, *, is_file: bool = False) -> None:
+    def __init__(self, prefix: str, reason: str) -> None:
         super().__init__(reason)
         self.prefix = prefix
         self.reason = reason
-        self.is_file = is_file
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,7 +125,7 @@ def _open_folder(root_fd: int, parts: list[str], *, make: Callable[[int, str], N
                 prefix = "/".join(parts[: i + 1])
                 if stat.S_ISLNK(info.st_mode):
                     raise _Blocked(prefix, f"folder {prefix!r} is a symlink in the target") from exc
-                raise _Blocked(prefix, f"{prefix!r} is a file in the target", is_file=True) from exc
+                raise _Blocked(prefix, f"{prefix!r} is a file in the target") from exc
             os.close(fd)
             fd = child
         return fd
@@ -180,7 +180,7 @@ def _current(root_fd: int, path: str, changed: set[str]) -> _State | str:
     except FileNotFoundError:
         return _State(Kind.ABSENT)
     except _Blocked as exc:
-        if exc.is_file and exc.prefix in changed:
+        if exc.prefix in changed:  # the file or symlink in the way is changed too: checked, then moved aside
             return _State(Kind.ABSENT)
         return f"{path}: {exc.reason}; forkq never writes through a symlink or over a file it did not expect"
     try:
@@ -203,38 +203,36 @@ def _refuse_git_paths(paths: list[str]) -> None:
             )
 
 
-def plan(root_fd: int, base: Manifest, changes: Mapping[str, Entry | None]) -> list[_Step]:
+def _plan(root_fd: int, base: Manifest, changes: Mapping[str, Entry | None]) -> list[_Step]:
     """The steps that apply `changes` to the target, after checking every file.
 
     Raises:
         ApplyConflict: some target file is neither the base version nor the fork's; names each and why.
     """
-    paths = changed_files(changes)
-    _refuse_git_paths(paths)
+    _refuse_git_paths(list(changes))
+    paths = changed_files(changes, base)
     base_entries = base.by_path()
     changed = set(paths)
     steps: list[_Step] = []
-    conflicts: list[str] = []
+    conflicts: dict[str, str] = {}  # path → why
     for path in paths:
         old, new = base_entries.get(path), changes[path]
-        if old == new or (old is not None and new is not None and (old.mode, old.digest) == (new.mode, new.digest)):
-            continue
         state = _current(root_fd, path, changed)
         if isinstance(state, str):
-            conflicts.append(state)
+            conflicts[path] = state
         elif state.matches(new):
             continue  # already applied
         elif state.matches(old):
             steps.append(_Step(path, old, new))
         else:
-            conflicts.append(state.differs(path, old))
+            conflicts[path] = state.differs(path, old)
     if conflicts:
-        listed = "\n  ".join(conflicts)
+        listed = "\n  ".join(conflicts.values())
         raise ApplyConflict(
             f"the fork's changes do not apply: {len(conflicts)} file(s) differ from the version the fork started "
             f"from, so nothing was written:\n  {listed}\nreview them (`forkq changes`), then apply by hand or "
             "restore those files",
-            paths=[c.split(": ", 1)[0] for c in conflicts],
+            paths=list(conflicts),
         )
     return steps
 
@@ -262,20 +260,21 @@ class _Transaction:
         finally:
             os.close(fd)
 
-    def stage(self, step: _Step) -> bool:
+    def stage(self, step: _Step, *, wait: bool = True) -> bool:
         """Write the new file under a fresh name in its folder; False when a file in the way must go first."""
         assert step.new is not None
         folders, name = _split(step.path)
         try:
             fd = _open_folder(self.root_fd, folders, make=self.make_folder)
-        except _Blocked as exc:
-            if exc.is_file:
+        except _Blocked:
+            if wait:  # the plan found that file or symlink changed too: it is moved aside before the second try
                 return False
             raise
         try:
             data = self.read(step.new.digest)
             for _ in range(100):  # a name taken meanwhile: draw another
-                temp = f".{name[:200]}.forkq-{secrets.token_hex(6)}"
+                short = name.encode()[:200].decode("utf-8", "ignore")  # room for the suffix in NAME_MAX bytes
+                temp = f".{short}.forkq-{secrets.token_hex(6)}"
                 with contextlib.suppress(FileExistsError):
                     _write_new(fd, temp, step.new.mode, data)
                     break
@@ -401,11 +400,10 @@ def _write(transaction: _Transaction, steps: list[_Step]) -> None:
         if step.old is not None:
             transaction.move_aside(step.path)
     for step in steps:
-        if step.old is not None:
+        if step.new is None:  # a replaced file's folder holds its staged successor: never empty
             transaction.remove_empty_folders(step.path)
     for step in waiting:
-        if not transaction.stage(step):
-            raise WorkspaceError(f"workspace path {step.path!r}: a file is still in the way of its folder")
+        transaction.stage(step, wait=False)
     for step in steps:
         if step.new is not None:
             transaction.place(step.path)
@@ -427,7 +425,7 @@ def apply_changes(
     except OSError as exc:
         raise WorkspaceError(f"apply target {str(target)!r}: expected a folder ({exc.strerror})", cause=exc) from exc
     try:
-        steps = plan(root_fd, base, changes)
+        steps = _plan(root_fd, base, changes)
         if not check and steps:
             _commit(root_fd, steps, read, target)
         return [step.path for step in steps]

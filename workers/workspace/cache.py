@@ -1,10 +1,11 @@
 """A worker's bounded local cache of workspace blobs: one read-only file per digest, least recently used evicted.
 
-Layout: `<directory>/<first two hex digits>/<digest>`, written to a hidden temporary name beside it and renamed
-into place, so a reader sees a whole file or none. The index (digest → size, in order of use) lives in memory,
-behind one lock, because one worker process builds many forks' trees at once from threads; at start it is read
-from the folder, oldest modification first (use is not recorded on disk: a restart forgets the order of use,
-not the blobs). A build holds the digests it copies from (`hold`), so no other thread evicts them mid-copy.
+Layout: `<directory>/<first two hex digits>/<digest>`, written in place and entered in the index once whole (a
+file a crash cut short is found at start, and fails verification at its first use). The index (digest → size, in
+order of use) lives in memory, behind one lock, because one worker process builds many forks' trees at once from
+threads; at start it is read from the folder, oldest modification first (use is not recorded on disk: a restart
+forgets the order of use, not the blobs). A build holds the digests it copies from (`hold`), so no other thread
+evicts them mid-copy, and a blob being written counts against the bound already.
 
 The cache trusts nothing it reads back: a build verifies every cached file against its digest as it copies it,
 and a file that fails is dropped and fetched again (`discard`). Files are mode 0o444 in a 0o700 folder, and a
@@ -16,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
@@ -63,23 +63,31 @@ class WorkspaceCache:
             raise WorkspaceError(f"workspace cache {directory}: max_bytes {max_bytes} is negative; give 0 or more")
         self.directory = Path(directory)
         self.max_bytes = max_bytes
+        self._root = os.path.abspath(directory)
         self._lock = threading.Lock()
         self._sizes: OrderedDict[str, int] = OrderedDict()  # least recently used first
         self._held: dict[str, int] = {}  # digest → how many builds copy from it now: never evicted meanwhile
+        self._writing: set[str] = set()  # digests being written now, their bytes already counted in _used
+        self._writing_bytes = 0
+        self._held_bytes = 0  # the bytes of the cached blobs in _held
         self._used = 0
-        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.makedirs(self._root, mode=0o700, exist_ok=True)
+        for prefix in range(256):  # every folder a blob can go to, made once
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(f"{self._root}/{prefix:02x}", 0o700)
         self._load()
 
     def _load(self) -> None:
         found: list[tuple[float, str, int]] = []
-        for sub in os.scandir(self.directory):
+        for sub in os.scandir(self._root):
             if not sub.is_dir(follow_symlinks=False):
                 continue
             for item in os.scandir(sub.path):
-                stat = item.stat(follow_symlinks=False)
+                info = item.stat(follow_symlinks=False)
                 if is_digest(item.name) and item.name[:2] == sub.name and item.is_file(follow_symlinks=False):
-                    found.append((stat.st_mtime, item.name, stat.st_size))
-                else:  # a temporary file of a write that died, or a stranger: not ours to keep
+                    # a file a crash cut short is kept: every read verifies it, and drops it then
+                    found.append((info.st_mtime, item.name, info.st_size))
+                else:  # a stranger: not ours to keep
                     with contextlib.suppress(OSError):
                         os.unlink(item.path)
         with self._lock:
@@ -94,8 +102,8 @@ class WorkspaceCache:
         with self._lock:
             return self._used
 
-    def _file(self, digest: str) -> Path:
-        return self.directory / digest[:2] / digest
+    def _file(self, digest: str) -> str:
+        return f"{self._root}/{digest[:2]}/{digest}"
 
     def path(self, digest: str) -> Path | None:
         """The file of blob `digest` (marked as just used), or None when it is not cached."""
@@ -103,7 +111,7 @@ class WorkspaceCache:
             if digest not in self._sizes:
                 return None
             self._sizes.move_to_end(digest)
-        return self._file(digest)
+        return Path(self._file(digest))
 
     def ensure(self, digests: Iterable[str], fetch: Fetch) -> None:
         """Fetch the blobs of `digests` that are not cached (one call of `fetch`), verify and store them; blobs
@@ -120,42 +128,62 @@ class WorkspaceCache:
                 self.put(digest, data)
 
     def put(self, digest: str, data: bytes) -> bool:
-        """Store `data`, whose digest the caller verified (see `fetch_verified`); whether it was kept (a blob that
-        does not fit beside the blobs builds hold now is not)."""
+        """Store `data`, whose digest the caller verified (see `fetch_verified`); whether the cache holds it now (a
+        blob that does not fit beside the blobs builds hold is not kept)."""
         size = len(data)
         if size > self.max_bytes:
             return False
-        target = self._file(digest)
-        target.parent.mkdir(mode=0o700, exist_ok=True)
-        temporary = target.parent / f".{digest}.{uuid.uuid4().hex}"
-        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o444)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-        finally:
-            os.close(fd)
         with self._lock:
-            if digest in self._sizes or not self._make_room(size):
-                os.unlink(temporary)
+            if digest in self._sizes or digest in self._writing:
                 return digest in self._sizes
-            os.replace(temporary, target)
+            if not self._make_room(size):
+                return False
+            self._writing.add(digest)
+            self._writing_bytes += size
+            self._used += size  # counted while written: other threads keep the bound
+        target = self._file(digest)
+        try:
+            _write_new(target, data)
+        except BaseException:
+            with self._lock:
+                self._writing.discard(digest)
+                self._writing_bytes -= size
+                self._used -= size
+            with contextlib.suppress(OSError):
+                os.unlink(target)
+            raise
+        with self._lock:
+            self._writing.discard(digest)
+            self._writing_bytes -= size
             self._sizes[digest] = size
-            self._used += size
+            if digest in self._held:  # held by a build that found it damaged or missing, and fetched it again
+                self._held_bytes += size
         return True
 
     def _make_room(self, size: int) -> bool:
-        """Evict unheld blobs, least recently used first, until `size` more bytes fit; whether they do (lock held)."""
+        """Evict unheld blobs, least recently used first, until `size` more bytes fit; whether they do (lock held).
+        Nothing is evicted when the held blobs and those being written leave no room anyway."""
         if self._used + size <= self.max_bytes:
             return True
-        for digest in [d for d in self._sizes if d not in self._held]:
+        if self._held_bytes + self._writing_bytes + size > self.max_bytes:
+            return False
+        victims: list[str] = []
+        freed = 0
+        for digest, stored in self._sizes.items():  # least recently used first; held blobs were moved to the end
+            if digest not in self._held:
+                victims.append(digest)
+                freed += stored
+                if self._used - freed + size <= self.max_bytes:
+                    break
+        for digest in victims:
             self._drop(digest)
-            if self._used + size <= self.max_bytes:
-                return True
-        return False
+        return True
 
     def _drop(self, digest: str) -> None:
-        self._used -= self._sizes.pop(digest)
+        size = self._sizes.pop(digest)
+        self._used -= size
+        if digest in self._held:
+            self._held_bytes -= size
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self._file(digest))
 
@@ -166,12 +194,14 @@ class WorkspaceCache:
                 self._drop(digest)
 
     @contextlib.contextmanager
-    def hold(self, digests: Iterable[str]) -> Iterator[dict[str, Path]]:
+    def hold(self, digests: Iterable[str]) -> Iterator[dict[str, str]]:
         """The files of the cached blobs among `digests`, kept from eviction until the block ends."""
         with self._lock:
             held = {d: self._file(d) for d in dict.fromkeys(digests) if d in self._sizes}
             for digest in held:
                 self._sizes.move_to_end(digest)
+                if digest not in self._held:
+                    self._held_bytes += self._sizes[digest]
                 self._held[digest] = self._held.get(digest, 0) + 1
         try:
             yield held
@@ -181,3 +211,22 @@ class WorkspaceCache:
                     left = self._held.pop(digest) - 1
                     if left:
                         self._held[digest] = left
+                    elif digest in self._sizes:
+                        self._held_bytes -= self._sizes[digest]
+
+
+def _write_new(path: str, data: bytes) -> None:
+    """Write a cache file, read-only from the start; the name is free (a blob is written by one thread at a time,
+    and a file is unlinked when its blob leaves the index), else left by a crash: replaced."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags, 0o444)
+    except FileExistsError:
+        os.unlink(path)
+        fd = os.open(path, flags, 0o444)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+    finally:
+        os.close(fd)

@@ -20,6 +20,7 @@ path is a valid workspace path (UTF-8 included), else the listing stops with an 
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import subprocess
@@ -41,7 +42,7 @@ GIT_LS_FILES: Final = ("ls-files", "-z", "-v", "-s", "--cached", "--others", "--
 # the tracked files whose stat or content differ from git's index: every other "H" file holds its index blob.
 # --no-optional-locks: never write the user's index (its refresh) behind their back
 GIT_DIFF_FILES: Final = ("--no-optional-locks", "diff-files", "-z", "--name-only", "--relative")
-GIT_MODES: Final = ("100644", "100755", "120000")  # not 160000: a submodule
+TRACKED_MODES: Final = ("100644", "100755", "120000")  # not 160000: a submodule
 IGNORE_FIX: Final = "leave it out with .forkqignore (or .gitignore in a git work tree)"
 
 Specs = tuple[tuple[str, pathspec.GitIgnoreSpec], ...]  # (folder prefix ending in "/" or "", its rules)
@@ -134,7 +135,7 @@ def _parse_listing(text: str, dirty: set[str] | None) -> tuple[list[tuple[str, s
             continue
         meta, _, path = record.partition("\t")  # "H 100644 <blob id> 0", tab, path
         mode = meta[2:8]
-        if not path or mode not in GIT_MODES:
+        if not path or mode not in TRACKED_MODES:
             continue  # the trailing empty record, or a submodule
         if meta[0] == "H" and meta[-2:] == " 0" and dirty is not None and path not in dirty:
             unchanged.append((path, mode, meta[9:-2]))
@@ -208,10 +209,19 @@ def _unreadable(root: Path, rel: str, exc: OSError) -> WorkspaceError:
 
 
 def _load_spec(root: Path, rel: str) -> pathspec.GitIgnoreSpec:
+    """The rules of the `.forkqignore` at `rel`: none if it is gone or not a regular file (a link is not followed)."""
     try:
-        lines = (root / rel).read_text(encoding="utf-8", errors="surrogateescape").splitlines()
+        fd = os.open(root / rel, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except (FileNotFoundError, NotADirectoryError):
+        return pathspec.GitIgnoreSpec.from_lines([])  # tracked, but deleted on disk
     except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return pathspec.GitIgnoreSpec.from_lines([])
         raise _unreadable(root, rel, exc) from exc
+    with open(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return pathspec.GitIgnoreSpec.from_lines([])
+        lines = f.read().decode("utf-8", "surrogateescape").splitlines()
     return pathspec.GitIgnoreSpec.from_lines(lines)
 
 

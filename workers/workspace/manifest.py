@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import re
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
@@ -27,6 +28,7 @@ MAX_PATH_BYTES: Final = 4096  # as Linux's PATH_MAX
 MAX_NAME_BYTES: Final = 255  # as Linux's NAME_MAX
 MAX_PATH_DEPTH: Final = 64
 DIGEST_HEX_LENGTH: Final = 64
+DIGEST_RE: Final = re.compile(r"[0-9a-f]{64}")
 
 
 class Mode(enum.IntEnum):
@@ -51,7 +53,8 @@ def blob_digest(data: bytes) -> str:
 
 def is_digest(value: object) -> bool:
     """Whether `value` is a blob digest as forkq writes it (64 lowercase hex digits)."""
-    return isinstance(value, str) and len(value) == DIGEST_HEX_LENGTH and all(c in "0123456789abcdef" for c in value)
+    # a regex, not a loop over the characters: an uploaded manifest's 50,000 digests are checked per request
+    return isinstance(value, str) and DIGEST_RE.fullmatch(value) is not None
 
 
 def check_path(path: object) -> str:

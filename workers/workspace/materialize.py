@@ -172,7 +172,7 @@ def _place(root: str, entries: Sequence[Entry], cache: WorkspaceCache, fetch: Fe
     return writer.counts
 
 
-def _copy_cached(source: Path, digest: str, entries: list[Entry], writer: _Writer) -> bool:
+def _copy_cached(source: str, digest: str, entries: list[Entry], writer: _Writer) -> bool:
     """Copy the cached blob `source` to `entries` if its bytes have `digest`; False (nothing written) if not."""
     try:
         fd = os.open(source, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -213,13 +213,19 @@ class _Writer:
         temporary = f"{final[: final.rfind('/')]}/.forkq-{uuid.uuid4().hex}"
         return os.open(temporary, _CREATE, 0o600), temporary, final
 
-    def _close(self, fd: int, entry: Entry, written: str, final: str) -> None:
-        os.fchmod(fd, 0o755 if entry.mode is Mode.EXECUTABLE else 0o644)  # exactly, whatever the umask
-        os.close(fd)
+    def _close(self, fd: int, entry: Entry, written: str, final: str, size: int) -> None:
+        try:
+            os.fchmod(fd, 0o755 if entry.mode is Mode.EXECUTABLE else 0o644)  # exactly, whatever the umask
+        finally:
+            os.close(fd)
         if written != final:
-            os.replace(written, final)
+            try:
+                os.replace(written, final)
+            except OSError:  # e.g. a folder stands at `final`: leave no stray file behind
+                os.unlink(written)
+                raise
         self.counts.files += 1
-        self.counts.bytes += entry.size
+        self.counts.bytes += size
 
     def write_all(self, entries: Iterable[Entry], data: bytes) -> None:
         """Write `data` to each of `entries` (symlinks are kept for `make_links`)."""
@@ -235,7 +241,7 @@ class _Writer:
             except BaseException:
                 os.close(fd)
                 raise
-            self._close(fd, entry, written, final)
+            self._close(fd, entry, written, final, len(data))
 
     def copy(self, entry: Entry, source_fd: int, view: mmap.mmap) -> None:
         """Copy the verified file `source_fd` (mapped as `view`) to `entry`: a clone, else a copy in the kernel."""
@@ -248,7 +254,7 @@ class _Writer:
         except BaseException:
             os.close(fd)
             raise
-        self._close(fd, entry, written, final)
+        self._close(fd, entry, written, final, len(view))
 
     def make_links(self) -> None:
         """Create the symlinks, after every regular file, so no file is written through one."""
@@ -261,7 +267,7 @@ class _Writer:
                 os.symlink(target, temporary)
                 os.replace(temporary, final)
             self.counts.files += 1
-            self.counts.bytes += entry.size
+            self.counts.bytes += len(target)
 
 
 def _kernel_copy(source_fd: int, fd: int, view: mmap.mmap) -> None:
@@ -391,7 +397,7 @@ def _git(root: str, *args: str) -> None:
             "git: not found on PATH; install git on the worker, or snapshot a tree that is not a git work tree",
             field="git",
         )
-    command = [executable, "-c", "core.fsync=none", "-c", "core.looseCompression=1", *args]
+    command = [executable, "-c", "core.fsync=none", "-c", "core.looseCompression=0", *args]
     try:
         done = subprocess.run(command, cwd=root, env=_GIT_ENV, capture_output=True, timeout=GIT_TIMEOUT_S, check=False)
     except (OSError, subprocess.TimeoutExpired) as exc:

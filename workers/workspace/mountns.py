@@ -10,7 +10,8 @@ new user and mount namespace, builds a root of its own on a tmpfs, and `chroot`s
 - at `alias`, the workspace is bound (the parent's folders that the worker does not have are created
   on the tmpfs, and a folder of the worker that is there, such as its home, is hidden);
 - at the run's temp folder, the temp folder is bound (the tmpfs is mounted over it first, so the new
-  root is out of sight of everything mirrored).
+  root is out of sight of everything mirrored);
+- at `/dev/shm`, a folder of the run's own (the caller says which), so shared memory is private.
 
 Nothing is written to the real file system (a read-only root is fine), and nothing is unmounted:
 the namespace ends with its last process. The Landlock rules of `workers.workspace.sandbox` then
@@ -145,6 +146,10 @@ def _mirror_entry(real_dir: int, name: str, target: str) -> None:
     fd = os.open(name, os.O_PATH | os.O_NOFOLLOW, dir_fd=real_dir)
     try:
         _bind(f"/proc/self/fd/{fd}", target)
+    except MountError:
+        if stat.S_ISDIR(st.st_mode):
+            raise
+        os.unlink(target)  # a device or socket the namespace may not bind (a console): left out, not fatal
     finally:
         os.close(fd)
 

@@ -23,6 +23,7 @@ a `---`/`+++` name that holds one.
 from __future__ import annotations
 
 import base64
+import collections
 import difflib
 import enum
 import hashlib
@@ -36,6 +37,7 @@ from workers.workspace.manifest import Changes, Entry, Manifest, Mode
 Read = Callable[[str], bytes]  # a blob's digest → its bytes
 
 CONTEXT_LINES: Final = 3
+MAX_DIFF_WORK: Final = 2_000_000  # occurrences of a's lines in b difflib may weigh in one file (≤ ~1 s)
 BINARY_PROBE_BYTES: Final = 8000  # git's FIRST_FEW_BYTES: how far it looks for a NUL
 BINARY_LINE_BYTES: Final = 52  # the bytes one base85 line of a binary hunk carries
 NULL_ID: Final = "0" * 40
@@ -135,18 +137,25 @@ def _name(prefix: str, path: str) -> str:
     return prefix + path if quoted is None else '"' + prefix + quoted[1:]
 
 
-def changed_files(changes: Mapping[str, Entry | None]) -> list[str]:
-    """The paths `changes` names, sorted by their UTF-8 bytes."""
+def changed_files(changes: Mapping[str, Entry | None], base: Manifest | None = None) -> list[str]:
+    """The paths `changes` names, sorted by their UTF-8 bytes; with `base`, only those that change it."""
+    if base is not None:
+        old = base.by_path()
+        changes = {p: e for p, e in changes.items() if not _unchanged(old.get(p), e)}
     return sorted(changes, key=lambda p: p.encode("utf-8"))
+
+
+def _unchanged(old: Entry | None, new: Entry | None) -> bool:
+    if old is None or new is None:
+        return old is new
+    return old.mode == new.mode and old.digest == new.digest
 
 
 def _file_patches(base: Manifest, changes: Changes, read: Read) -> Iterator[_FilePatch]:
     """The `diff --git` blocks of `changes` on `base`, skipping entries that change nothing."""
     old_entries = base.by_path()
-    for path in changed_files(changes):
+    for path in changed_files(changes, base):
         old, new = old_entries.get(path), changes[path]
-        if old == new or (old is not None and new is not None and _same(old, new)):
-            continue
         old_data = read(old.digest) if old is not None else b""
         new_data = read(new.digest) if new is not None else b""
         if old is not None and new is not None and (old.mode == Mode.SYMLINK) != (new.mode == Mode.SYMLINK):
@@ -154,10 +163,6 @@ def _file_patches(base: Manifest, changes: Changes, read: Read) -> Iterator[_Fil
             yield _FilePatch(path, None, new, b"", new_data)
         else:
             yield _FilePatch(path, old, new, old_data, new_data)
-
-
-def _same(old: Entry, new: Entry) -> bool:
-    return old.mode == new.mode and old.digest == new.digest
 
 
 def _header(fp: _FilePatch) -> list[str]:
@@ -195,11 +200,68 @@ def _hunk_range(start: int, stop: int) -> str:
     return f"{start if length == 0 else start + 1},{length}"
 
 
+Opcode = tuple[str, int, int, int, int]  # as difflib's: tag, a's range, b's range
+
+
+def _opcodes(a: list[bytes], b: list[bytes]) -> list[Opcode]:
+    """How `a` becomes `b`: the common head and tail kept as they are, difflib on what lies between.
+
+    Trimming first keeps the usual edit cheap whatever the file. difflib's time grows with how often a's lines
+    occur in b (lines in over 1% of b aside: its autojunk skips them), which is quadratic for a long file of a
+    few distinct lines; past `MAX_DIFF_WORK` such occurrences the middle is replaced as a whole (a larger patch,
+    as correct).
+    """
+    head, limit = 0, min(len(a), len(b))
+    while head < limit and a[head] == b[head]:
+        head += 1
+    tail = 0
+    while tail < limit - head and a[len(a) - 1 - tail] == b[len(b) - 1 - tail]:
+        tail += 1
+    a_mid, b_mid = a[head : len(a) - tail], b[head : len(b) - tail]
+    if _diff_work(a_mid, b_mid) > MAX_DIFF_WORK:
+        middle: list[Opcode] = [("replace", 0, len(a_mid), 0, len(b_mid))]
+    else:
+        middle = list(difflib.SequenceMatcher(None, a_mid, b_mid).get_opcodes())
+    codes: list[Opcode] = [("equal", 0, head, 0, head)] if head else []
+    codes += [(tag, i1 + head, i2 + head, j1 + head, j2 + head) for tag, i1, i2, j1, j2 in middle]
+    if tail:
+        codes.append(("equal", len(a) - tail, len(a), len(b) - tail, len(b)))
+    return codes
+
+
+def _diff_work(a: list[bytes], b: list[bytes]) -> int:
+    """How many times a's lines occur in b, leaving out the lines difflib's autojunk treats as junk."""
+    counts = collections.Counter(b)
+    popular = len(b) // 100 + 1 if len(b) >= 200 else len(b)
+    return sum(c for line in a if (c := counts.get(line, 0)) <= popular)
+
+
+def _grouped(codes: list[Opcode], context: int) -> Iterator[list[Opcode]]:
+    """The opcodes in hunks with `context` equal lines around each change (difflib's `get_grouped_opcodes`)."""
+    if not any(tag != "equal" for tag, *_ in codes):
+        return
+    if codes[0][0] == "equal":
+        tag, i1, i2, j1, j2 = codes[0]
+        codes[0] = tag, max(i1, i2 - context), i2, max(j1, j2 - context), j2
+    if codes[-1][0] == "equal":
+        tag, i1, i2, j1, j2 = codes[-1]
+        codes[-1] = tag, i1, min(i2, i1 + context), j1, min(j2, j1 + context)
+    group: list[Opcode] = []
+    for tag, i1, i2, j1, j2 in codes:
+        if tag == "equal" and i2 - i1 > 2 * context:  # a long run without changes ends the hunk
+            group.append((tag, i1, i1 + context, j1, j1 + context))
+            yield group
+            group = [(tag, i2 - context, i2, j2 - context, j2)]
+            continue
+        group.append((tag, i1, i2, j1, j2))
+    if group and not (len(group) == 1 and group[0][0] == "equal"):
+        yield group
+
+
 def _text_hunks(old: bytes, new: bytes) -> Iterator[bytes]:
     """The unified hunks turning `old` into `new`, as lines that end with LF."""
     a, b = _split_lines(old), _split_lines(new)
-    matcher = difflib.SequenceMatcher(None, a, b, autojunk=False)
-    for group in matcher.get_grouped_opcodes(CONTEXT_LINES):
+    for group in _grouped(_opcodes(a, b), CONTEXT_LINES):
         a_range = _hunk_range(group[0][1], group[-1][2])
         b_range = _hunk_range(group[0][3], group[-1][4])
         yield f"@@ -{a_range} +{b_range} @@\n".encode()

@@ -7,10 +7,11 @@ undone by anything the command does:
    mount namespace (and a new network namespace when `network` is false) and a root of its own, in
    which the workspace is at the parent's path (`alias`) and the command starts there. Where it
    cannot (the usual case in a container: runtimes refuse `unshare` to unprivileged processes), the
-   command starts in the workspace itself, and **every occurrence of `alias` in the command's text is
-   replaced by the workspace's path** before it runs (`command_for`): a documented heuristic that
-   covers the paths the history names (`cat /parent/src/a.py`, `cd /parent && make`), not paths a
-   program builds at run time. The file tools map those paths themselves (`Confinement.inside`).
+   command starts in the workspace itself, and **every occurrence of `alias` in the command's text (as
+   a whole path: not `/parent2`) is replaced by the workspace's path** before it runs (`command_for`):
+   a documented heuristic that covers the paths the history names (`cat /parent/src/a.py`,
+   `cd /parent && make`), not paths a program builds or reads at run time (a script's own text, a
+   Makefile, a config file naming `/parent`). The file tools map those paths themselves (`Confinement.inside`).
 2. `PR_SET_NO_NEW_PRIVS`, and every capability is dropped from the bounding set where the process may.
 3. A Landlock ruleset (no privilege needed) allows read and execute on the system folders (`/usr`,
    `/bin`, `/sbin`, `/lib*`, `/etc`, `/opt`, and the Python installation the worker runs), read and
@@ -20,16 +21,19 @@ undone by anything the command does:
    out of reach. Landlock also refuses `ptrace` (and so `/proc/<pid>/root`, `environ`, `mem`) of the
    worker's processes, and from ABI 6 signals to them and connections to their abstract unix sockets.
 4. With `network` false: Landlock refuses TCP bind and connect (ABI 4), and a seccomp filter refuses
-   `socket(AF_INET | AF_INET6, ...)` (UDP and raw sockets too) and `io_uring_setup` (its socket
-   operation would bypass seccomp), with EACCES.
+   `socket()` of the families AF_INET and AF_INET6 (UDP and raw sockets too), AF_UNIX (a service's
+   socket file, such as a Redis or container runtime socket, is as much a way out as its TCP port;
+   `socketpair()` still works) and AF_VSOCK, and `io_uring_setup` (its socket operation would bypass
+   seccomp), with EACCES. Where a namespace is made, the command also has a network namespace of its own.
 
 With `enforce` false (the operator set FORKQ_SANDBOX=off) nothing is confined; the parent's path is
 still given where a namespace can be made. With `enforce` true, any step that cannot be applied raises:
 a command never runs less confined than asked.
 
-What it does not cover: pathname unix sockets (a Landlock ABI 7 kernel does not check `connect` on
-them: a command that knows a socket's path can reach a service listening on it), CPU and memory
-(cgroups are the deployer's), and the kernel's own attack surface.
+What it does not cover: with the network allowed, pathname unix sockets (a Landlock ABI 7 kernel does
+not check `connect` on them: a command that knows a socket's path can reach the service listening on
+it, as it can reach a TCP port on localhost); `/proc/<pid>/cmdline` of the host's processes (read, not
+their environment or memory); CPU and memory (cgroups are the deployer's); the kernel's own attack surface.
 
 Standard library and ctypes only; the shell's supervisor imports it without site-packages.
 """
@@ -41,8 +45,7 @@ import errno
 import functools
 import json
 import os
-import platform
-import socket
+import re
 import struct
 import sys
 from dataclasses import asdict, dataclass
@@ -71,12 +74,13 @@ PR_SET_NO_NEW_PRIVS = 38
 PR_CAPBSET_DROP = 24
 PR_SET_SECCOMP = 22
 SECCOMP_MODE_FILTER = 2
-AF_INET, AF_INET6 = 2, 10
+AF_UNIX, AF_INET, AF_INET6, AF_VSOCK = 1, 2, 10, 40
 # (audit arch, socket, io_uring_setup) per machine
 SECCOMP_ARCH = {"x86_64": (0xC000003E, 41, 425), "aarch64": (0xC00000B7, 198, 425)}
 X32_SYSCALL_BIT = 0x40000000
 
 SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/opt", "/run/systemd/resolve")
+SHM = "/dev/shm"  # where a namespaced command finds the run's own folder for POSIX shared memory
 DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom", "/dev/tty")
 
 
@@ -200,6 +204,8 @@ def _try_namespaces() -> None:
 def _try_seccomp() -> None:
     _no_new_privs()
     _network_filter()
+    import socket  # noqa: PLC0415 - the probe's alone: the supervisor imports this module for every command
+
     try:
         socket.socket(socket.AF_INET, socket.SOCK_DGRAM).close()
     except PermissionError:
@@ -250,9 +256,11 @@ def sandbox_problems(mode: str) -> list[str]:
 
 def command_for(c: Confinement, command: str, namespaced: bool) -> str:
     """The command's text as it runs: `alias` replaced by `root` when the parent's path could not be given."""
-    if namespaced or c.alias.rstrip("/") in ("", str(c.root)):
+    alias = c.alias.rstrip("/")
+    if namespaced or alias in ("", str(c.root)):
         return command
-    return command.replace(c.alias.rstrip("/"), str(c.root))
+    # the whole path only: `/home/a/proj` in `/home/a/proj/x` or `cd /home/a/proj;`, not in `/home/a/project`
+    return re.sub(re.escape(alias) + r"(?![\w.-])", lambda _: str(c.root), command)
 
 
 def _check(result: int, what: str) -> int:
@@ -278,10 +286,10 @@ def _drop_bounding_set() -> None:
 
 
 def _network_filter() -> None:
-    """A seccomp filter: socket(AF_INET/AF_INET6) and io_uring_setup fail with EACCES, x32 calls too."""
-    arch = SECCOMP_ARCH.get(platform.machine())
+    """A seccomp filter: socket() of AF_INET, AF_INET6, AF_UNIX, AF_VSOCK and io_uring_setup fail with EACCES."""
+    arch = SECCOMP_ARCH.get(os.uname().machine)
     if arch is None:
-        raise OSError(errno.ENOSYS, f"no seccomp filter for the {platform.machine()} architecture")
+        raise OSError(errno.ENOSYS, f"no seccomp filter for the {os.uname().machine} architecture")
     audit_arch, nr_socket, nr_uring = arch
     ld, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_JMP|JGE|K, BPF_RET|K
     allow, deny = 0x7FFF0000, 0x00050000 | errno.EACCES  # SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO
@@ -294,10 +302,12 @@ def _network_filter() -> None:
         (ret, 0, 0, deny),
         (jeq, 0, 1, nr_uring),
         (ret, 0, 0, deny),
-        (jeq, 0, 4, nr_socket),
+        (jeq, 0, 6, nr_socket),
         (ld, 0, 0, 16),  # args[0] (low half): the family
-        (jeq, 1, 0, AF_INET),
-        (jeq, 0, 1, AF_INET6),
+        (jeq, 3, 0, AF_INET),
+        (jeq, 2, 0, AF_INET6),
+        (jeq, 1, 0, AF_UNIX),
+        (jeq, 0, 1, AF_VSOCK),
         (ret, 0, 0, deny),
         (ret, 0, 0, allow),
     ]
@@ -367,7 +377,12 @@ class Ruleset:
             os.close(self.fd)
 
 
-def _landlock(c: Confinement, root_fd: int, tmp_fd: int, abi: int) -> None:
+def _landlock(c: Confinement, writable: tuple[int, ...], abi: int) -> None:
+    """Apply the ruleset; `writable`: the workspace, the temp folder and the shared-memory folder, held open.
+
+    A rule is found by walking up from a mount's root to where it is mounted: a folder bound elsewhere (the
+    workspace at the alias, the shared-memory folder at /dev/shm) needs a rule of its own, not its parent's.
+    """
     rules = Ruleset(abi, c.network)
     read = FS_READ_FILE | FS_READ_DIR
     for path in system_paths():
@@ -375,17 +390,20 @@ def _landlock(c: Confinement, root_fd: int, tmp_fd: int, abi: int) -> None:
     for device in DEVICES:
         rules.allow(device, FS_READ_FILE | FS_WRITE_FILE | FS_IOCTL_DEV)
     rules.allow("/proc", read)
-    everything = rules.fs
-    rules.allow_fd(root_fd, everything, str(c.root))
-    rules.allow_fd(tmp_fd, everything, str(c.tmp))
+    for fd, what in zip(writable, (c.root, c.tmp, SHM), strict=True):
+        rules.allow_fd(fd, rules.fs, str(what))
     rules.restrict()
 
 
-def enter_alias(c: Confinement) -> bool:
-    """Give the command the workspace at `alias` in namespaces of its own; whether that could be done."""
+def enter_alias(c: Confinement, shm: str) -> bool:
+    """Give the command the workspace at `alias` in namespaces of its own; whether that could be done.
+
+    `/dev/shm` there is the folder `shm`, private to the run (POSIX semaphores and shared memory, as
+    Python's multiprocessing uses, work without a folder every process of the host shares).
+    """
     alias = os.path.normpath(c.alias)
     try:
-        mountns.plan_for({alias: 0, str(c.tmp): 1})
+        mountns.plan_for({alias: 0, str(c.tmp): 1, SHM: 2})
     except ValueError:
         return False  # the alias holds the temp folder (or is `/`): the text replacement instead
     try:
@@ -394,13 +412,15 @@ def enter_alias(c: Confinement) -> bool:
         return False
     # from here on a failure leaves this process half-built: raised, so the command does not run.
     # Opened again in the new namespace: a bind's source must be a mount of the caller's own namespace
-    root_fd = os.open(c.root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-    tmp_fd = os.open(c.tmp, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    fds = {
+        path: os.open(real, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        for path, real in ((alias, c.root), (str(c.tmp), c.tmp), (SHM, shm))
+    }
     try:
-        mountns.new_root(str(c.tmp), {alias: root_fd, str(c.tmp): tmp_fd})
+        mountns.new_root(str(c.tmp), fds)
     finally:
-        os.close(root_fd)
-        os.close(tmp_fd)
+        for fd in fds.values():
+            os.close(fd)
     os.chdir(alias)
     return True
 
@@ -413,8 +433,11 @@ def confine_self(c: Confinement) -> bool:
     """
     root_fd = os.open(c.root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     tmp_fd = os.open(c.tmp, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    shm = os.path.join(c.tmp, ".shm")
+    os.makedirs(shm, mode=0o700, exist_ok=True)
+    shm_fd = os.open(shm, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        namespaced = enter_alias(c)
+        namespaced = enter_alias(c, shm)
         if not namespaced:
             os.chdir(c.root)
         if not c.enforce:
@@ -430,10 +453,10 @@ def confine_self(c: Confinement) -> bool:
             _drop_bounding_set()
             if not c.network:
                 _network_filter()
-            _landlock(c, root_fd, tmp_fd, abi)
+            _landlock(c, (root_fd, tmp_fd, shm_fd), abi)
         except OSError as exc:
             raise SandboxUnavailable(f"cannot sandbox the command: {exc}", reason=str(exc)) from exc
         return namespaced
     finally:
-        os.close(root_fd)
-        os.close(tmp_fd)
+        for fd in (root_fd, tmp_fd, shm_fd):
+            os.close(fd)

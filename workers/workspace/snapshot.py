@@ -6,8 +6,8 @@ listing and the files' stat alone, before any file is read, then digests every f
 matches the launcher's stat cache (workers.workspace.statcache) is not read again, so a launch of an
 unchanged tree reads no file; and a tracked file git finds unchanged since its index whose blob's digest
 the cache knows is not even stat'ed. The others are read in 1 MiB chunks, by a few threads when there are
-many bytes. Symlinks stay links: their blob is
-the target's bytes, as git stores it, and nothing is followed.
+many bytes. Symlinks stay links: their blob is the target's bytes, as git stores it, and nothing is
+followed.
 
 A file that changes while it is read (its size, mtime, ctime or inode after the read differ from before,
 or it holds more or fewer bytes than its size) is read once more; a second change is an error naming it.
@@ -17,6 +17,7 @@ digest, so a file changed since the snapshot is an error too, never a blob under
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import stat
@@ -302,7 +303,7 @@ def _hash_file(path: str, st: os.stat_result) -> str:
     try:
         fd = os.open(path, _OPEN_FLAGS)
     except OSError as exc:
-        if exc.errno == getattr(os, "ELOOP", 40) or isinstance(exc, IsADirectoryError):
+        if exc.errno == errno.ELOOP or isinstance(exc, IsADirectoryError):
             raise _Changed from exc  # a link or folder now stands where the file was
         raise
     try:

@@ -13,7 +13,9 @@ file is read again only when its `(size, mtime_ns, ctime_ns, inode)` differs fro
 last saw, or was too recent to trust (a write in the same timestamp tick keeps the same mtime).
 
 Rules:
-- The top-level `.git` (the workspace's own repository) is not part of the tree.
+- A `.git` (any case) at any depth is not part of the tree: the top one is the workspace's own
+  repository, and git never tracks a path through one, so neither a snapshot nor a patch holds it
+  (and a repository cloned into the tree does not flood the journal).
 - Symlinks are never followed: a link is an entry whose blob is its target, and a file is read
   through folders opened one by one without following links (`beneath`), so a folder swapped for a
   link by a process still running cannot lead a read out of the tree. Other file types (fifos,
@@ -154,7 +156,7 @@ class Tracker:
             seen.add(path)
             entry = self._entries.get(path)
             mode = Mode.of(st.st_mode)
-            if entry is None or entry.mode != mode or (mode != Mode.SYMLINK and entry.size != st.st_size):
+            if entry is None or entry.mode != mode or entry.size != st.st_size:  # a link's size: its target's
                 self._pending[path] = True
             elif mode != Mode.SYMLINK and not _racy(st, now):
                 self._rows[path] = _row(st)
@@ -218,7 +220,7 @@ class Tracker:
             if not event.name:
                 continue
             name = os.fsdecode(event.name)
-            if not base and name == GIT_DIR:
+            if name.lower() == GIT_DIR:
                 continue
             self._mark(f"{base}/{name}" if base else name, bool(event.mask & ~(inotify.IN_ATTRIB | inotify.IN_ISDIR)))
 
@@ -324,7 +326,7 @@ class Tracker:
                 continue
             for item in items:
                 path = f"{folder}/{item.name}" if folder else item.name
-                if not folder and item.name == GIT_DIR:
+                if item.name.lower() == GIT_DIR:
                     continue
                 if path not in self._entries:
                     try:
@@ -444,6 +446,8 @@ class Tracker:
 
 def _outermost(pending: dict[str, bool]) -> dict[str, bool]:
     """The pending paths that lie under no other pending path (a folder walked covers what is beneath it)."""
+    if "" in pending:
+        return {"": pending[""]}
     kept: dict[str, bool] = {}
     for path, content in pending.items():
         parts = path.split("/")

@@ -142,7 +142,8 @@ async function localFile(dir: string, path: string): Promise<LocalFile | null> {
   if (info === null) return null; // deleted, though still in git's index
   if (info.isSymbolicLink()) {
     const target = await fs.readlink(source, { encoding: "buffer" });
-    return { path, mode: SYMLINK, size: target.length, digest: createHash("sha256").update(target).digest("hex"), source };
+    const digest = createHash("sha256").update(target).digest("hex");
+    return { path, mode: SYMLINK, size: target.length, digest, source };
   }
   if (!info.isFile()) return null; // a submodule, a socket: not a file of the tree
   const data = await fs.readFile(source);
@@ -170,7 +171,8 @@ export async function workspaceFiles(dir: string): Promise<LocalFile[]> {
   const fs = await import("node:fs/promises");
   const info = await fs.lstat(root).catch(() => null);
   if (info === null || !info.isDirectory()) {
-    throw new ForkqApiError(0, `workspaceDir ${JSON.stringify(dir)} is not a folder; pass the parent's cwd`, "workspaceDir");
+    const message = `workspaceDir ${JSON.stringify(dir)} is not a folder; pass the parent's cwd`;
+    throw new ForkqApiError(0, message, "workspaceDir");
   }
   const names = (await gitFiles(root)) ?? (await walkedFiles(root));
   const files = await mapBounded(names, FILES_AT_ONCE, (name) => localFile(root, name));
@@ -181,7 +183,8 @@ export async function workspaceFiles(dir: string): Promise<LocalFile[]> {
 export async function blobOf(file: LocalFile): Promise<Uint8Array<ArrayBuffer>> {
   const fs = await import("node:fs/promises");
   const { createHash } = await import("node:crypto");
-  const data = file.mode === SYMLINK ? await fs.readlink(file.source, { encoding: "buffer" }) : await fs.readFile(file.source);
+  const data =
+    file.mode === SYMLINK ? await fs.readlink(file.source, { encoding: "buffer" }) : await fs.readFile(file.source);
   if (createHash("sha256").update(data).digest("hex") !== file.digest) {
     throw new ForkqApiError(0, `${file.source} changed while it was uploaded; upload the folder again`, "workspaceDir");
   }
