@@ -27,8 +27,19 @@ def report(client: ForkClient, handles: Mapping[str, ForkHandle], results: Mappi
         say(f"{label}  ({handle.fork_id}, {_kind(record)})")
         for line in _inherited(record):
             say(line)
+        say(_files(client, handle.fork_id, record))
         for line in _returned(results.get(label)):
             say(line)
+
+
+def _files(client: ForkClient, fork_id: str, record: Mapping[str, Any]) -> str:
+    """The fork's workspace: its own copy of the parent's files, and what it changed (never the parent's tree)."""
+    ref = record.get("workspace") or {}
+    if ref.get("mode") != "snapshot":
+        return _field("files", f"the parent's {record['cwd']} in place (shared)")
+    changes = client.changes(fork_id)
+    changed = ", ".join(changes.paths) if changes.paths else "none"
+    return _field("files", f"its own copy of {len(changes.base)} files (sandboxed); changed: {clip(changed, 50)}")
 
 
 def _kind(record: Mapping[str, Any]) -> str:
