@@ -10,7 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from broker_config.settings import Settings
+from tests.live import wait_until
 from tests.loop_support import REGULAR, call, parent_for, step, tool_results, workdir
+from workers.app import runtime_of
 from workers.client import ForkClient
 from workers.records.conversation import fold
 from workers.records.fork import Status
@@ -115,3 +117,41 @@ def test_a_call_that_grows_the_workspace_past_its_bound_is_answered_with_an_erro
     assert "FORKQ_WORKSPACE_MAX_BYTES" in results["big"]["error"], results
     changed = {e.call_id: decode_changes(e.changes) for e in entries if e.changes is not None}
     assert list(changed) == ["fix"] and list(changed["fix"]) == ["small.txt"]
+
+
+def test_a_continuation_keeps_the_workspace_its_first_exchange_left(
+    live: Callable[..., ForkClient], parent: dict[str, Any], tmp_path: Path
+) -> None:
+    # Given a fork that wrote a file and answered, and a script whose continuation reads the file back
+    steps = [
+        step(call("w", "run_shell_command", command="echo kept > kept.txt")),
+        step("first answer"),
+        step(call("r", "run_shell_command", command="cat kept.txt")),
+        step("second answer"),
+    ]
+    client = live(steps, workspace_dir=tmp_path / "ws")
+    handle = client.launch(parent_for(parent, workdir(tmp_path)), REGULAR, workspace="snapshot")
+    assert handle.wait(timeout=30).output == "first answer"
+
+    # When the parent sends it a message (a new run, in a new folder built from the journal)
+    assert client.send(handle.fork_id, "And read it back.").outcome == "continued"
+
+    # Then the continuation finds the file
+    def second_answered() -> bool:
+        result = client.result(handle.fork_id)
+        return result is not None and result.output == "second answer"
+
+    wait_until(second_answered, 30, "the continuation's answer")
+    assert tool_results(journal(client, handle.fork_id))["r"]["output"].startswith("kept")
+
+
+def test_the_worker_metrics_report_the_workspace_cache_and_its_bound(
+    live: Callable[..., ForkClient], parent: dict[str, Any], tmp_path: Path
+) -> None:
+    client = live([step("done")], workspace_dir=tmp_path / "ws", workspace_cache_mb=7)
+    handle = client.launch(parent_for(parent, workdir(tmp_path)), REGULAR, workspace="snapshot")
+    assert handle.wait(timeout=30).status is Status.SUCCEEDED
+    metrics = runtime_of(client.app).metrics.registry
+    assert metrics.get_sample_value("forkq_workspace_cache_limit_bytes") == 7 * 1024 * 1024
+    assert (metrics.get_sample_value("forkq_workspace_cache_bytes") or 0) >= len("the limiter uses INCR then EXPIRE\n")
+    assert metrics.get_sample_value("forkq_workspace_runs") == 0  # its folder went with its run
