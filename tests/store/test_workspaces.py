@@ -25,6 +25,22 @@ def blobs(redis_client: redis.Redis, settings: Settings) -> BlobStore:
     return BlobStore(redis_client, Keys(settings.namespace), ttl_s=3600)
 
 
+def record_of(fork_id: str, workspace: WorkspaceRef) -> BootstrapRecord:
+    """A minimal bootstrap record of a fork with `workspace`."""
+    return BootstrapRecord(
+        fork_id=fork_id,
+        parent_session="s",
+        kind="fork",
+        seed_chunks=[],
+        message_count=0,
+        task_prompt="t",
+        directive="d",
+        description="x",
+        cwd=workspace.root,
+        workspace=workspace,
+    )
+
+
 def tree(root: Path) -> Path:
     (root / "src").mkdir(parents=True)
     (root / "src" / "a.py").write_text("print('a')\n", encoding="utf-8")
@@ -126,18 +142,7 @@ def test_a_forks_changes_are_its_journals_over_its_base_and_a_reverted_file_is_n
     ]
     store = ForkStore(redis_client, Keys(settings.namespace), ttl_s=3600)
     fid = "f-changes"
-    record = BootstrapRecord(
-        fork_id=fid,
-        parent_session="s",
-        kind="fork",
-        seed_chunks=[],
-        message_count=0,
-        task_prompt="t",
-        directive="d",
-        description="x",
-        cwd=str(root),
-        workspace=ref,
-    )
+    record = record_of(fid, ref)
     for seq, changes in enumerate(steps):
         entry = JournalEntry(seq=seq, step=0, kind=EntryKind.TOOL_RESULT, response={"output": ""})
         entry = entry.model_copy(update={"changes": encode_changes(changes)})
@@ -155,17 +160,6 @@ def test_a_forks_changes_are_its_journals_over_its_base_and_a_reverted_file_is_n
 
 def test_a_shared_fork_has_no_changes_to_read(settings: Settings, redis_client: redis.Redis, blobs: BlobStore) -> None:
     store = ForkStore(redis_client, Keys(settings.namespace), ttl_s=3600)
-    record = BootstrapRecord(
-        fork_id="f-shared",
-        parent_session="s",
-        kind="fork",
-        seed_chunks=[],
-        message_count=0,
-        task_prompt="t",
-        directive="d",
-        description="x",
-        cwd="/p",
-        workspace=WorkspaceRef(mode=WorkspaceMode.SHARED, root="/p"),
-    )
+    record = record_of("f-shared", WorkspaceRef(mode=WorkspaceMode.SHARED, root="/p"))
     with pytest.raises(WorkspaceError, match="no snapshot workspace"):
         fork_changes(store, blobs, record)
