@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import missing_tool
 from tests.workspace.sandbox_support import ALIAS, SECRET, Layout, Mode, modes, unprivileged_reason
 from tests.workspace.sandbox_support import SYSTEM_PYTHON as PY
 from workers.errors import SandboxUnavailable
@@ -29,7 +30,12 @@ from workers.workspace.sandbox import Confinement, command_for, probe, require, 
 MODES = modes()
 ABI = sandbox.landlock_abi()[0]
 
-pytestmark = pytest.mark.skipif(ABI < sandbox.MIN_LANDLOCK_ABI, reason="the kernel has no usable Landlock")
+
+@pytest.fixture(autouse=True)
+def _landlock() -> None:
+    """These tests need a kernel with Landlock: skipped without one, failed when the CI variable is set."""
+    if ABI < sandbox.MIN_LANDLOCK_ABI:
+        missing_tool("Landlock", f"the kernel offers Landlock ABI {ABI}; the sandbox needs {sandbox.MIN_LANDLOCK_ABI}")
 
 
 @pytest.fixture(params=MODES, ids=[m.name for m in MODES])
@@ -117,21 +123,20 @@ def without_namespaces(layout: Layout, *, enforce: bool) -> Confinement:
     return Confinement(layout.root, "/", layout.tmp, enforce=enforce)
 
 
-def skip_unless_same_user_namespace(mode: Mode) -> None:
-    """The controls need the command in the outsider's user namespace: the read-only modes add one around it."""
-    if mode.name not in ("tool", "nobody"):
-        pytest.skip("the test's own user namespace stands between the command and the outsider")
+# the controls need the command in the outsider's user namespace: the read-only modes add one around it
+SAME_NAMESPACE = [m for m in MODES if m.name in ("tool", "nobody")]
+in_same_namespace = pytest.mark.parametrize("mode", SAME_NAMESPACE, ids=[m.name for m in SAME_NAMESPACE])
 
 
 CONTROLLED = ["absolute path", "worker home", "a file in /tmp", "python open", "proc root of the worker", "mount"]
 
 
+@in_same_namespace
 @pytest.mark.parametrize("escape", [*CONTROLLED, "proc fd of the worker"])
 def test_the_same_escapes_read_the_secret_without_the_sandbox(
     mode: Mode, layout: Layout, outsider: tuple[int, int, int, int, str], escape: str
 ) -> None:
     # the control of the test above (FORKQ_SANDBOX=off, no namespace): the refusals there are the sandbox's
-    skip_unless_same_user_namespace(mode)
     command = escapes(layout, outsider[0], outsider[1])[escape]
     assert SECRET in mode.run(layout, command, without_namespaces(layout, enforce=False))
     # and Landlock alone refuses them, without the namespaces' help
@@ -155,7 +160,15 @@ def test_a_confined_command_cannot_trace_or_signal_its_users_processes(
     out = mode.run(layout, command, layout.confinement())
     assert "PTRACE -1" in out
     assert "SIGNALLED" not in out
-    skip_unless_same_user_namespace(mode)
+
+
+@in_same_namespace
+def test_landlock_alone_refuses_tracing_and_signals_which_succeed_unconfined(
+    mode: Mode, layout: Layout, outsider: tuple[int, int, int, int, str]
+) -> None:
+    pid = outsider[0]
+    trace = f'import ctypes; l = ctypes.CDLL(None, use_errno=True); print("PTRACE", l.ptrace(16, {pid}, 0, 0))'
+    command = f"{PY} -c '{trace}'; kill -0 {pid} && echo SIGNALLED"
     # Landlock alone (ptrace since ABI 1, signals since ABI 6), and the control: nothing stops them unconfined
     alone = mode.run(layout, command, without_namespaces(layout, enforce=True))
     assert "PTRACE -1" in alone
@@ -179,7 +192,14 @@ def test_a_confined_command_cannot_reach_an_abstract_unix_socket_outside(
 ) -> None:
     command = f'{PY} -c "{_connect_abstract(outsider[4])}" 2>&1 | tail -1'
     assert "UNIX_CONNECTED" not in mode.run(layout, command, layout.confinement())
-    skip_unless_same_user_namespace(mode)
+
+
+@in_same_namespace
+@pytest.mark.skipif(ABI < 6, reason="abstract unix socket scoping needs Landlock ABI 6")
+def test_landlock_alone_refuses_an_abstract_unix_socket_outside_which_connects_unconfined(
+    mode: Mode, layout: Layout, outsider: tuple[int, int, int, int, str]
+) -> None:
+    command = f'{PY} -c "{_connect_abstract(outsider[4])}" 2>&1 | tail -1'
     assert "UNIX_CONNECTED" not in mode.run(layout, command, without_namespaces(layout, enforce=True))
     assert "UNIX_CONNECTED" in mode.run(layout, command, without_namespaces(layout, enforce=False))
 
