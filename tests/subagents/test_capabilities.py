@@ -117,7 +117,7 @@ def test_what_runs_is_denied_or_parks_in_each_approval_mode_and_policy(
     # Given a fork whose first step reads a file, edits a file and runs a shell command
     mode, ran_calls, denied, parked = expected.mode, expected.ran, expected.denied, list(expected.parked)
     work = workdir(tmp_path)
-    handle = client.launch(parent_for(parent, work, mode), FORK, approval_policy=expected.policy)
+    handle = client.launch(parent_for(parent, work, mode), FORK, approval_policy=expected.policy, workspace="shared")
 
     # When a worker runs it
     outcome = deliver(handle.fork_id, handle.digest, MIXED)
@@ -159,7 +159,7 @@ def test_cli_approve_and_deny_decide_parked_calls_and_the_fork_goes_on_with_both
 ) -> None:
     # Given a fork parked on a file edit and a shell command
     work = workdir(tmp_path)
-    handle = client.launch(parent_for(parent, work, "default"), FORK, approval_policy="park")
+    handle = client.launch(parent_for(parent, work, "default"), FORK, approval_policy="park", workspace="shared")
     fid = handle.fork_id
     assert deliver(fid, handle.digest, MIXED) == "awaiting_approval"
     assert main(["status", fid]) == 0
@@ -202,7 +202,7 @@ def test_a_call_without_an_id_is_approved_by_its_step_and_index(
 ) -> None:
     work = workdir(tmp_path)
     steps = [step(call(None, "run_shell_command", command="echo ok > shell.txt")), step("done")]
-    handle = client.launch(parent_for(parent, work, "plan"), FORK, approval_policy="park")
+    handle = client.launch(parent_for(parent, work, "plan"), FORK, approval_policy="park", workspace="shared")
     assert deliver(handle.fork_id, handle.digest, steps) == "awaiting_approval"
     assert [c.call_id for c in client.status(handle.fork_id).pending_approval] == ["0.0"]
 
@@ -216,7 +216,7 @@ def test_approving_a_fork_that_is_not_parked_or_an_unknown_call_is_refused(
     client: ForkClient, parent: dict[str, Any], tmp_path: Path, deliver: Callable[..., str]
 ) -> None:
     work = workdir(tmp_path)
-    handle = client.launch(parent_for(parent, work, "default"), FORK, approval_policy="park")
+    handle = client.launch(parent_for(parent, work, "default"), FORK, approval_policy="park", workspace="shared")
     with pytest.raises(InvalidApproval, match="is queued, not awaiting approval"):
         client.approve(handle.fork_id, "w1")
     assert deliver(handle.fork_id, handle.digest, MIXED) == "awaiting_approval"
@@ -357,7 +357,7 @@ def test_a_parked_fork_denied_by_a_person_goes_on_and_its_model_reads_the_denial
     client = live(steps)
     provider = recording_provider(client.app, steps)
     work = workdir(tmp_path)
-    handle = client.launch(parent_for(parent, work, "default"), FORK, approval_policy="park")
+    handle = client.launch(parent_for(parent, work, "default"), FORK, approval_policy="park", workspace="shared")
     wait_until(lambda: handle.status().status is Status.AWAITING_APPROVAL, what="the fork to park")
     assert [c.wire() for c in handle.status().pending_approval] == [
         {"call_id": "s1", "index": 0, "step": 0, "name": "run_shell_command", "args": {"command": "touch denied.txt"}}
@@ -415,7 +415,7 @@ def test_a_parked_fork_approved_by_a_person_resumes_on_another_worker(
     env = {"FORKQ_SCRIPT": str(write_script(tmp_path, steps)), "FORKQ_HEARTBEAT_FILE": str(tmp_path / "hb")}
     first = worker_process(**env)
     work = workdir(tmp_path)
-    handle = client.launch(parent_for(parent, work, "default"), FORK, approval_policy="park")
+    handle = client.launch(parent_for(parent, work, "default"), FORK, approval_policy="park", workspace="shared")
     wait_until(lambda: handle.status().status is Status.AWAITING_APPROVAL, timeout=30, what="the fork to park")
     assert not (work / "approved.txt").exists()
     [parked] = [e for e in client.events(handle.fork_id) if e.type == "awaiting_approval"]
@@ -609,7 +609,7 @@ def test_a_fork_cancelled_during_a_shell_command_kills_it_and_does_nothing_more(
     ]
     client = live(steps, heartbeat_s=0.5, lease_ttl_s=2)
     work = workdir(tmp_path)
-    handle = client.launch(parent_for(parent, work), FORK)
+    handle = client.launch(parent_for(parent, work), FORK, workspace="shared")
     wait_until(lambda: (work / "started").exists() and (work / "sleep.pid").stat().st_size > 0, what="the command")
     sleeper = int((work / "sleep.pid").read_text())
     assert process_alive(sleeper)
@@ -736,7 +736,9 @@ def test_time_spent_waiting_for_a_person_does_not_count_against_the_wall_clock_l
     # Given a fork with a 60 s wall clock, parked on a shell command, that has waited an hour for a person
     work = workdir(tmp_path)
     steps = [step(call("s1", "run_shell_command", command="echo ok > shell.txt")), step("done")]
-    handle = client.launch(parent_for(parent, work, "default"), FORK, approval_policy="park", max_wall_s=60)
+    handle = client.launch(
+        parent_for(parent, work, "default"), FORK, approval_policy="park", max_wall_s=60, workspace="shared"
+    )
     assert deliver(handle.fork_id, handle.digest, steps) == "awaiting_approval"
     state_key = client.store.keys.state(handle.fork_id)
     hour_ms = 3_600_000
