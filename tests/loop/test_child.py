@@ -36,7 +36,7 @@ from tests.loop_support import (
 from tests.records.test_journal import MemoryJournal
 from workers.history.params import agent_tool_schema
 from workers.history.selection import ForkSeed
-from workers.loop.child import ChildLoop, Parked, Stopped
+from workers.loop.child import ChildLoop, Parked, Stopped, Workspace
 from workers.loop.policy import FORK_NESTING_ERROR, SUBAGENT_FORK_ERROR, TEAMMATE_NESTING_ERROR
 from workers.loop.replay import replay
 from workers.providers import ModelRequest, ModelResponse
@@ -69,6 +69,7 @@ class SpawnRecorder:
         *,
         cancelled: Callable[[], bool],
         deadline: float,
+        workspace: Workspace | None = None,
     ) -> dict[str, Any]:
         self.calls.append((child_id, dict(args)))
         return {"output": f"nested report from {child_id}"}
