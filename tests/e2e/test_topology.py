@@ -357,7 +357,10 @@ def test_the_compose_topology_runs_forks_shows_them_in_flower_and_survives_a_wor
     assert http(f"{flower_url}/api/tasks")[0] == 401  # no credentials, no API
 
     # When forks are launched from the example parent
-    parent = {**json.loads(PARENT.read_text()), "cwd": str(tmp_path)}
+    project = tmp_path / "project"  # the parent's tree (snapshotted at launch), beside the topology's live files
+    project.mkdir()
+    (project / "README.md").write_text("# project\n", encoding="utf-8")
+    parent = {**json.loads(PARENT.read_text()), "cwd": str(project)}
     app = make_app(settings)
     with ForkClient(settings, app=app) as forks, contextlib.closing(app), contextlib.closing(client):
         handles = [

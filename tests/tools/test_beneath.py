@@ -235,7 +235,7 @@ def test_a_fork_writing_while_its_directory_is_swapped_for_a_symlink_writes_noth
 
     # When it runs meanwhile
     with swapping(work) as swaps:
-        result = client.launch(parent_for(parent, work, "yolo"), FORK).wait(timeout=60)
+        result = client.launch(parent_for(parent, work, "yolo"), FORK, workspace="shared").wait(timeout=60)
 
     # Then it finished and not one file escaped, while writes landed inside and the swapper kept swapping
     assert result.status is Status.SUCCEEDED, result.error

@@ -289,7 +289,7 @@ def test_a_call_stuck_on_a_fifo_is_answered_at_its_time_limit_and_the_fork_goes_
     client = live(steps, tools=(FIFO_READ,), tool_timeout_s=1.0)
 
     # When the fork runs
-    handle = client.launch(with_tools(parent, work, FIFO_READ), FORK)
+    handle = client.launch(with_tools(parent, work, FIFO_READ), FORK, workspace="shared")
     try:
         result = handle.wait(timeout=30)
     finally:
@@ -310,7 +310,7 @@ def test_the_wall_clock_limit_ends_a_fork_stuck_in_a_tool_call(
     os.mkfifo(work / "pipe")
     client = live([step(call("p1", "fifo_read", path="pipe")), step("never")], tools=(FIFO_READ,))
     started = time.monotonic()
-    handle = client.launch(with_tools(parent, work, FIFO_READ), FORK, max_wall_s=1.5)
+    handle = client.launch(with_tools(parent, work, FIFO_READ), FORK, max_wall_s=1.5, workspace="shared")
     try:
         result = handle.wait(timeout=30)
     finally:
@@ -327,7 +327,7 @@ def test_cancelling_a_fork_stuck_on_a_fifo_frees_its_worker_slot_within_one_hear
     os.mkfifo(work / "pipe")
     steps = [step(call("p1", "fifo_read", path="pipe")), step("done")]
     client = live(steps, tools=(FIFO_READ,), concurrency=1, heartbeat_s=1.0, lease_ttl_s=3.0)
-    stuck = client.launch(with_tools(parent, work, FIFO_READ), FORK)
+    stuck = client.launch(with_tools(parent, work, FIFO_READ), FORK, workspace="shared")
     try:
         wait_until(
             lambda: any(e.kind == "tool_started" for e in journal_of(client.settings, stuck.fork_id)),
@@ -348,5 +348,5 @@ def test_cancelling_a_fork_stuck_on_a_fifo_frees_its_worker_slot_within_one_hear
     other = tmp_path / "other"
     other.mkdir()
     (other / "pipe").write_text("a plain file\n", encoding="utf-8")
-    after = client.launch(with_tools(parent, other, FIFO_READ), FORK).wait(timeout=20)
+    after = client.launch(with_tools(parent, other, FIFO_READ), FORK, workspace="shared").wait(timeout=20)
     assert after.status is Status.SUCCEEDED and after.output == "done"

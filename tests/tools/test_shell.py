@@ -264,7 +264,7 @@ def test_a_killed_worker_takes_the_processes_of_its_running_commands_with_it(
     steps = [step(call("s1", "run_shell_command", command=command, timeout_s=600))]
     worker = worker_process(FORKQ_SCRIPT=str(write_script(tmp_path, steps)), FORKQ_HEARTBEAT_FILE=str(tmp_path / "hb"))
     work = workdir(tmp_path)
-    client.launch(parent_for(parent, work, "yolo"), FORK)
+    client.launch(parent_for(parent, work, "yolo"), FORK, workspace="shared")
     with killed_afterwards(work / "pids"):
         wait_until(
             lambda: (work / "pids").exists() and (work / "pids").stat().st_size > 0, timeout=30, what="the command"

@@ -207,7 +207,7 @@ export interface Health {
   redis_fit: boolean;
 }
 
-/** A launch's options over HTTP: `ForkClient.launch`'s, and the workspace's (an uploaded manifest's digest). */
+/** A launch's options beyond the Agent call; one left out (or None) takes its default. */
 export interface LaunchOptions {
   fork_id?: string;
   seed_mode?: "fork_turns" | "completed_turns";
@@ -218,7 +218,7 @@ export interface LaunchOptions {
   output_schema?: Record<string, unknown>;
   max_wall_s?: number;
   max_turns?: number;
-  workspace?: "snapshot" | "shared";
+  workspace?: WorkspaceMode;
   workspace_manifest?: string;
   network?: boolean;
 }
@@ -465,6 +465,7 @@ export interface Step {
   error?: string | null;
   chars?: number | null;
   truncated?: boolean | null;
+  changed?: string[] | null;
   decision?: "approve" | "deny" | null;
   reason?: string | null;
 }
@@ -524,6 +525,9 @@ export interface WaitingCall {
   call_id: string;
   name: string;
 }
+
+/** Where a fork's tools act: a snapshot of the parent's tree, or the parent's tree in place. */
+export type WorkspaceMode = "snapshot" | "shared";
 
 /** `POST /v1/workspaces`: a tree's manifest, every file by path, mode, size and the SHA-256 of its bytes. */
 export interface WorkspaceOffer {
