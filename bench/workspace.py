@@ -348,14 +348,14 @@ def checkpoint_rows(client: ForkClient, fork_id: str, tmp: Path, runs: int, sand
     settings = Settings(redis_url=client.settings.redis_url, workspace_dir=tmp / "worker", sandbox=sandbox)
     run = RunWorkspace(record, settings=settings, blobs=client.blobs, cache=worker_cache(settings), epoch=1)
     run.open({})
-    assert run.tracker is not None
+    ctx = run.context(ToolContext(fork_id=fork_id, cwd=Path(record.cwd), call_id=None, idempotency_key="bench"))
+    assert run.tracker is not None  # the context waits for the tree (its git base is made in the background)
     time.sleep(0.3)  # the built files' mtimes age out of the tracker's racy window, as before a fork's first call
     rescan = Tracker(run.root, run.tracker.manifest, use_inotify=False)
     rescan.start()
     paths = [e.path for e in run.tracker.manifest]
     rng = random.Random(29)
     forkq, baseline, sizes, shell = [], [], [], []
-    ctx = run.context(ToolContext(fork_id=fork_id, cwd=Path(record.cwd), call_id=None, idempotency_key="bench"))
     try:
         for i in range(runs):
             path = rng.choice(paths)
