@@ -7,9 +7,12 @@ Run: `python bench/workspace.py [--quick]`. Generates a source tree in git (benc
    first launch: list, hash, store every blob) vs the floor, `git ls-files` + SHA-256 of every listed byte (rounds
    interleaved, medians); a sibling launch with nothing changed (p50, vs a `shared` launch of the same parent); a
    launch after one file is edited: the blobs it stored (blob keys counted in Redis) and the bytes it sent;
-2. materialize on a worker (`workers.workspace.materialize.build` from the launch's manifest): a warm cache vs
-   `cp -r` of the built tree, a cold cache (every blob fetched from Redis, verified, cached, written) vs MGET of
-   every blob, and the git base commit (`git=True`, warm) vs `cp -r` + `git init/add/commit`;
+2. materialize on a worker (`workers.workspace.materialize.build` from the launch's manifest, as a worker builds:
+   `trusted` fetch, cache written by its background thread), on each `--dir` (default: the temp folder, where
+   FORKQ_WORKSPACE_DIR defaults to, and tmpfs /dev/shm), rounds interleaved across them: a warm cache vs `cp -r`
+   of the built tree, a cold cache (every blob fetched from Redis, verified once, written) vs MGET of every blob
+   and vs MGET + writing the files, the cold build as it was before (each blob verified twice, cached inline),
+   and the git base commit (`git=True`, warm) vs `cp -r` + `git init/add/commit`;
 3. a step's checkpoint (`RunWorkspace.checkpoint`: the inotify tracker's collect, then the changed blobs stored)
    after `sed -i` edits one random file through the real shell tool (sandboxed where the machine can), vs a
    full rescan of the tree (the tracker without inotify) plus the same store;
@@ -26,6 +29,7 @@ import json
 import os
 import platform
 import random
+import resource
 import shutil
 import statistics
 import subprocess
@@ -102,7 +106,7 @@ class Row:
         """The row as printed."""
         ratio = "—" if self.ratio is None else f"{self.ratio:.2f}×"
         verdict = {True: "pass", False: "FAIL", None: ""}[self.ok]
-        return f"{self.label:<50} {self.forkq:>11} {self.baseline:>11} {ratio:>7}  {self.target:<9} {verdict}".rstrip()
+        return f"{self.label:<62} {self.forkq:>11} {self.baseline:>11} {ratio:>7}  {self.target:<9} {verdict}".rstrip()
 
 
 def ms(seconds: float) -> str:
@@ -253,39 +257,86 @@ def cp_git(source: Path, dest: Path) -> None:
         subprocess.run(["git", *args], cwd=dest, check=True, capture_output=True)
 
 
-def materialize_rows(r: redis.Redis, blobs: BlobStore, manifest: Manifest, tmp: Path, rounds: int) -> list[Row]:
-    """Row 2: cold and warm builds vs MGET and `cp -r`, and the git base commit, in interleaved rounds."""
+def filesystem(folder: Path) -> str:
+    """The type of the filesystem holding `folder` (`tmpfs`, `ext2/ext3`, ...), as `stat -f` names it."""
+    done = subprocess.run(["stat", "-f", "-c", "%T", str(folder)], capture_output=True, text=True, check=False)
+    return done.stdout.strip() or "unknown"
+
+
+def cpu_s() -> float:
+    """CPU seconds this process has used so far (every thread, user + kernel)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+@dataclass
+class Samples:
+    """The seconds of each timed thing over the rounds, and the CPU seconds of some."""
+
+    wall: dict[str, list[float]]
+    cpu: dict[str, list[float]]
+
+    def time(self, name: str, fn: Callable[[], object]) -> None:
+        """Run `fn`, adding its wall and CPU seconds to `name`."""
+        c = cpu_s()
+        self.wall.setdefault(name, []).append(timed(fn))
+        self.cpu.setdefault(name, []).append(cpu_s() - c)
+
+    def med(self, name: str) -> float:
+        """The median wall seconds of `name`."""
+        return statistics.median(self.wall[name])
+
+    def summary(self, name: str) -> str:
+        """`name`'s median and min wall time and median CPU time, for the notes."""
+        return (
+            f"{name} {ms(self.med(name))} (min {ms(min(self.wall[name]))}, CPU {ms(statistics.median(self.cpu[name]))})"
+        )
+
+
+def materialize_round(r: redis.Redis, blobs: BlobStore, manifest: Manifest, work: Path, got: Samples) -> None:
+    """One round of every materialize measurement in `work` (a folder on the filesystem measured)."""
     digests = sorted(manifest.digests())
-    out = tmp / "built"
-    out.mkdir()
-    cold, mget, written, warm, cp, with_git, cp_with_git = [], [], [], [], [], [], []
+    out = work / "built"
+    room = 4 * manifest.total_bytes + MB
+    before = WorkspaceCache(work / "cache-before", room)  # as before: each blob verified twice, cached inline
+    got.time("cold, as before", lambda: build(manifest, out / "before", before, blobs.get))
+    got.time("MGET", lambda: mget_all(r, blobs, digests))
+    cache = WorkspaceCache(work / "cache", room, deferred=True)  # as a worker's (`worker_cache`)
+    got.time("cold", lambda: build(manifest, out / "cold", cache, blobs.get, trusted=True))
+    got.time("cache written after", cache.flush)
+    got.time("MGET + write", lambda: mget_write(r, blobs, manifest, out / "mget"))
+    got.time("warm", lambda: build(manifest, out / "warm", cache, blobs.get, trusted=True))
+    got.time("cp -r", lambda: subprocess.run(["cp", "-r", str(out / "warm"), str(out / "cp")], check=True))
+    got.time("warm + git", lambda: build(manifest, out / "git", cache, blobs.get, git=True, trusted=True))
+    got.time("cp + git", lambda: cp_git(out / "warm", out / "cpgit"))
+    remove_tree(work)
+    os.sync()  # the next round's first build does not pay for this one's removal
+
+
+def materialize_rows(
+    r: redis.Redis, blobs: BlobStore, manifest: Manifest, places: Sequence[Path], rounds: int
+) -> tuple[list[Row], list[str]]:
+    """Row 2, on each folder of `places`: cold and warm builds vs MGET and `cp -r`, and the git base commit, in
+    rounds interleaved across the places; the rows and notes."""
+    found = {place: Samples({}, {}) for place in places}
     for i in range(rounds):
-        cache = WorkspaceCache(tmp / f"cache{i}", 4 * manifest.total_bytes + MB)
-        cold.append(timed(lambda: build(manifest, out / "cold", cache, blobs.get)))  # noqa: B023
-        mget.append(timed(lambda: mget_all(r, blobs, digests)))
-        written.append(timed(lambda: mget_write(r, blobs, manifest, out / "mget")))
-        warm.append(timed(lambda: build(manifest, out / "warm", cache, blobs.get)))  # noqa: B023
-        cp.append(timed(lambda: subprocess.run(["cp", "-r", str(out / "warm"), str(out / "cp")], check=True)))
-        with_git.append(timed(lambda: build(manifest, out / "git", cache, blobs.get, git=True)))  # noqa: B023
-        cp_with_git.append(timed(lambda: cp_git(out / "warm", out / "cpgit")))
-        for name in ("cold", "mget", "warm", "cp", "git", "cpgit"):
-            remove_tree(out / name)
-        remove_tree(tmp / f"cache{i}")
-    m = {k: statistics.median(v) for k, v in (("c", cold), ("g", mget), ("w", warm), ("p", cp), ("x", with_git))}
-    y, z = statistics.median(cp_with_git), statistics.median(written)
-    return [
-        Row("materialize: warm cache vs cp -r", ms(m["w"]), ms(m["p"]), m["w"] / m["p"], "≤ 2×", m["w"] / m["p"] <= 2),
-        Row(
-            "materialize: cold cache vs MGET of every blob",
-            ms(m["c"]),
-            ms(m["g"]),
-            m["c"] / m["g"],
-            "≤ 1.5×",
-            m["c"] / m["g"] <= 1.5,
-        ),
-        Row("materialize: cold cache vs MGET + write the files", ms(m["c"]), ms(z), m["c"] / z, "—", None),
-        Row("materialize: warm + git base commit vs cp+git commit", ms(m["x"]), ms(y), m["x"] / y, "—", None),
-    ]
+        for place, got in found.items():
+            materialize_round(r, blobs, manifest, Path(tempfile.mkdtemp(prefix=f"materialize{i}-", dir=place)), got)
+    rows, notes = [], []
+    for place, got in found.items():
+        at = f"[{filesystem(place)} {place}]"
+        w, p, c, g = got.med("warm"), got.med("cp -r"), got.med("cold"), got.med("MGET")
+        old, z, x, y = got.med("cold, as before"), got.med("MGET + write"), got.med("warm + git"), got.med("cp + git")
+        rows += [
+            Row(f"materialize {at}: warm cache vs cp -r", ms(w), ms(p), w / p, "≤ 2×", w / p <= 2),
+            Row(f"materialize {at}: cold cache vs MGET", ms(c), ms(g), c / g, "≤ 1.5×", c / g <= 1.5),
+            Row(f"materialize {at}: cold, as before vs MGET", ms(old), ms(g), old / g, "—", None),
+            Row(f"materialize {at}: cold vs MGET + write", ms(c), ms(z), c / z, "—", None),
+            Row(f"materialize {at}: warm + git vs cp + git commit", ms(x), ms(y), x / y, "—", None),
+        ]
+        names = ("cold", "cold, as before", "cache written after", "MGET", "MGET + write", "warm", "cp -r")
+        notes.append(f"materialize {at}: " + "; ".join(got.summary(n) for n in names))
+    return rows, notes
 
 
 # ── 3. a step's checkpoint ────────────────────────────────────────────────────────────────────
@@ -297,14 +348,14 @@ def checkpoint_rows(client: ForkClient, fork_id: str, tmp: Path, runs: int, sand
     settings = Settings(redis_url=client.settings.redis_url, workspace_dir=tmp / "worker", sandbox=sandbox)
     run = RunWorkspace(record, settings=settings, blobs=client.blobs, cache=worker_cache(settings), epoch=1)
     run.open({})
-    assert run.tracker is not None
+    ctx = run.context(ToolContext(fork_id=fork_id, cwd=Path(record.cwd), call_id=None, idempotency_key="bench"))
+    assert run.tracker is not None  # the context waits for the tree (its git base is made in the background)
     time.sleep(0.3)  # the built files' mtimes age out of the tracker's racy window, as before a fork's first call
     rescan = Tracker(run.root, run.tracker.manifest, use_inotify=False)
     rescan.start()
     paths = [e.path for e in run.tracker.manifest]
     rng = random.Random(29)
     forkq, baseline, sizes, shell = [], [], [], []
-    ctx = run.context(ToolContext(fork_id=fork_id, cwd=Path(record.cwd), call_id=None, idempotency_key="bench"))
     try:
         for i in range(runs):
             path = rng.choice(paths)
@@ -426,7 +477,7 @@ def header(plan: Plan, r: redis.Redis, sandbox: str, tree: str) -> str:
     )
 
 
-def run(plan: Plan, skip_revival: bool) -> None:
+def run(plan: Plan, skip_revival: bool, places: Sequence[Path]) -> None:
     """Make the tree, start Redis, measure every row, print the table."""
     began = time.monotonic()
     report = probe()
@@ -442,14 +493,15 @@ def run(plan: Plan, skip_revival: bool) -> None:
         launches = launch_rows(r, settings, root, tmp, plan)
         print("snapshot rows done", flush=True)
         with ForkClient(settings, redis_client=r) as client:
-            rows = [*launches.rows, *materialize_rows(r, client.blobs, launches.manifest, tmp, plan.rounds)]
+            built, built_notes = materialize_rows(r, client.blobs, launches.manifest, places, plan.rounds)
+            rows = [*launches.rows, *built]
             print("materialize rows done", flush=True)
             checkpoint, cp_note = checkpoint_rows(client, launches.fork_id, tmp, plan.checkpoints, sandbox)
         rows += checkpoint
         print("checkpoint rows done", flush=True)
         memory, mem_note = memory_rows(r, settings, root, launches.manifest, plan.memory_forks)
         rows.append(memory)
-        notes = [*launches.notes, "materialize: medians of interleaved rounds", cp_note, mem_note]
+        notes = [*launches.notes, *built_notes, cp_note, mem_note]
         tree = f"{len(launches.manifest):,} files, {launches.manifest.total_bytes / MB:.1f} MB, in git"
         head = header(plan, r, f"{sandbox} ({report.line()})", tree)
         if not skip_revival:
@@ -458,7 +510,7 @@ def run(plan: Plan, skip_revival: bool) -> None:
             notes.append(revival_note)
         shutil.rmtree(tmp / "homes", ignore_errors=True)
     print(f"\n{head}\n")
-    print(f"{'figure':<50} {'forkq':>11} {'baseline':>11} {'ratio':>7}  target")
+    print(f"{'figure':<62} {'forkq':>11} {'baseline':>11} {'ratio':>7}  target")
     for row in rows:
         print(row.line())
     print("\n" + "\n".join(notes))
@@ -469,8 +521,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a smaller tree (2,000 files, 20 MB), fewer rounds")
     parser.add_argument("--no-revival", action="store_true", help="leave out the revival row (no workers)")
+    parser.add_argument(
+        "--dir",
+        action="append",
+        type=Path,
+        help="a folder to measure the materialize rows in (repeat for several); default: the temp folder (where "
+        "FORKQ_WORKSPACE_DIR defaults to) and /dev/shm (tmpfs) when it exists",
+    )
     args = parser.parse_args()
-    run(QUICK if args.quick else FULL, args.no_revival)
+    places = args.dir or [Path(tempfile.gettempdir()), *([Path("/dev/shm")] if os.path.isdir("/dev/shm") else [])]
+    run(QUICK if args.quick else FULL, args.no_revival, places)
 
 
 if __name__ == "__main__":

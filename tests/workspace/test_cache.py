@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from workers.errors import RecordIntegrityError, WorkspaceError
-from workers.workspace.cache import WorkspaceCache
+from workers.workspace.cache import WorkspaceCache, fetch_verified
 from workers.workspace.manifest import blob_digest
 
 BLOBS = {blob_digest(data): data for data in (b"a" * 1000, b"b" * 1000, b"c" * 1000, b"d" * 3000)}
@@ -142,3 +142,51 @@ def test_threads_storing_into_one_cache_keep_it_within_its_bound(tmp_path: Path)
 def test_a_negative_bound_is_refused(tmp_path: Path):
     with pytest.raises(WorkspaceError, match="negative"):
         WorkspaceCache(tmp_path, -1)
+
+
+def test_a_deferred_cache_stores_blobs_put_later_in_the_background_and_flush_waits_for_them(tmp_path: Path):
+    cache = WorkspaceCache(tmp_path, 10_000, deferred=True)
+
+    for digest in (A, B, C):
+        cache.put_later(digest, BLOBS[digest])
+    cache.put_later(A, BLOBS[A])  # a second time: stored once
+    cache.flush()
+
+    for digest in (A, B, C):
+        path = cache.path(digest)
+        assert path is not None and path.read_bytes() == BLOBS[digest]
+        assert (os.stat(path).st_mode & 0o777) == 0o444
+    assert cache.used_bytes == 3000
+
+
+def test_blobs_put_later_keep_the_cache_within_its_bound(tmp_path: Path):
+    cache = WorkspaceCache(tmp_path, 2500, deferred=True)
+
+    for digest in (A, B, C, D):  # D alone is over the bound: never kept
+        cache.put_later(digest, BLOBS[digest])
+    cache.flush()
+
+    on_disk = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert cache.used_bytes == sum(p.stat().st_size for p in on_disk) == 2000
+    assert cache.path(D) is None and cache.path(C) is not None
+
+
+def test_a_cache_that_is_not_deferred_stores_a_blob_put_later_at_once(tmp_path: Path):
+    cache = WorkspaceCache(tmp_path, 10_000)
+
+    cache.put_later(A, BLOBS[A])
+
+    path = cache.path(A)
+    assert path is not None and path.read_bytes() == BLOBS[A]
+
+
+def test_a_trusted_fetch_is_not_hashed_again_but_must_still_return_each_digest_asked_for_once(tmp_path: Path):
+    # trusted: the fetch verifies (BlobStore.get does), so its bytes pass as given
+    said = [(A, b"as the fetch says")]
+    assert list(fetch_verified(lambda ds: said, [A], trusted=True)) == said
+    with pytest.raises(RecordIntegrityError, match=A):  # not trusted: hashed here
+        list(fetch_verified(lambda ds: said, [A]))
+    with pytest.raises(WorkspaceError, match="did not return 1"):
+        list(fetch_verified(lambda ds: [(A, BLOBS[A])], [A, B], trusted=True))
+    with pytest.raises(WorkspaceError, match="not asked for"):
+        list(fetch_verified(lambda ds: [(A, BLOBS[A]), (A, BLOBS[A])], [A, B], trusted=True))

@@ -351,3 +351,57 @@ def test_a_change_that_does_not_fit_the_tree_leaves_no_stray_file(tmp_path: Path
         apply_changes_to_tree(tmp_path / "tree", over_a_folder, cache, Blobs({"x": (Mode.FILE, b"x\n")}))
 
     assert sorted(os.listdir(tmp_path / "tree" / "src")) == ["data.bin", "empty", "pkg"]
+
+
+def test_a_deferred_cache_is_filled_after_the_build_and_a_tree_file_changed_meanwhile_never_reaches_it(
+    tmp_path: Path,
+):
+    # Given a cache written by its background thread
+    cache = WorkspaceCache(tmp_path / "cache", 64 * 1024 * 1024, deferred=True)
+    blobs = Blobs(TREE)
+
+    # When a cold build is followed at once by the fork changing its files, before the cache is written
+    build(manifest_of(TREE), tmp_path / "one", cache, blobs)
+    for name in ("src/data.bin", "README.md", "src/pkg/mod.py"):
+        (tmp_path / "one" / name).write_bytes(b"changed by the fork")
+    cache.flush()
+
+    # Then the cache holds the fetched bytes, and a second build takes them all from it, unchanged
+    assert read_tree(tmp_path / "one")["README.md"] == (Mode.FILE, b"changed by the fork")
+    build(manifest_of(TREE), tmp_path / "two", cache, blobs)
+    assert len(blobs.calls) == 1 and read_tree(tmp_path / "two") == TREE
+    cached = cache.path(blob_digest(BIG))
+    assert cached is not None and cached.read_bytes() == BIG and os.stat(cached).st_nlink == 1
+
+
+def test_a_trusted_build_from_the_blob_store_still_never_writes_a_blob_redis_holds_damaged(
+    tmp_path: Path, cache: WorkspaceCache, redis_client: redis.Redis
+):
+    # Given the tree's blobs in Redis, one of them then overwritten with other bytes
+    store = BlobStore(redis_client, Keys(TEST_NAMESPACE), ttl_s=3600)
+    store.put({blob_digest(b): b for _, b in TREE.values()})
+    damaged = blob_digest(TREE["bin/run"][1])
+    redis_client.set(store.keys.blob(store.scope, damaged), b"#!/bin/sh\nrm -rf ~\n")
+
+    # When it is built with the store's own verification only (trusted)
+    with pytest.raises(RecordIntegrityError, match=damaged):
+        build(manifest_of(TREE), tmp_path / "tree", cache, store.get, trusted=True)
+
+    # Then nothing is left of the tree, and the cache never received the damaged blob
+    cache.flush()
+    assert not (tmp_path / "tree").exists() and cache.path(damaged) is None
+
+
+def test_a_trusted_replay_writes_the_changed_files_from_the_blob_store(
+    tmp_path: Path, cache: WorkspaceCache, redis_client: redis.Redis
+):
+    store = BlobStore(redis_client, Keys(TEST_NAMESPACE), ttl_s=3600)
+    new = b"print('changed')\n"
+    store.put({blob_digest(b): b for b in [*(b for _, b in TREE.values()), new]})
+    build(manifest_of(TREE), tmp_path / "tree", cache, store.get, trusted=True)
+
+    changes = {"src/pkg/mod.py": Entry("src/pkg/mod.py", Mode.FILE, len(new), blob_digest(new)), "README.md": None}
+    apply_changes_to_tree(tmp_path / "tree", changes, cache, store.get, trusted=True)
+
+    expected = {k: v for k, v in TREE.items() if k != "README.md"} | {"src/pkg/mod.py": (Mode.FILE, new)}
+    assert read_tree(tmp_path / "tree") == expected

@@ -45,8 +45,8 @@ def workspaces_dir(settings: Settings) -> Path:
 
 
 def worker_cache(settings: Settings) -> WorkspaceCache:
-    """The worker process's cache of workspace blobs (FORKQ_WORKSPACE_CACHE_MB)."""
-    return WorkspaceCache(workspaces_dir(settings) / CACHE, settings.workspace_cache_mb * 1024 * 1024)
+    """The worker process's cache of workspace blobs (FORKQ_WORKSPACE_CACHE_MB), written by a background thread."""
+    return WorkspaceCache(workspaces_dir(settings) / CACHE, settings.workspace_cache_mb * 1024 * 1024, deferred=True)
 
 
 def sweep_stale_runs(settings: Settings) -> int:
@@ -149,7 +149,7 @@ class RunWorkspace:
         self.folder.mkdir(parents=True, mode=0o700)
         self.tmp.mkdir(mode=0o700)
         base = self.base()
-        build(base, self.root, self.cache, self.blobs.get)
+        build(base, self.root, self.cache, self.blobs.get, trusted=True)  # BlobStore.get verifies
         if self.ref.git:
             self._finishing = threading.Thread(target=self._finish, args=(base, dict(changes)), daemon=True)
             self._finishing.start()
@@ -169,7 +169,7 @@ class RunWorkspace:
                     log.warning("fork %s: its workspace has no git repository: %s", self.record.fork_id, exc)
             manifest = base
             if changes:
-                apply_changes_to_tree(self.root, changes, self.cache, self.blobs.get)
+                apply_changes_to_tree(self.root, changes, self.cache, self.blobs.get, trusted=True)
                 manifest = base.apply(changes)
             tracker = Tracker(
                 self.root,
@@ -230,7 +230,7 @@ class RunWorkspace:
         """Write a nested subagent's changes into the tree; the next checkpoint journals them with its call."""
         if changes:
             self._wait()
-            apply_changes_to_tree(self.root, dict(changes), self.cache, self.blobs.get)
+            apply_changes_to_tree(self.root, dict(changes), self.cache, self.blobs.get, trusted=True)
 
     def close(self) -> None:
         """Stop watching and remove the run's folder."""

@@ -15,21 +15,29 @@ build copies them (never links them), so nothing a fork does to its tree reaches
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import queue
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import Final
 
 from workers.errors import RecordIntegrityError, WorkspaceError
 from workers.workspace.manifest import blob_digest, is_digest
 
+log = logging.getLogger("forkq.workspace")
+
+DEFERRED_MAX_BYTES: Final = 128 * 1024 * 1024  # blobs waiting for the background writer; past it, written at once
 Fetch = Callable[[Sequence[str]], Iterable[tuple[str, bytes]]]
 """Blobs by digest, e.g. `BlobStore.get`: called once with every digest wanted, yields `(digest, bytes)`."""
 
 
-def fetch_verified(fetch: Fetch, digests: Sequence[str]) -> Iterator[tuple[str, bytes]]:
+def fetch_verified(fetch: Fetch, digests: Sequence[str], *, trusted: bool = False) -> Iterator[tuple[str, bytes]]:
     """`fetch(digests)` (one call for all of them), each blob checked against its digest, and every digest given.
+    `trusted`: the fetch verifies every blob itself (as `BlobStore.get` does), so each is hashed once, not twice;
+    that every digest comes once, and no other, is still checked.
 
     Raises:
         RecordIntegrityError: a blob's bytes do not have its digest.
@@ -39,7 +47,7 @@ def fetch_verified(fetch: Fetch, digests: Sequence[str]) -> Iterator[tuple[str, 
     for digest, data in fetch(digests):
         if digest not in wanted:
             raise WorkspaceError(f"workspace blob {digest}: fetched but not asked for (or fetched twice)")
-        actual = blob_digest(data)
+        actual = digest if trusted else blob_digest(data)
         if actual != digest:
             raise RecordIntegrityError(
                 f"workspace blob {digest}: the fetched bytes have digest {actual}; the blob store holds damaged "
@@ -56,9 +64,10 @@ def fetch_verified(fetch: Fetch, digests: Sequence[str]) -> Iterator[tuple[str, 
 
 class WorkspaceCache:
     """A worker's bounded local cache of blobs (files named by digest under `directory`), least recently used
-    evicted first; safe to share between threads."""
+    evicted first; safe to share between threads. With `deferred`, `put_later` leaves the writing to a background
+    thread, so a build's critical path creates the tree's files only."""
 
-    def __init__(self, directory: Path, max_bytes: int) -> None:
+    def __init__(self, directory: Path, max_bytes: int, *, deferred: bool = False) -> None:
         if max_bytes < 0:
             raise WorkspaceError(f"workspace cache {directory}: max_bytes {max_bytes} is negative; give 0 or more")
         self.directory = Path(directory)
@@ -71,6 +80,10 @@ class WorkspaceCache:
         self._writing_bytes = 0
         self._held_bytes = 0  # the bytes of the cached blobs in _held
         self._used = 0
+        self.deferred = deferred
+        self._later: queue.Queue[tuple[str, bytes]] = queue.Queue()
+        self._later_bytes = 0  # bytes in _later, at most DEFERRED_MAX_BYTES
+        self._writer: threading.Thread | None = None
         os.makedirs(self._root, mode=0o700, exist_ok=True)
         for prefix in range(256):  # every folder a blob can go to, made once
             with contextlib.suppress(FileExistsError):
@@ -159,6 +172,41 @@ class WorkspaceCache:
             if digest in self._held:  # held by a build that found it damaged or missing, and fetched it again
                 self._held_bytes += size
         return True
+
+    def put_later(self, digest: str, data: bytes) -> None:
+        """`put`, by the background writer when the cache is `deferred` and fewer than DEFERRED_MAX_BYTES wait
+        already, else now; `flush` waits for the writer. A write that fails only costs a later fetch (logged)."""
+        size = len(data)
+        with self._lock:
+            if digest in self._sizes or digest in self._writing or size > self.max_bytes:
+                return
+            later = self.deferred and self._later_bytes + size <= DEFERRED_MAX_BYTES
+            if later:
+                self._later_bytes += size
+                if self._writer is None:
+                    self._writer = threading.Thread(target=self._write_later, name="forkq-cache-writer", daemon=True)
+                    self._writer.start()
+        if later:
+            self._later.put((digest, data))
+        else:
+            self.put(digest, data)
+
+    def _write_later(self) -> None:
+        """The background writer: stores the blobs `put_later` queued, one at a time, for the process's life."""
+        while True:
+            digest, data = self._later.get()
+            try:
+                self.put(digest, data)
+            except OSError as exc:  # a full or broken disk: the blob is fetched again when next needed
+                log.warning("workspace cache %s: blob %s not stored: %s", self._root, digest, exc)
+            finally:
+                with self._lock:
+                    self._later_bytes -= len(data)
+                self._later.task_done()
+
+    def flush(self) -> None:
+        """Wait until the blobs `put_later` queued are stored (or given up)."""
+        self._later.join()
 
     def _make_room(self, size: int) -> bool:
         """Evict unheld blobs, least recently used first, until `size` more bytes fit; whether they do (lock held).

@@ -100,9 +100,18 @@ class _Counts:
     fetched_bytes: int = 0
 
 
-def build(manifest: Manifest, dest: Path, cache: WorkspaceCache, fetch: Fetch, *, git: bool = False) -> BuildStats:
+def build(
+    manifest: Manifest,
+    dest: Path,
+    cache: WorkspaceCache,
+    fetch: Fetch,
+    *,
+    git: bool = False,
+    trusted: bool = False,
+) -> BuildStats:
     """Write the files of `manifest` into `dest` (absent or an empty folder), from `cache` or else `fetch`; with
-    `git`, commit them as the base of a fresh repository in `dest`. A build that fails removes `dest`.
+    `git`, commit them as the base of a fresh repository in `dest`. A build that fails removes `dest`. `trusted`:
+    `fetch` verifies every blob against its digest itself (`BlobStore.get` does), so the build does not again.
 
     Raises:
         WorkspaceError: `dest` is not an empty folder, a file cannot be written, a blob is missing, or git fails.
@@ -114,7 +123,7 @@ def build(manifest: Manifest, dest: Path, cache: WorkspaceCache, fetch: Fetch, *
     root = _empty_folder(dest)
     try:
         _make_folders(root, manifest.entries)
-        counts = _place(root, manifest.entries, cache, fetch, replace=False)
+        counts = _place(root, manifest.entries, cache, fetch, replace=False, trusted=trusted)
         if git:
             _commit_base(root)
     except OSError as exc:
@@ -126,9 +135,11 @@ def build(manifest: Manifest, dest: Path, cache: WorkspaceCache, fetch: Fetch, *
     return BuildStats(counts.files, counts.bytes, counts.fetched, counts.fetched_bytes, time.perf_counter() - started)
 
 
-def apply_changes_to_tree(dest: Path, changes: Changes, cache: WorkspaceCache, fetch: Fetch) -> None:
+def apply_changes_to_tree(
+    dest: Path, changes: Changes, cache: WorkspaceCache, fetch: Fetch, *, trusted: bool = False
+) -> None:
     """Replay journaled `changes` on the tree in `dest`: write changed files, remove removed ones and the folders
-    they leave empty. Nothing is written or removed through a symlink.
+    they leave empty. Nothing is written or removed through a symlink. `trusted` as for `build`.
 
     Raises:
         WorkspaceError: a change's folder is a file or a symlink in `dest`, or a file cannot be written.
@@ -145,14 +156,16 @@ def apply_changes_to_tree(dest: Path, changes: Changes, cache: WorkspaceCache, f
         made: set[str] = set()
         for entry in writes:
             _real_folder(root, _parent(entry.path), create=True, known=made)
-        _place(root, writes, cache, fetch, replace=True)
+        _place(root, writes, cache, fetch, replace=True, trusted=trusted)
     except OSError as exc:
         raise WorkspaceError(f"workspace {root}: replaying {len(changes)} changes failed: {exc}", cause=exc) from exc
 
 
-def _place(root: str, entries: Sequence[Entry], cache: WorkspaceCache, fetch: Fetch, *, replace: bool) -> _Counts:
-    """Write `entries` under `root`: cached blobs first (verified), then every other blob from one fetch; the
-    symlinks last."""
+def _place(
+    root: str, entries: Sequence[Entry], cache: WorkspaceCache, fetch: Fetch, *, replace: bool, trusted: bool
+) -> _Counts:
+    """Write `entries` under `root`: cached blobs first (verified), then every other blob from one fetch (verified
+    once: here, or by a `trusted` fetch), each kept in the cache after its files are written; the symlinks last."""
     by_digest: dict[str, list[Entry]] = {}
     for entry in entries:
         by_digest.setdefault(entry.digest, []).append(entry)
@@ -166,11 +179,11 @@ def _place(root: str, entries: Sequence[Entry], cache: WorkspaceCache, fetch: Fe
         cache.discard(digest)
     missing = [d for d in by_digest if d not in held] + refetch
     if missing:
-        for digest, data in fetch_verified(fetch, missing):
+        for digest, data in fetch_verified(fetch, missing, trusted=trusted):
             writer.counts.fetched += 1
             writer.counts.fetched_bytes += len(data)
             writer.write_all(by_digest[digest], data)
-            cache.put(digest, data)
+            cache.put_later(digest, data)
     writer.make_links()
     return writer.counts
 
