@@ -1,14 +1,18 @@
 """Redis access for workspaces: content-addressed blobs and manifests, per scope (tenant).
 
 Every blob is stored once per digest (`SET NX`), so siblings and later launches of one tree store nothing
-twice. A manifest is written only after every blob it names: a manifest that exists therefore means its
-blobs exist, which lets a launch of an unchanged tree skip asking about each of them. Blobs and manifests
-expire with the forks' records: they live `FORKQ_RECORD_TTL_S` plus `TTL_SLACK_S`, a TTL is only ever
-lengthened (EXPIRE GT), and a launch whose manifest has less than the retention plus `RENEW_BELOW_S` left
+twice. Both the question (`missing`) and the store (`put`) run as one Lua script per batch of keys: a launch of
+10,000 files sends a few commands, not tens of thousands. A manifest is written only after every blob it
+names: a manifest that exists therefore means its blobs exist, which lets a launch of an unchanged tree
+skip asking about each of them. Blobs and manifests expire with the forks' records: they live
+`FORKQ_RECORD_TTL_S` plus `TTL_SLACK_S`, a TTL is only ever lengthened (EXPIRE GT, inside the scripts
+too), and a launch whose manifest has less than the retention plus `RENEW_BELOW_S` left
 renews the manifest and every blob it names. So the files of a fork outlive its records by up to an hour
 (a fork whose runs outlast that slack, continuation included, gets its records renewed, not its files).
 
 Reads verify every blob against its digest: a damaged or substituted value is an error, never a file.
+`put` verifies what it stores too, unless its caller has just checked the bytes against their digest itself
+(`verified=True`: a snapshot that hashed them, or the API after its own check of an upload).
 """
 
 from __future__ import annotations
@@ -30,6 +34,29 @@ TTL_SLACK_S: Final = 2 * 3600  # blobs outlive the records of the forks launched
 # a launch renews its manifest's blobs once the manifest has less than retention + this left: launches within
 # the hour ask nothing of the tree's blobs, and blobs still outlive every record by at least an hour
 RENEW_BELOW_S: Final = 3600
+# KEYS: blob keys; ARGV[1]: the TTL. Renews each present key's TTL (never shortens it), and answers the 1-based
+# positions of the absent ones. EXPIRE GT answers 0 for an absent key and for a longer TTL alike: EXISTS tells them
+# apart, for those only.
+MISSING_LUA: Final = """
+local ttl, absent = ARGV[1], {}
+for i, key in ipairs(KEYS) do
+  if redis.call('EXPIRE', key, ttl, 'GT') == 0 and redis.call('EXISTS', key) == 0 then
+    absent[#absent + 1] = i
+  end
+end
+return absent
+"""
+# KEYS: blob keys; ARGV[1]: the TTL, ARGV[i + 1]: the bytes of KEYS[i]. Stores each absent key; an existing one is
+# kept (the same bytes, by its digest) and its TTL renewed, never shortened.
+PUT_LUA: Final = """
+local ttl = ARGV[1]
+for i, key in ipairs(KEYS) do
+  if not redis.call('SET', key, ARGV[i + 1], 'NX', 'EX', ttl) then
+    redis.call('EXPIRE', key, ttl, 'GT')
+  end
+end
+return #KEYS
+"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,38 +78,41 @@ class BlobStore:
 
     def missing(self, digests: Iterable[str]) -> list[str]:
         """The digests of `digests` this scope does not hold (in the order given, each once); the others'
-        TTLs are renewed, so they outlive the launch that asked."""
+        TTLs are renewed (never shortened), so they outlive the launch that asked. One script per batch."""
         wanted = list(dict.fromkeys(digests))
+        script = self.client.register_script(MISSING_LUA)  # its SHA-1, computed here; EVALSHA
         absent: list[str] = []
         for batch in _batches(wanted, BATCH_KEYS):
-            pipe = self.client.pipeline(transaction=False)
-            for digest in batch:
-                pipe.expire(self._blob(digest), self.blob_ttl_s, gt=True)
-                pipe.exists(self._blob(digest))
-            replies = pipe.execute()
-            absent += [d for d, present in zip(batch, replies[1::2], strict=True) if not present]
+            positions = script(keys=[self._blob(d) for d in batch], args=[self.blob_ttl_s])
+            absent += [batch[int(i) - 1] for i in positions]
         return absent
 
-    def put(self, blobs: Mapping[str, bytes]) -> None:
-        """Store blobs by digest (each checked against its bytes); existing ones are kept and renewed.
+    def put(self, blobs: Mapping[str, bytes], *, verified: bool = False) -> None:
+        """Store blobs by digest; existing ones are kept and renewed. Each is checked against its bytes unless
+        `verified`: the caller has just checked them itself (never pass it for bytes from elsewhere).
 
         Raises:
             WorkspaceError: a blob's bytes do not have its digest.
         """
-        for digest, data in blobs.items():
-            if blob_digest(data) != digest:
-                raise WorkspaceError(f"blob {digest}: its bytes have digest {blob_digest(data)}; nothing was stored")
-        pipe = self.client.pipeline(transaction=False)
+        if not verified:
+            for digest, data in blobs.items():
+                if blob_digest(data) != digest:
+                    raise WorkspaceError(
+                        f"blob {digest}: its bytes have digest {blob_digest(data)}; nothing was stored"
+                    )
+        script = self.client.register_script(PUT_LUA)
+        keys: list[str] = []
+        args: list[int | bytes] = [self.blob_ttl_s]
         carried = 0
         for digest, data in blobs.items():
-            key = self._blob(digest)
-            pipe.set(key, data, nx=True, ex=self.blob_ttl_s)
-            pipe.expire(key, self.blob_ttl_s, gt=True)
+            keys.append(self._blob(digest))
+            args.append(data)
             carried += len(data)
-            if carried >= BATCH_BYTES:
-                pipe.execute()
-                pipe, carried = self.client.pipeline(transaction=False), 0
-        pipe.execute()
+            if carried >= BATCH_BYTES or len(keys) >= BATCH_KEYS:
+                script(keys=keys, args=args)
+                keys, args, carried = [], [self.blob_ttl_s], 0
+        if keys:
+            script(keys=keys, args=args)
 
     def get(self, digests: Iterable[str]) -> Iterator[tuple[str, bytes]]:
         """`(digest, bytes)` of each digest, verified, in batches.

@@ -123,7 +123,7 @@ def store_snapshot(folder: Path, *, settings: Settings, blobs: BlobStore) -> tup
         blobs.put_manifest(snap.manifest)  # renews it (and its blobs) when it is getting old
         return digest, snap.git
     for batch in _batches(blobs.missing(snap.manifest.digests())):
-        blobs.put({d: snap.read(d) for d in batch})
+        blobs.put({d: snap.read(d) for d in batch}, verified=True)  # Snapshot.read checks them against the digest
     return blobs.put_manifest(snap.manifest), snap.git
 
 

@@ -11,8 +11,10 @@ followed.
 
 A file that changes while it is read (its size, mtime, ctime or inode after the read differ from before,
 or it holds more or fewer bytes than its size) is read once more; a second change is an error naming it.
-The bytes stored later come from `Snapshot.read`, which reads the file again and checks them against the
-digest, so a file changed since the snapshot is an error too, never a blob under the wrong digest.
+The bytes stored later come from `Snapshot.read`. A file this snapshot read keeps its bytes, up to `keep_bytes`
+in all (a first launch then reads and hashes each byte once): they are the bytes the digest was computed from,
+between the two stats that showed no change. Any other file is read again and checked against the digest, so a
+file changed since the snapshot is an error, never a blob under the wrong digest.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from workers.workspace.statcache import RACY_NS, StatCache
 CHUNK: Final = 1 << 20  # bytes one read takes: a large file is hashed in bounded memory
 PARALLEL_BYTES: Final = 8 << 20  # files to read worth more than this are read by threads
 HASH_THREADS: Final = 4
+KEEP_BYTES: Final = 128 << 20  # bytes of the files it read a snapshot keeps for `Snapshot.read` (the rest: read again)
 BATCH_FILES: Final = 64  # files one thread's task reads
 LARGEST_SHOWN: Final = 5  # folders a refusal names
 TOP_FILES: Final = "."  # the folder name a refusal gives the files at the top of the tree
@@ -59,6 +62,7 @@ class Snapshot:
     reused: int = 0  # files whose digest the stat cache gave (stat'ed, not read)
     from_git: int = 0  # files git found unchanged, whose blob's digest the cache gave (neither stat'ed nor read)
     _index: dict[str, tuple[Entry, ...]] = field(default_factory=dict, repr=False, compare=False)
+    _kept: dict[str, bytes] = field(default_factory=dict, repr=False, compare=False)  # digest → the bytes hashed
 
     def entries_of(self, digest: str) -> tuple[Entry, ...]:
         """The entries whose blob is `digest` (empty when the snapshot has none)."""
@@ -74,11 +78,15 @@ class Snapshot:
         return tuple(e.path for e in self.entries_of(digest))
 
     def read(self, digest: str) -> bytes:
-        """The bytes of blob `digest`, read again from disk and checked against the digest.
+        """The bytes of blob `digest`, checked against the digest: the ones the snapshot hashed if it kept them
+        (handed out once, then forgotten), else read again from disk and hashed.
 
         Raises:
             WorkspaceError: no file of the snapshot has that digest, or the file was changed or removed since.
         """
+        kept = self._kept.pop(digest, None)
+        if kept is not None:
+            return kept
         entries = self.entries_of(digest)
         if not entries:
             raise WorkspaceError(f"workspace {self.root}: no file of this snapshot has blob {digest}", field="digest")
@@ -105,10 +113,13 @@ class Snapshot:
         )
 
 
-def snapshot(root: Path, *, max_bytes: int, max_files: int, cache_dir: Path | None = None) -> Snapshot:
+def snapshot(
+    root: Path, *, max_bytes: int, max_files: int, cache_dir: Path | None = None, keep_bytes: int = KEEP_BYTES
+) -> Snapshot:
     """The snapshot of the folder `root`: refused over `max_bytes` or `max_files` before any file is read.
 
-    `cache_dir` holds the stat cache (none when None: every file is read).
+    `cache_dir` holds the stat cache (none when None: every file is read). The bytes of the files read, up to
+    `keep_bytes`, are kept for `Snapshot.read`.
 
     Raises:
         WorkspaceTooLarge: the tree is over a bound; the message names its largest folders and the fix.
@@ -130,7 +141,8 @@ def snapshot(root: Path, *, max_bytes: int, max_files: int, cache_dir: Path | No
     if len(entries) + len(files) > max_files or total > max_bytes:
         sizes = [(e.path, e.size) for e in entries] + [(rel, st.st_size) for rel, st in files]
         refuse(root, sizes, max_bytes=max_bytes, max_files=max_files, complete=listing.git)
-    read = _digest_all(root, files, cache)
+    kept: dict[str, bytes] = {}
+    read = _digest_all(root, files, cache, kept, keep_bytes)
     if unknown:
         read = _with_git_modes(read, unknown)
         _learn_blobs(cache, unknown, started_ns)
@@ -139,7 +151,13 @@ def snapshot(root: Path, *, max_bytes: int, max_files: int, cache_dir: Path | No
     entries.sort(key=attrgetter("path"))  # code point order is UTF-8 byte order: the manifest's order
     # no Manifest.of: a listing holds each path once, and no file lies under another
     return Snapshot(
-        root, Manifest(tuple(entries)), listing.git, hashed=cache.added, reused=cache.hits, from_git=cache.blob_hits
+        root,
+        Manifest(tuple(entries)),
+        listing.git,
+        hashed=cache.added,
+        reused=cache.hits,
+        from_git=cache.blob_hits,
+        _kept=kept,
     )
 
 
@@ -198,8 +216,11 @@ def _folder(root: Path) -> Path:
     return resolved
 
 
-def _digest_all(root: Path, files: list[tuple[str, os.stat_result]], cache: StatCache) -> list[Entry]:
-    """The entries of `files`: digests from the stat cache, else read (and added to it)."""
+def _digest_all(
+    root: Path, files: list[tuple[str, os.stat_result]], cache: StatCache, kept: dict[str, bytes], keep_bytes: int
+) -> list[Entry]:
+    """The entries of `files`: digests from the stat cache, else read (and added to it); the bytes of the ones read
+    go to `kept` (digest → bytes) while they fit in `keep_bytes`."""
     entries: list[Entry] = []
     misses: list[tuple[str, os.stat_result]] = []
     modes: dict[int, Mode] = {}  # Mode.of once per distinct st_mode: it costs per file otherwise
@@ -218,22 +239,33 @@ def _digest_all(root: Path, files: list[tuple[str, os.stat_result]], cache: Stat
         if mode is None:
             mode = modes[st_mode] = Mode.of(st_mode)
         entries.append(Entry(rel, mode, st.st_size, digest))
-    for (rel, _), found in zip(misses, _hash_all(root, misses), strict=True):
+    keep, budget = [], keep_bytes
+    for _, st in misses:  # decided before reading: the same files whichever thread reads them
+        keep.append(st.st_size <= budget)
+        budget -= st.st_size if keep[-1] else 0
+    for (rel, _), found in zip(misses, _hash_all(root, misses, keep), strict=True):
         if found is not None:  # else removed since it was listed
-            now, digest = found  # its stat once read: it may have changed once, and been read again
+            now, digest, data = found  # its stat once read: it may have changed once, and been read again
+            if data is not None:
+                kept[digest] = data
             cache.add(rel, now, digest)
             entries.append(Entry(rel, Mode.of(now.st_mode), now.st_size, digest))
     return entries
 
 
-def _hash_all(root: Path, files: list[tuple[str, os.stat_result]]) -> list[tuple[os.stat_result, str] | None]:
-    """`_hash_stable` of each file: by a few threads when there are many bytes (reads and SHA-256 of more than
-    2 KiB release the GIL), in batches so that a small file does not cost a future of its own."""
+Hashed = tuple[os.stat_result, str, bytes | None]  # a file's stat once read, its digest, its bytes if kept
+
+
+def _hash_all(root: Path, files: list[tuple[str, os.stat_result]], keep: list[bool]) -> list[Hashed | None]:
+    """`_hash_stable` of each file (keeping its bytes where `keep` says): by a few threads when there are many bytes
+    (reads and SHA-256 of more than 2 KiB release the GIL), in batches so that a small file does not cost a future
+    of its own."""
     if len(files) < 2 or sum(st.st_size for _, st in files) < PARALLEL_BYTES:
-        return [_hash_stable(root, rel, st) for rel, st in files]
-    batches = [files[i : i + BATCH_FILES] for i in range(0, len(files), BATCH_FILES)]
+        return [_hash_stable(root, rel, st, k) for (rel, st), k in zip(files, keep, strict=True)]
+    tasks = list(zip(files, keep, strict=True))
+    batches = [tasks[i : i + BATCH_FILES] for i in range(0, len(tasks), BATCH_FILES)]
     with ThreadPoolExecutor(HASH_THREADS) as pool:
-        done = pool.map(lambda batch: [_hash_stable(root, rel, st) for rel, st in batch], batches)
+        done = pool.map(lambda batch: [_hash_stable(root, rel, st, k) for (rel, st), k in batch], batches)
         return [found for batch in done for found in batch]
 
 
@@ -263,12 +295,13 @@ def _link_target(root: Path, rel: str, st: os.stat_result) -> bytes:
     raise _changed_error(root, rel)
 
 
-def _hash_stable(root: Path, rel: str, st: os.stat_result) -> tuple[os.stat_result, str] | None:
-    """(stat, digest) of a regular file, read once more if it changed while read; None if it is gone."""
+def _hash_stable(root: Path, rel: str, st: os.stat_result, keep: bool = False) -> Hashed | None:
+    """(stat, digest, bytes if `keep`) of a regular file, read once more if it changed while read; None if it is
+    gone."""
     path = os.path.join(root, rel)
     for attempt in range(2):
         try:
-            return st, _hash_file(path, st)
+            return st, *_hash_file(path, st, keep)
         except _Changed:
             pass
         except FileNotFoundError:
@@ -293,8 +326,8 @@ def _open(path: str, flags: int) -> int:
     return os.open(path, flags | _OPEN_FLAGS)
 
 
-def _hash_file(path: str, st: os.stat_result) -> str:
-    """The SHA-256 of a regular file whose lstat was `st`.
+def _hash_file(path: str, st: os.stat_result, keep: bool = False) -> tuple[str, bytes | None]:
+    """The SHA-256 of a regular file whose lstat was `st`, and its bytes if `keep` (read whole, not in chunks).
 
     Raises:
         _Changed: the file is not the one `st` describes any more, or changed while it was read.
@@ -307,8 +340,8 @@ def _hash_file(path: str, st: os.stat_result) -> str:
             raise _Changed from exc  # a link or folder now stands where the file was
         raise
     try:
-        size = st.st_size
-        if size <= CHUNK:
+        size, data = st.st_size, None
+        if size <= CHUNK or keep:
             data = os.read(fd, size + 1)
             while 0 < len(data) <= size:  # a short read: read on to the end (or past the size)
                 more = os.read(fd, size + 1 - len(data))
@@ -323,7 +356,7 @@ def _hash_file(path: str, st: os.stat_result) -> str:
         os.close(fd)
     if read != size or _version(after) != _version(st) or not stat.S_ISREG(after.st_mode):
         raise _Changed
-    return digest.hexdigest()
+    return digest.hexdigest(), data if keep else None
 
 
 def _version(st: os.stat_result) -> tuple[int, int, int, int]:
