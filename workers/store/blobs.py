@@ -153,6 +153,12 @@ class BlobStore:
             self.client.expire(key, self.blob_ttl_s, gt=True)
         return digest
 
+    def manifest_fresh(self, digest: str) -> bool:
+        """Whether this scope holds the manifest `digest` with more than the retention plus `RENEW_BELOW_S` left:
+        stored, with its blobs, and not due for the renewal `put_manifest` makes (one command)."""
+        left = self.client.ttl(self.keys.manifest(self.scope, digest))
+        return isinstance(left, int) and left >= self.ttl_s + RENEW_BELOW_S
+
     def has_manifest(self, digest: str) -> bool:
         """Whether this scope holds the manifest `digest` (and so every blob it names)."""
         return bool(self.client.exists(self.keys.manifest(self.scope, digest)))

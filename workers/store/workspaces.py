@@ -118,7 +118,9 @@ def store_snapshot(folder: Path, *, settings: Settings, blobs: BlobStore) -> tup
         max_files=settings.workspace_max_files,
         cache_dir=snapshot_cache_dir(),
     )
-    digest = snap.manifest.digest
+    digest = snap.digest
+    if blobs.manifest_fresh(digest):  # stored (so are its blobs), and not yet due for renewal: nothing to send
+        return digest, snap.git
     if blobs.has_manifest(digest):  # a manifest is stored only after its blobs: nothing to send
         blobs.put_manifest(snap.manifest)  # renews it (and its blobs) when it is getting old
         return digest, snap.git

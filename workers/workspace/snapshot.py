@@ -32,7 +32,8 @@ from pathlib import Path
 from typing import Final, NoReturn
 
 from workers.errors import WorkspaceError, WorkspaceTooLarge
-from workers.workspace.listing import IGNORE_FIX, list_files, stat_files
+from workers.workspace import quick
+from workers.workspace.listing import IGNORE_FIX, GitRun, Listing, list_files, stat_files
 from workers.workspace.manifest import Entry, Manifest, Mode, blob_digest
 from workers.workspace.statcache import RACY_NS, StatCache
 
@@ -56,13 +57,23 @@ class Snapshot:
     """A folder's files as a manifest, and the way back from a digest to the bytes on disk."""
 
     root: Path  # the folder snapshotted, absolute and resolved
-    manifest: Manifest
+    digest: str  # the manifest's
     git: bool  # the folder lies in a git work tree and git listed its files
     hashed: int = 0  # files read and hashed (the others came from the stat cache or git, or are symlinks)
     reused: int = 0  # files whose digest the stat cache gave (stat'ed, not read)
     from_git: int = 0  # files git found unchanged, whose blob's digest the cache gave (neither stat'ed nor read)
+    quick: bool = False  # the tree was the last snapshot's (workers.workspace.quick): no entry was built
+    _manifest: list[Manifest] = field(default_factory=list, repr=False, compare=False)  # [] until decoded
+    _encoded: bytes = field(default=b"", repr=False, compare=False)  # the manifest's bytes, for a quick one
     _index: dict[str, tuple[Entry, ...]] = field(default_factory=dict, repr=False, compare=False)
     _kept: dict[str, bytes] = field(default_factory=dict, repr=False, compare=False)  # digest → the bytes hashed
+
+    @property
+    def manifest(self) -> Manifest:
+        """The manifest (a quick snapshot's is decoded on first use)."""
+        if not self._manifest:
+            self._manifest.append(Manifest.decode(self._encoded, what=f"the launch record of {self.root}"))
+        return self._manifest[0]
 
     def entries_of(self, digest: str) -> tuple[Entry, ...]:
         """The entries whose blob is `digest` (empty when the snapshot has none)."""
@@ -131,10 +142,10 @@ def snapshot(
     if cache_dir is None:
         cache, listing = StatCache(None), list_files(root, stop_after=max_files)
     else:
-        with ThreadPoolExecutor(1) as pool:  # the cache file decodes while git lists the files
-            loading = pool.submit(StatCache.load, cache_dir, root)
-            listing = list_files(root, stop_after=max_files)
-            cache = loading.result()
+        found = _listed(root, cache_dir, max_bytes=max_bytes, max_files=max_files)
+        if isinstance(found, Snapshot):
+            return found
+        cache, listing = found
     entries, unknown = _known_blobs(listing.unchanged, cache)
     files = listing.files + stat_files(root, list(unknown)) if unknown else listing.files
     total = sum(e.size for e in entries) + sum(st.st_size for _, st in files)
@@ -150,15 +161,63 @@ def snapshot(
     cache.save(started_ns)
     entries.sort(key=attrgetter("path"))  # code point order is UTF-8 byte order: the manifest's order
     # no Manifest.of: a listing holds each path once, and no file lies under another
+    manifest = Manifest(tuple(entries))
+    encoded = manifest.encode()
+    digest = blob_digest(encoded)
+    if cache_dir is not None:
+        _remember(
+            cache_dir, root, key=listing.key, files=files, started_ns=started_ns, manifest=manifest, encoded=encoded
+        )
     return Snapshot(
         root,
-        Manifest(tuple(entries)),
+        digest,
         listing.git,
         hashed=cache.added,
         reused=cache.hits,
         from_git=cache.blob_hits,
+        _manifest=[manifest],
         _kept=kept,
     )
+
+
+def _listed(root: Path, cache_dir: Path, *, max_bytes: int, max_files: int) -> Snapshot | tuple[StatCache, Listing]:
+    """The quick snapshot of `root` if its launch record holds (workers.workspace.quick), else its stat cache and
+    listing. git runs while the record is read; the stat cache, which costs more to decode, is read while git runs
+    when there is no record."""
+    run = GitRun.start(root)
+    record = quick.load(cache_dir, root) if run is not None else None
+    if run is None or record is None:
+        with ThreadPoolExecutor(1) as pool:
+            loading = pool.submit(StatCache.load, cache_dir, root)
+            git = run.finish() if run is not None else None
+            cache = loading.result()
+    else:
+        git = run.finish()
+        if record.files <= max_files and record.total_bytes <= max_bytes and record.holds(root, git.key):
+            return Snapshot(root, record.digest, git=True, quick=True, _encoded=record.manifest)
+        cache = StatCache.load(cache_dir, root)
+    return cache, list_files(root, stop_after=max_files, git=git)
+
+
+def _remember(
+    cache_dir: Path,
+    root: Path,
+    *,
+    key: str | None,
+    files: list[tuple[str, os.stat_result]],
+    started_ns: int,
+    manifest: Manifest,
+    encoded: bytes,
+) -> None:
+    """Keep the launch record of this snapshot of a git tree (`key`: its git answers'), for the next launch's
+    shortcut; forget it when the tree was walked or git failed."""
+    if key is None:
+        quick.forget(cache_dir, root)
+        return
+    stats = [quick.stat_row(rel, st) for rel, st in files]
+    digest = blob_digest(encoded)
+    record = quick.LaunchRecord(key, started_ns, stats, digest, len(manifest), manifest.total_bytes, encoded)
+    quick.save(cache_dir, root, record)
 
 
 def _known_blobs(
