@@ -13,8 +13,9 @@ and mode, as the stat cache takes it. The launch then uses the recorded digest, 
 building an entry per file; the manifest itself is decoded only if the caller asks for it. An edited, added,
 removed or chmod'ed file changes git's answers or a recorded lstat, and the snapshot is taken in full.
 
-The record is the SHA-256 of the rest, then canonical msgpack, replaced atomically; a record that cannot be read
-is ignored (the snapshot is then taken in full), one that cannot be written is not kept.
+The record is the SHA-256 of its header, the header's length (4 bytes, big-endian), the header (canonical msgpack),
+then the manifest's bytes, which must have the header's digest; it is replaced atomically. A record that cannot be
+read or fails a check is ignored (the snapshot is then taken in full), one that cannot be written is not kept.
 """
 
 from __future__ import annotations
@@ -28,9 +29,10 @@ from typing import Any, Final
 
 from workers.base import codec
 from workers.errors import RecordDecodeError
+from workers.workspace.manifest import blob_digest
 from workers.workspace.statcache import RACY_NS, cache_file
 
-SCHEMA_VERSION: Final = 1
+SCHEMA_VERSION: Final = 2
 SUFFIX: Final = ".launch"
 CHECKSUM_BYTES: Final = 32
 
@@ -81,17 +83,23 @@ def load(cache_dir: Path, root: Path) -> LaunchRecord | None:
         data = record_file(cache_dir, root).read_bytes()
     except OSError:
         return None
-    if len(data) < CHECKSUM_BYTES or hashlib.sha256(data[CHECKSUM_BYTES:]).digest() != data[:CHECKSUM_BYTES]:
+    start = CHECKSUM_BYTES + 4
+    end = start + int.from_bytes(data[CHECKSUM_BYTES:start], "big")
+    if len(data) < end or hashlib.sha256(data[start:end]).digest() != data[:CHECKSUM_BYTES]:
         return None
     try:
-        raw = codec.decode(data[CHECKSUM_BYTES:], what="launch record")
+        raw = codec.decode(data[start:end], what="launch record")
     except RecordDecodeError:
         return None
-    if not isinstance(raw, dict) or raw.get("schema_version") != SCHEMA_VERSION:
+    manifest = data[end:]
+    if not isinstance(raw, dict) or (raw.get("schema_version"), raw.get("digest")) != (
+        SCHEMA_VERSION,
+        blob_digest(manifest),
+    ):
         return None
-    try:  # the checksum vouches for the shape, written by `save`
+    try:  # the checksum vouches for the header's shape, written by `save`
         return LaunchRecord(
-            raw["key"], raw["started_ns"], raw["stats"], raw["digest"], raw["files"], raw["bytes"], raw["manifest"]
+            raw["key"], raw["started_ns"], raw["stats"], raw["digest"], raw["files"], raw["bytes"], manifest
         )
     except KeyError:
         return None
@@ -99,7 +107,7 @@ def load(cache_dir: Path, root: Path) -> LaunchRecord | None:
 
 def save(cache_dir: Path, root: Path, record: LaunchRecord) -> None:
     """Write the record of `root` (atomically; not at all if the folder cannot be written)."""
-    body = codec.encode(
+    header = codec.encode(
         {
             "schema_version": SCHEMA_VERSION,
             "key": record.key,
@@ -108,14 +116,16 @@ def save(cache_dir: Path, root: Path, record: LaunchRecord) -> None:
             "digest": record.digest,
             "files": record.files,
             "bytes": record.total_bytes,
-            "manifest": record.manifest,
         }
     )
     path = record_file(cache_dir, root)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_bytes(hashlib.sha256(body).digest() + body)
+        with tmp.open("wb") as f:
+            f.write(hashlib.sha256(header).digest() + len(header).to_bytes(4, "big"))
+            f.write(header)
+            f.write(record.manifest)
         tmp.replace(path)
     except OSError:
         with contextlib.suppress(OSError):

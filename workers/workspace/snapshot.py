@@ -165,8 +165,10 @@ def snapshot(
     encoded = manifest.encode()
     digest = blob_digest(encoded)
     if cache_dir is not None:
+        learned = {rel for rel, (blob_id, _) in unknown.items() if blob_id in cache.found_blobs}
+        stated = [f for f in files if f[0] not in learned] if learned else files  # by blob id in git's answers
         _remember(
-            cache_dir, root, key=listing.key, files=files, started_ns=started_ns, manifest=manifest, encoded=encoded
+            cache_dir, root, key=listing.key, files=stated, started_ns=started_ns, manifest=manifest, encoded=encoded
         )
     return Snapshot(
         root,
