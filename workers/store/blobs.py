@@ -1,8 +1,9 @@
 """Redis access for workspaces: content-addressed blobs and manifests, per scope (tenant).
 
 Every blob is stored once per digest (`SET NX`), so siblings and later launches of one tree store nothing
-twice. Both the question (`missing`) and the store (`put`) run as one Lua script per batch of keys: a launch of
-10,000 files sends a few commands, not tens of thousands. A manifest is written only after every blob it
+twice. The question (`missing`) runs as one Lua script per batch of keys (EXPIRE GT, then EXISTS for the keys
+that answer 0), and the store (`put`) as one SET NX EX per blob: a launch of 10,000 files sends 10,000 commands
+and ten scripts, not 40,000 commands. A manifest is written only after every blob it
 names: a manifest that exists therefore means its blobs exist, which lets a launch of an unchanged tree
 skip asking about each of them. Blobs and manifests expire with the forks' records: they live
 `FORKQ_RECORD_TTL_S` plus `TTL_SLACK_S`, a TTL is only ever lengthened (EXPIRE GT, inside the scripts
@@ -45,17 +46,6 @@ for i, key in ipairs(KEYS) do
   end
 end
 return absent
-"""
-# KEYS: blob keys; ARGV[1]: the TTL, ARGV[i + 1]: the bytes of KEYS[i]. Stores each absent key; an existing one is
-# kept (the same bytes, by its digest) and its TTL renewed, never shortened.
-PUT_LUA: Final = """
-local ttl = ARGV[1]
-for i, key in ipairs(KEYS) do
-  if not redis.call('SET', key, ARGV[i + 1], 'NX', 'EX', ttl) then
-    redis.call('EXPIRE', key, ttl, 'GT')
-  end
-end
-return #KEYS
 """
 
 
@@ -100,19 +90,26 @@ class BlobStore:
                     raise WorkspaceError(
                         f"blob {digest}: its bytes have digest {blob_digest(data)}; nothing was stored"
                     )
-        script = self.client.register_script(PUT_LUA)
-        keys: list[str] = []
-        args: list[int | bytes] = [self.blob_ttl_s]
-        carried = 0
+        # SET NX EX per blob, then EXPIRE GT for the ones that existed (rare: `missing` was asked just before). One
+        # command a blob: a script would copy each blob twice more in Redis (its arguments, then the value)
+        pipe, keys, carried = self.client.pipeline(transaction=False), [], 0
         for digest, data in blobs.items():
             keys.append(self._blob(digest))
-            args.append(data)
+            pipe.set(keys[-1], data, nx=True, ex=self.blob_ttl_s)
             carried += len(data)
-            if carried >= BATCH_BYTES or len(keys) >= BATCH_KEYS:
-                script(keys=keys, args=args)
-                keys, args, carried = [], [self.blob_ttl_s], 0
-        if keys:
-            script(keys=keys, args=args)
+            if carried >= BATCH_BYTES:
+                self._renew_existing(keys, pipe.execute())
+                pipe, keys, carried = self.client.pipeline(transaction=False), [], 0
+        self._renew_existing(keys, pipe.execute())
+
+    def _renew_existing(self, keys: list[str], stored: list[object]) -> None:
+        """EXPIRE GT the keys of `keys` whose SET NX answered None: they existed."""
+        existed = [key for key, done in zip(keys, stored, strict=True) if not done]
+        if existed:
+            pipe = self.client.pipeline(transaction=False)
+            for key in existed:
+                pipe.expire(key, self.blob_ttl_s, gt=True)
+            pipe.execute()
 
     def get(self, digests: Iterable[str]) -> Iterator[tuple[str, bytes]]:
         """`(digest, bytes)` of each digest, verified, in batches.
