@@ -458,3 +458,14 @@ def test_a_snapshot_manifest_is_canonical(tmp_path: Path) -> None:
     s = snap(tmp_path)
     assert Manifest.decode(s.manifest.encode()) == s.manifest
     assert Manifest.of(s.manifest.entries) == s.manifest
+
+
+def test_on_read_gets_each_file_read_with_its_digest_as_the_threads_read_on(tmp_path: Path) -> None:
+    files = {f"d{i % 7}/f{i}.bin": os.urandom(20_000 + i) for i in range(600)}  # over PARALLEL_BYTES: threads
+    write(tmp_path, files)
+    got: list[list[tuple[str, bytes]]] = []
+    s = snapshot(tmp_path, max_bytes=BIG, max_files=10**6, on_read=got.append)
+    streamed = {digest: data for batch in got for digest, data in batch}
+    assert len(got) > 1  # batch by batch
+    assert streamed == {sha(data): data for data in files.values()}
+    assert {e.digest for e in s.manifest} == set(streamed)

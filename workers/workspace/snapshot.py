@@ -25,6 +25,7 @@ import os
 import stat
 import time
 from collections import defaultdict
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from operator import attrgetter
@@ -125,12 +126,19 @@ class Snapshot:
 
 
 def snapshot(
-    root: Path, *, max_bytes: int, max_files: int, cache_dir: Path | None = None, keep_bytes: int = KEEP_BYTES
+    root: Path,
+    *,
+    max_bytes: int,
+    max_files: int,
+    cache_dir: Path | None = None,
+    keep_bytes: int = KEEP_BYTES,
+    on_read: OnRead | None = None,
 ) -> Snapshot:
     """The snapshot of the folder `root`: refused over `max_bytes` or `max_files` before any file is read.
 
     `cache_dir` holds the stat cache (none when None: every file is read). The bytes of the files read, up to
-    `keep_bytes`, are kept for `Snapshot.read`.
+    `keep_bytes`, are kept for `Snapshot.read`; or, with `on_read`, handed to it batch by batch as they are read
+    (digests checked: a store may take them as they are), while the next ones are read, and not kept.
 
     Raises:
         WorkspaceTooLarge: the tree is over a bound; the message names its largest folders and the fix.
@@ -153,7 +161,7 @@ def snapshot(
         sizes = [(e.path, e.size) for e in entries] + [(rel, st.st_size) for rel, st in files]
         refuse(root, sizes, max_bytes=max_bytes, max_files=max_files, complete=listing.git)
     kept: dict[str, bytes] = {}
-    read = _digest_all(root, files, cache, kept, keep_bytes)
+    read = _digest_all(root, files, cache, kept, keep_bytes=keep_bytes, on_read=on_read)
     if unknown:
         read = _with_git_modes(read, unknown)
         _learn_blobs(cache, unknown, started_ns)
@@ -162,14 +170,8 @@ def snapshot(
     entries.sort(key=attrgetter("path"))  # code point order is UTF-8 byte order: the manifest's order
     # no Manifest.of: a listing holds each path once, and no file lies under another
     manifest = Manifest(tuple(entries))
-    encoded = manifest.encode()
-    digest = blob_digest(encoded)
-    if cache_dir is not None:
-        learned = {rel for rel, (blob_id, _) in unknown.items() if blob_id in cache.found_blobs}
-        stated = [f for f in files if f[0] not in learned] if learned else files  # by blob id in git's answers
-        _remember(
-            cache_dir, root, key=listing.key, files=stated, started_ns=started_ns, manifest=manifest, encoded=encoded
-        )
+    stated = _stated(files, unknown, cache)
+    digest = _remember(cache_dir, root, key=listing.key, files=stated, started_ns=started_ns, manifest=manifest)
     return Snapshot(
         root,
         digest,
@@ -202,24 +204,36 @@ def _listed(root: Path, cache_dir: Path, *, max_bytes: int, max_files: int) -> S
 
 
 def _remember(
-    cache_dir: Path,
+    cache_dir: Path | None,
     root: Path,
     *,
     key: str | None,
     files: list[tuple[str, os.stat_result]],
     started_ns: int,
     manifest: Manifest,
-    encoded: bytes,
-) -> None:
-    """Keep the launch record of this snapshot of a git tree (`key`: its git answers'), for the next launch's
-    shortcut; forget it when the tree was walked or git failed."""
-    if key is None:
-        quick.forget(cache_dir, root)
-        return
+) -> str:
+    """Keep the launch record of this snapshot of a git tree (`key`: its git answers') in `cache_dir`, for the next
+    launch's shortcut; forget it when the tree was walked or git failed. The manifest's digest."""
+    if cache_dir is None or key is None:
+        if cache_dir is not None:
+            quick.forget(cache_dir, root)
+        return manifest.digest
     stats = [quick.stat_row(rel, st) for rel, st in files]
-    digest = blob_digest(encoded)
-    record = quick.LaunchRecord(key, started_ns, stats, digest, len(manifest), manifest.total_bytes, encoded)
+    encoded = manifest.encode()
+    record = quick.LaunchRecord(
+        key, started_ns, stats, blob_digest(encoded), len(manifest), manifest.total_bytes, encoded
+    )
     quick.save(cache_dir, root, record)
+    return record.digest
+
+
+def _stated(
+    files: list[tuple[str, os.stat_result]], unknown: dict[str, tuple[str, str]], cache: StatCache
+) -> list[tuple[str, os.stat_result]]:
+    """The files a launch record must stat: all that were stat'ed, but the tracked ones whose blob was learned (git's
+    answers name their blob ids)."""
+    learned = {rel for rel, (blob_id, _) in unknown.items() if blob_id in cache.found_blobs}
+    return [f for f in files if f[0] not in learned] if learned else files
 
 
 def _known_blobs(
@@ -278,10 +292,16 @@ def _folder(root: Path) -> Path:
 
 
 def _digest_all(
-    root: Path, files: list[tuple[str, os.stat_result]], cache: StatCache, kept: dict[str, bytes], keep_bytes: int
+    root: Path,
+    files: list[tuple[str, os.stat_result]],
+    cache: StatCache,
+    kept: dict[str, bytes],
+    *,
+    keep_bytes: int,
+    on_read: OnRead | None,
 ) -> list[Entry]:
-    """The entries of `files`: digests from the stat cache, else read (and added to it); the bytes of the ones read
-    go to `kept` (digest → bytes) while they fit in `keep_bytes`."""
+    """The entries of `files`: digests from the stat cache, else read (and added to it); the bytes of the ones read,
+    while they fit in `keep_bytes`, go to `on_read` as they are read, else to `kept` (digest → bytes)."""
     entries: list[Entry] = []
     misses: list[tuple[str, os.stat_result]] = []
     modes: dict[int, Mode] = {}  # Mode.of once per distinct st_mode: it costs per file otherwise
@@ -304,30 +324,39 @@ def _digest_all(
     for _, st in misses:  # decided before reading: the same files whichever thread reads them
         keep.append(st.st_size <= budget)
         budget -= st.st_size if keep[-1] else 0
-    for (rel, _), found in zip(misses, _hash_all(root, misses, keep), strict=True):
-        if found is not None:  # else removed since it was listed
-            now, digest, data = found  # its stat once read: it may have changed once, and been read again
-            if data is not None:
-                kept[digest] = data
-            cache.add(rel, now, digest)
-            entries.append(Entry(rel, Mode.of(now.st_mode), now.st_size, digest))
+    done = 0
+    for batch in _hash_all(root, misses, keep):
+        read: list[tuple[str, bytes]] = []
+        for (rel, _), found in zip(misses[done : done + len(batch)], batch, strict=True):
+            if found is not None:  # else removed since it was listed
+                now, digest, data = found  # its stat once read: it may have changed once, and been read again
+                if data is not None:
+                    read.append((digest, data))
+                cache.add(rel, now, digest)
+                entries.append(Entry(rel, Mode.of(now.st_mode), now.st_size, digest))
+        done += len(batch)
+        if on_read is None:
+            kept.update(read)
+        elif read:
+            on_read(read)  # while the threads read on
     return entries
 
 
 Hashed = tuple[os.stat_result, str, bytes | None]  # a file's stat once read, its digest, its bytes if kept
+OnRead = Callable[[list[tuple[str, bytes]]], None]  # (digest, bytes) of files just read, as checked
 
 
-def _hash_all(root: Path, files: list[tuple[str, os.stat_result]], keep: list[bool]) -> list[Hashed | None]:
-    """`_hash_stable` of each file (keeping its bytes where `keep` says): by a few threads when there are many bytes
-    (reads and SHA-256 of more than 2 KiB release the GIL), in batches so that a small file does not cost a future
-    of its own."""
+def _hash_all(root: Path, files: list[tuple[str, os.stat_result]], keep: list[bool]) -> Iterator[list[Hashed | None]]:
+    """`_hash_stable` of each file (keeping its bytes where `keep` says), batch after batch in the files' order: by a
+    few threads when there are many bytes (reads and SHA-256 of more than 2 KiB release the GIL), in batches so that
+    a small file does not cost a future of its own; the threads read on while the caller handles a batch."""
     if len(files) < 2 or sum(st.st_size for _, st in files) < PARALLEL_BYTES:
-        return [_hash_stable(root, rel, st, k) for (rel, st), k in zip(files, keep, strict=True)]
+        yield [_hash_stable(root, rel, st, k) for (rel, st), k in zip(files, keep, strict=True)]
+        return
     tasks = list(zip(files, keep, strict=True))
     batches = [tasks[i : i + BATCH_FILES] for i in range(0, len(tasks), BATCH_FILES)]
     with ThreadPoolExecutor(HASH_THREADS) as pool:
-        done = pool.map(lambda batch: [_hash_stable(root, rel, st, k) for (rel, st), k in batch], batches)
-        return [found for batch in done for found in batch]
+        yield from pool.map(lambda batch: [_hash_stable(root, rel, st, k) for (rel, st), k in batch], batches)
 
 
 def _changed_error(root: Path, rel: str) -> WorkspaceError:
