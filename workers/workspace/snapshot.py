@@ -11,10 +11,14 @@ followed.
 
 A file that changes while it is read (its size, mtime, ctime or inode after the read differ from before,
 or it holds more or fewer bytes than its size) is read once more; a second change is an error naming it.
-The bytes stored later come from `Snapshot.read`. A file this snapshot read keeps its bytes, up to `keep_bytes`
-in all (a first launch then reads and hashes each byte once): they are the bytes the digest was computed from,
-between the two stats that showed no change. Any other file is read again and checked against the digest, so a
-file changed since the snapshot is an error, never a blob under the wrong digest.
+The bytes of the files read, up to `keep_bytes` in all, go to the caller's `on_read` as they are read (a launch
+stores them meanwhile), or are kept for `Snapshot.read`: either way a first launch reads and hashes each byte
+once, and they are the bytes the digest was computed from, between the two stats that showed no change. Any
+other file is read again by `Snapshot.read` and checked against the digest, so a file changed since the snapshot
+is an error, never a blob under the wrong digest.
+
+In a git work tree whose git answers and stat'ed files are as at the last launch (workers.workspace.quick), the
+snapshot is that launch's manifest, by its digest, with no entry built (`Snapshot.quick`).
 """
 
 from __future__ import annotations
