@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -15,9 +18,17 @@ from workers.records.fork import BootstrapRecord
 from workers.records.journal import EntryKind, JournalEntry
 from workers.store.blobs import BlobStore
 from workers.store.forks import ForkStore
-from workers.store.workspaces import WorkspaceLaunch, check_shared_root, fork_changes, launch_workspace
+from workers.store.workspaces import (
+    WorkspaceLaunch,
+    check_shared_root,
+    fork_changes,
+    launch_workspace,
+    snapshot_cache_dir,
+)
 from workers.workspace.manifest import Entry, Mode, blob_digest, encode_changes
 from workers.workspace.ref import WorkspaceMode, WorkspaceRef
+from workers.workspace.snapshot import snapshot
+from workers.workspace.statcache import RACY_NS
 
 
 @pytest.fixture
@@ -163,3 +174,28 @@ def test_a_shared_fork_has_no_changes_to_read(settings: Settings, redis_client: 
     record = record_of("f-shared", WorkspaceRef(mode=WorkspaceMode.SHARED, root="/p"))
     with pytest.raises(WorkspaceError, match="no snapshot workspace"):
         fork_changes(store, blobs, record)
+
+
+def test_a_launch_of_an_unchanged_tree_whose_blobs_redis_lost_stores_them_again(
+    tmp_path: Path, settings: Settings, blobs: BlobStore, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a git tree launched once (the launcher's cache knows it: the next launch takes the quick path)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    (tmp_path / "home").mkdir()
+    root = tree(tmp_path / "proj")
+    subprocess.run(["git", "init", "-q"], cwd=root, check=True)
+    newest = max(os.lstat(os.path.join(d, n)).st_ctime_ns for d, _, ns in os.walk(root) for n in ns)
+    while time.time_ns() <= newest + RACY_NS:  # the launch record trusts files out of the racy window
+        time.sleep(0.05)  # the condition is the clock itself
+    first = launch_workspace(str(root), WorkspaceLaunch(WorkspaceMode.SNAPSHOT), settings=settings, blobs=blobs)
+    assert snapshot(root.resolve(), max_bytes=1 << 30, max_files=100, cache_dir=snapshot_cache_dir()).quick
+    # When Redis loses everything, and the tree is launched again
+    redis_client.flushdb()
+    again = launch_workspace(str(root), WorkspaceLaunch(WorkspaceMode.SNAPSHOT), settings=settings, blobs=blobs)
+    # Then the manifest and every blob it names are stored again
+    assert again.manifest == first.manifest and again.manifest is not None
+    manifest = blobs.get_manifest(again.manifest)
+    assert dict(blobs.get(manifest.digests())) == {
+        blob_digest(b"notes\n"): b"notes\n",
+        blob_digest(b"print('a')\n"): b"print('a')\n",
+    }

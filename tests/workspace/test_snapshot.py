@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from workers.errors import WorkspaceError, WorkspaceTooLarge
-from workers.workspace import statcache
+from workers.workspace import quick, statcache
 from workers.workspace.manifest import Manifest, Mode
 from workers.workspace.snapshot import Snapshot, snapshot
 from workers.workspace.statcache import StatCache, cache_file
@@ -272,10 +272,11 @@ def test_tracked_files_git_finds_unchanged_are_neither_stated_nor_read_once_thei
     wait_out_the_racy_window(root)
     first = snap(root, cache_dir=cache)
     assert (first.hashed, first.from_git) == (13, 0)
-    # When it is snapshotted again
+    # When it is snapshotted again, without the launch record (which would give the whole manifest at once)
+    quick.forget(cache, root.resolve())
     second = snap(root, cache_dir=cache)
     # Then the tracked files' entries come from git's blob ids, the untracked one from the stat cache
-    assert (second.hashed, second.reused, second.from_git) == (0, 1, 12)
+    assert (second.hashed, second.reused, second.from_git, second.quick) == (0, 1, 12, False)
     assert second.manifest == first.manifest
     # And a tracked file edited (same size), or edited while marked assume-unchanged, is read again
     (root / "d1" / "f1.txt").write_text("FILE 1")
@@ -356,7 +357,7 @@ def test_a_cache_folder_keeps_only_the_most_recent_roots(tmp_path: Path) -> None
 
 def test_read_gives_a_blobs_bytes_and_refuses_a_file_changed_or_removed_since(tmp_path: Path) -> None:
     write(tmp_path, {"a.txt": "alpha", "b.txt": "beta", "same.txt": "alpha"})
-    s = snap(tmp_path)
+    s = snapshot(tmp_path, max_bytes=BIG, max_files=100, keep_bytes=0)  # keeps no bytes: every read is from disk
     a = s.manifest.by_path()["a.txt"].digest
     assert s.read(a) == b"alpha"
     assert s.paths_of(a) == ("a.txt", "same.txt")
@@ -368,6 +369,33 @@ def test_read_gives_a_blobs_bytes_and_refuses_a_file_changed_or_removed_since(tm
         s.read(s.manifest.by_path()["b.txt"].digest)
     with pytest.raises(WorkspaceError, match="no file of this snapshot has blob"):
         s.read("0" * 64)
+
+
+def test_read_gives_the_bytes_the_snapshot_hashed_within_its_budget_then_reads_the_disk(tmp_path: Path) -> None:
+    # Given a snapshot that keeps up to 10 bytes of the files it read: the two small ones, not the large one
+    write(tmp_path, {"a.txt": "alpha", "b.txt": "beta" * 5, "c.txt": "gamma"})
+    s = snapshot(tmp_path, max_bytes=BIG, max_files=100, keep_bytes=10)
+    digests = {e.path: e.digest for e in s.manifest}
+    # When every file is then changed on disk
+    for name in ("a.txt", "b.txt", "c.txt"):
+        (tmp_path / name).write_text(name.upper())
+    # Then the kept ones still give the bytes the snapshot hashed (its digest's), the others are read and refused
+    assert s.read(digests["a.txt"]) == b"alpha"
+    assert s.read(digests["c.txt"]) == b"gamma"
+    with pytest.raises(WorkspaceError, match=r"b\.txt was changed since the snapshot"):
+        s.read(digests["b.txt"])
+    # And kept bytes are handed out once: a second read goes to the disk
+    with pytest.raises(WorkspaceError, match=r"a\.txt was changed since the snapshot"):
+        s.read(digests["a.txt"])
+
+
+def test_a_large_file_read_whole_to_be_kept_has_the_digest_of_a_chunked_read(tmp_path: Path) -> None:
+    data = os.urandom(3 << 20) + b"tail"
+    write(tmp_path, {"big.bin": data})
+    kept = snapshot(tmp_path, max_bytes=BIG, max_files=10, keep_bytes=BIG)
+    chunked = snapshot(tmp_path, max_bytes=BIG, max_files=10, keep_bytes=0)
+    assert kept.manifest == chunked.manifest
+    assert kept.read(sha(data)) == data
 
 
 def test_a_file_that_keeps_changing_while_it_is_read_is_refused_naming_it(tmp_path: Path) -> None:
@@ -430,3 +458,14 @@ def test_a_snapshot_manifest_is_canonical(tmp_path: Path) -> None:
     s = snap(tmp_path)
     assert Manifest.decode(s.manifest.encode()) == s.manifest
     assert Manifest.of(s.manifest.entries) == s.manifest
+
+
+def test_on_read_gets_each_file_read_with_its_digest_as_the_threads_read_on(tmp_path: Path) -> None:
+    files = {f"d{i % 7}/f{i}.bin": os.urandom(20_000 + i) for i in range(600)}  # over PARALLEL_BYTES: threads
+    write(tmp_path, files)
+    got: list[list[tuple[str, bytes]]] = []
+    s = snapshot(tmp_path, max_bytes=BIG, max_files=10**6, on_read=got.append)
+    streamed = {digest: data for batch in got for digest, data in batch}
+    assert len(got) > 1  # batch by batch
+    assert streamed == {sha(data): data for data in files.values()}
+    assert {e.digest for e in s.manifest} == set(streamed)

@@ -150,7 +150,7 @@ class Workspaces:
                 "lowercase hex names it)",
                 field="digest",
             )
-        self.store(scope).put({digest: data})
+        self.store(scope).put({digest: data}, verified=True)  # checked just above
 
     def for_launch(
         self, scope: str, workspace: WorkspaceMode | None, manifest: str | None, network: bool | None

@@ -1,14 +1,19 @@
 """Redis access for workspaces: content-addressed blobs and manifests, per scope (tenant).
 
 Every blob is stored once per digest (`SET NX`), so siblings and later launches of one tree store nothing
-twice. A manifest is written only after every blob it names: a manifest that exists therefore means its
-blobs exist, which lets a launch of an unchanged tree skip asking about each of them. Blobs and manifests
-expire with the forks' records: they live `FORKQ_RECORD_TTL_S` plus `TTL_SLACK_S`, a TTL is only ever
-lengthened (EXPIRE GT), and a launch whose manifest has less than the retention plus `RENEW_BELOW_S` left
+twice. The question (`missing`) runs as one Lua script per batch of keys (EXPIRE GT, then EXISTS for the keys
+that answer 0), and the store (`put`) as one SET NX EX per blob: a launch of 10,000 files sends 10,000 commands
+and ten scripts, not 40,000 commands. A manifest is written only after every blob it
+names: a manifest that exists therefore means its blobs exist, which lets a launch of an unchanged tree
+skip asking about each of them. Blobs and manifests expire with the forks' records: they live
+`FORKQ_RECORD_TTL_S` plus `TTL_SLACK_S`, a TTL is only ever lengthened (EXPIRE GT, inside the scripts
+too), and a launch whose manifest has less than the retention plus `RENEW_BELOW_S` left
 renews the manifest and every blob it names. So the files of a fork outlive its records by up to an hour
 (a fork whose runs outlast that slack, continuation included, gets its records renewed, not its files).
 
 Reads verify every blob against its digest: a damaged or substituted value is an error, never a file.
+`put` verifies what it stores too, unless its caller has just checked the bytes against their digest itself
+(`verified=True`: a snapshot that hashed them, or the API after its own check of an upload).
 """
 
 from __future__ import annotations
@@ -30,6 +35,18 @@ TTL_SLACK_S: Final = 2 * 3600  # blobs outlive the records of the forks launched
 # a launch renews its manifest's blobs once the manifest has less than retention + this left: launches within
 # the hour ask nothing of the tree's blobs, and blobs still outlive every record by at least an hour
 RENEW_BELOW_S: Final = 3600
+# KEYS: blob keys; ARGV[1]: the TTL. Renews each present key's TTL (never shortens it), and answers the 1-based
+# positions of the absent ones. EXPIRE GT answers 0 for an absent key and for a longer TTL alike: EXISTS tells them
+# apart, for those only.
+MISSING_LUA: Final = """
+local ttl, absent = ARGV[1], {}
+for i, key in ipairs(KEYS) do
+  if redis.call('EXPIRE', key, ttl, 'GT') == 0 and redis.call('EXISTS', key) == 0 then
+    absent[#absent + 1] = i
+  end
+end
+return absent
+"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,38 +68,48 @@ class BlobStore:
 
     def missing(self, digests: Iterable[str]) -> list[str]:
         """The digests of `digests` this scope does not hold (in the order given, each once); the others'
-        TTLs are renewed, so they outlive the launch that asked."""
+        TTLs are renewed (never shortened), so they outlive the launch that asked. One script per batch."""
         wanted = list(dict.fromkeys(digests))
+        script = self.client.register_script(MISSING_LUA)  # its SHA-1, computed here; EVALSHA
         absent: list[str] = []
         for batch in _batches(wanted, BATCH_KEYS):
-            pipe = self.client.pipeline(transaction=False)
-            for digest in batch:
-                pipe.expire(self._blob(digest), self.blob_ttl_s, gt=True)
-                pipe.exists(self._blob(digest))
-            replies = pipe.execute()
-            absent += [d for d, present in zip(batch, replies[1::2], strict=True) if not present]
+            positions = script(keys=[self._blob(d) for d in batch], args=[self.blob_ttl_s])
+            absent += [batch[int(i) - 1] for i in positions]
         return absent
 
-    def put(self, blobs: Mapping[str, bytes]) -> None:
-        """Store blobs by digest (each checked against its bytes); existing ones are kept and renewed.
+    def put(self, blobs: Mapping[str, bytes], *, verified: bool = False) -> None:
+        """Store blobs by digest; existing ones are kept and renewed. Each is checked against its bytes unless
+        `verified`: the caller has just checked them itself (never pass it for bytes from elsewhere).
 
         Raises:
             WorkspaceError: a blob's bytes do not have its digest.
         """
+        if not verified:
+            for digest, data in blobs.items():
+                if blob_digest(data) != digest:
+                    raise WorkspaceError(
+                        f"blob {digest}: its bytes have digest {blob_digest(data)}; nothing was stored"
+                    )
+        # SET NX EX per blob, then EXPIRE GT for the ones that existed (rare: `missing` was asked just before). One
+        # command a blob: a script would copy each blob twice more in Redis (its arguments, then the value)
+        pipe, keys, carried = self.client.pipeline(transaction=False), [], 0
         for digest, data in blobs.items():
-            if blob_digest(data) != digest:
-                raise WorkspaceError(f"blob {digest}: its bytes have digest {blob_digest(data)}; nothing was stored")
-        pipe = self.client.pipeline(transaction=False)
-        carried = 0
-        for digest, data in blobs.items():
-            key = self._blob(digest)
-            pipe.set(key, data, nx=True, ex=self.blob_ttl_s)
-            pipe.expire(key, self.blob_ttl_s, gt=True)
+            keys.append(self._blob(digest))
+            pipe.set(keys[-1], data, nx=True, ex=self.blob_ttl_s)
             carried += len(data)
             if carried >= BATCH_BYTES:
-                pipe.execute()
-                pipe, carried = self.client.pipeline(transaction=False), 0
-        pipe.execute()
+                self._renew_existing(keys, pipe.execute())
+                pipe, keys, carried = self.client.pipeline(transaction=False), [], 0
+        self._renew_existing(keys, pipe.execute())
+
+    def _renew_existing(self, keys: list[str], stored: list[object]) -> None:
+        """EXPIRE GT the keys of `keys` whose SET NX answered None: they existed."""
+        existed = [key for key, done in zip(keys, stored, strict=True) if not done]
+        if existed:
+            pipe = self.client.pipeline(transaction=False)
+            for key in existed:
+                pipe.expire(key, self.blob_ttl_s, gt=True)
+            pipe.execute()
 
     def get(self, digests: Iterable[str]) -> Iterator[tuple[str, bytes]]:
         """`(digest, bytes)` of each digest, verified, in batches.
@@ -122,6 +149,12 @@ class BlobStore:
                 raise WorkspaceError(f"workspace manifest {digest}: some of its blobs are gone; upload them again")
             self.client.expire(key, self.blob_ttl_s, gt=True)
         return digest
+
+    def manifest_fresh(self, digest: str) -> bool:
+        """Whether this scope holds the manifest `digest` with more than the retention plus `RENEW_BELOW_S` left:
+        stored, with its blobs, and not due for the renewal `put_manifest` makes (one command)."""
+        left = self.client.ttl(self.keys.manifest(self.scope, digest))
+        return isinstance(left, int) and left >= self.ttl_s + RENEW_BELOW_S
 
     def has_manifest(self, digest: str) -> bool:
         """Whether this scope holds the manifest `digest` (and so every blob it names)."""

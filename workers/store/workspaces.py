@@ -14,9 +14,9 @@ from __future__ import annotations
 import logging
 import os
 import posixpath
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 from broker_config.settings import Settings
 from workers.errors import InvalidAgentParams, WorkspaceError
@@ -28,6 +28,8 @@ from workers.workspace.manifest import EMPTY, Changes, Manifest
 from workers.workspace.ref import WorkspaceMode, WorkspaceRef
 
 log = logging.getLogger("forkq.workspace")
+UPLOAD_BYTES: Final = 4 << 20  # bytes read by a snapshot that are stored together, while it reads on
+UPLOAD_FILES: Final = 512
 
 
 def shared_roots(settings: Settings) -> list[str]:
@@ -109,22 +111,57 @@ def snapshot_cache_dir() -> Path | None:
 
 
 def store_snapshot(folder: Path, *, settings: Settings, blobs: BlobStore) -> tuple[str, bool]:
-    """Snapshot `folder` and store what Redis lacks: the manifest's digest, and whether it came from git."""
+    """Snapshot `folder` and store what Redis lacks: the manifest's digest, and whether it came from git.
+
+    The files the snapshot reads (a first launch's, or edited ones) are stored batch by batch while it reads the
+    next ones; the rest (known by stat or blob id) only when the manifest is not stored yet.
+    """
     from workers.workspace.snapshot import snapshot  # noqa: PLC0415  (snapshot launches only)
 
+    upload = _Upload(blobs)
     snap = snapshot(
         folder,
         max_bytes=settings.workspace_max_bytes,
         max_files=settings.workspace_max_files,
         cache_dir=snapshot_cache_dir(),
+        on_read=upload.add,
     )
-    digest = snap.manifest.digest
+    upload.flush()
+    digest = snap.digest
+    if blobs.manifest_fresh(digest):  # stored (so are its blobs), and not yet due for renewal: nothing to send
+        return digest, snap.git
     if blobs.has_manifest(digest):  # a manifest is stored only after its blobs: nothing to send
         blobs.put_manifest(snap.manifest)  # renews it (and its blobs) when it is getting old
         return digest, snap.git
-    for batch in _batches(blobs.missing(snap.manifest.digests())):
-        blobs.put({d: snap.read(d) for d in batch})
+    for batch in _batches(blobs.missing(snap.manifest.digests() - upload.stored)):
+        blobs.put({d: snap.read(d) for d in batch}, verified=True)  # Snapshot.read checks them against the digest
     return blobs.put_manifest(snap.manifest), snap.git
+
+
+@dataclass
+class _Upload:
+    """The blobs a snapshot read, stored as they come (in batches of `UPLOAD_BYTES`), the ones Redis lacks only."""
+
+    blobs: BlobStore
+    pending: dict[str, bytes] = field(default_factory=dict)
+    carried: int = 0
+    stored: set[str] = field(default_factory=set)  # in Redis now (stored, or found there and renewed)
+
+    def add(self, read: list[tuple[str, bytes]]) -> None:
+        """Take blobs the snapshot just read and checked; store them once enough are pending."""
+        for digest, data in read:
+            self.pending[digest] = data
+            self.carried += len(data)
+        if self.carried >= UPLOAD_BYTES or len(self.pending) >= UPLOAD_FILES:
+            self.flush()
+
+    def flush(self) -> None:
+        """Store the pending blobs Redis lacks."""
+        if self.pending:
+            absent = self.blobs.missing(self.pending)
+            self.blobs.put({d: self.pending[d] for d in absent}, verified=True)
+            self.stored.update(self.pending)
+            self.pending, self.carried = {}, 0
 
 
 def _batches(digests: list[str], size: int = 256) -> list[list[str]]:

@@ -21,6 +21,7 @@ path is a valid workspace path (UTF-8 included), else the listing stops with an 
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 import stat
 import subprocess
@@ -57,16 +58,82 @@ class Listing:
     files: list[tuple[str, os.stat_result]]
     unchanged: list[tuple[str, str, str]]
     git: bool
+    key: str | None = None  # GitOutput.key of git's answers (None: walked, or a git command failed)
 
 
-def list_files(root: Path, *, stop_after: int) -> Listing:
+@dataclass(frozen=True, slots=True)
+class GitOutput:
+    """What git's two commands answered: ls-files (output, errors, exit status), and diff-files (output, status)."""
+
+    listing: bytes
+    errors: bytes
+    status: int
+    changed: bytes
+    changed_status: int
+
+    @property
+    def key(self) -> str | None:
+        """The SHA-256 of both outputs (None if either failed): the same key, the same tracked files with the same
+        blobs and modes, the same untracked ones, the same ones found changed."""
+        if self.status or self.changed_status:
+            return None
+        return hashlib.sha256(b"%d\0" % len(self.listing) + self.listing + self.changed).hexdigest()
+
+
+class GitRun:
+    """git's two commands, started at once: diff-files stats every tracked file (in threads) while ls-files lists."""
+
+    def __init__(self, root: Path, listing: subprocess.Popen[bytes]) -> None:
+        self.root, self.listing = root, listing
+        try:
+            self.changed = subprocess.Popen(
+                ["git", "-C", str(root), *GIT_DIFF_FILES], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+            )
+        except BaseException:
+            listing.kill()
+            listing.wait()
+            raise
+
+    @classmethod
+    def start(cls, root: Path) -> GitRun | None:
+        """Both commands started in `root`; None when git is not installed."""
+        try:
+            listing = subprocess.Popen(
+                ["git", "-C", str(root), *GIT_LS_FILES], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+            )
+        except FileNotFoundError:
+            return None
+        return cls(root, listing)
+
+    def finish(self) -> GitOutput:
+        """Both outputs, once both commands ended.
+
+        Raises:
+            WorkspaceError: a command took over `GIT_TIMEOUT_S` (both are then ended).
+        """
+        with self.listing, self.changed:
+            try:
+                out, err = _communicate(self.root, self.listing)
+                changed_out, _ = _communicate(self.root, self.changed)
+            except WorkspaceError:
+                self.listing.kill()
+                self.changed.kill()
+                raise
+        return GitOutput(out, err, self.listing.returncode, changed_out, self.changed.returncode)
+
+
+def list_files(root: Path, *, stop_after: int, git: GitOutput | None = None) -> Listing:
     """The files of `root` (absolute and resolved) a snapshot holds; a walk stops after `stop_after` files.
+    `git`: git's answers in `root`, when the caller ran it (else it is run here, if installed).
 
     Raises:
         WorkspaceError: a path is not valid (not UTF-8, a backslash, too long), a folder cannot be read, or git
             fails in a git work tree.
     """
-    listed = _git_listing(root)
+    if git is None:
+        run = GitRun.start(root)
+        git = run.finish() if run is not None else None
+    listed = None if git is None else _git_listing(root, git)
     if listed is None:
         return Listing(_walk(root, stop_after), [], git=False)
     unchanged, others, any_ignore_file = listed
@@ -79,36 +146,23 @@ def list_files(root: Path, *, stop_after: int) -> Listing:
         unchanged = [u for u in unchanged if not _ignored(specs, u[0])]
         others = [p for p in others if not _ignored(specs, p)]
     check_all(root, [u[0] for u in unchanged] + others)
-    return Listing(stat_files(root, others), unchanged, git=True)
+    return Listing(stat_files(root, others), unchanged, git=True, key=None if git is None else git.key)
 
 
-def _git_listing(root: Path) -> tuple[list[tuple[str, str, str]], list[str], bool] | None:
+def _git_listing(root: Path, git: GitOutput) -> tuple[list[tuple[str, str, str]], list[str], bool] | None:
     """git's listing of `root`: the unchanged tracked files (path, mode, blob id), the other paths, and whether any
-    `.forkqignore` may be among them; None when `root` is not in a git work tree, or git is not installed."""
-    try:
-        listing = subprocess.Popen(
-            ["git", "-C", str(root), *GIT_LS_FILES], stdout=subprocess.PIPE, stderr=subprocess.PIPE
-        )
-    except FileNotFoundError:
-        return None
-    with listing:  # both run at once: diff-files stats every tracked file (in threads) while ls-files lists
-        changed = subprocess.Popen(
-            ["git", "-C", str(root), *GIT_DIFF_FILES], stdout=subprocess.PIPE, stderr=subprocess.PIPE
-        )
-        with changed:
-            out, err = _communicate(root, listing)
-            changed_out, _ = _communicate(root, changed)
-    if listing.returncode != 0:
+    `.forkqignore` may be among them; None when `root` is not in a git work tree."""
+    if git.status != 0:
         if not any((folder / ".git").exists() for folder in (root, *root.parents)):
             return None  # not a work tree: walk it
-        error = err.decode("utf-8", "replace").strip()[:500]
+        error = git.errors.decode("utf-8", "replace").strip()[:500]
         raise WorkspaceError(
             f"workspace {root}: `git ls-files` failed in this git work tree ({error}); "
             "fix the repository, or launch with workspace shared"
         )
     # diff-files failing is no reason to fail: every tracked file is then stat'ed and read as an untracked one
-    dirty = set(changed_out.decode("utf-8", "surrogateescape").split("\0")) if changed.returncode == 0 else None
-    text = out.decode("utf-8", "surrogateescape")
+    dirty = set(git.changed.decode("utf-8", "surrogateescape").split("\0")) if git.changed_status == 0 else None
+    text = git.listing.decode("utf-8", "surrogateescape")
     return (*_parse_listing(text, dirty), IGNORE_FILE in text)
 
 

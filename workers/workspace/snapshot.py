@@ -11,8 +11,14 @@ followed.
 
 A file that changes while it is read (its size, mtime, ctime or inode after the read differ from before,
 or it holds more or fewer bytes than its size) is read once more; a second change is an error naming it.
-The bytes stored later come from `Snapshot.read`, which reads the file again and checks them against the
-digest, so a file changed since the snapshot is an error too, never a blob under the wrong digest.
+The bytes of the files read, up to `keep_bytes` in all, go to the caller's `on_read` as they are read (a launch
+stores them meanwhile), or are kept for `Snapshot.read`: either way a first launch reads and hashes each byte
+once, and they are the bytes the digest was computed from, between the two stats that showed no change. Any
+other file is read again by `Snapshot.read` and checked against the digest, so a file changed since the snapshot
+is an error, never a blob under the wrong digest.
+
+In a git work tree whose git answers and stat'ed files are as at the last launch (workers.workspace.quick), the
+snapshot is that launch's manifest, by its digest, with no entry built (`Snapshot.quick`).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import os
 import stat
 import time
 from collections import defaultdict
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from operator import attrgetter
@@ -30,13 +37,15 @@ from pathlib import Path
 from typing import Final, NoReturn
 
 from workers.errors import WorkspaceError, WorkspaceTooLarge
-from workers.workspace.listing import IGNORE_FIX, list_files, stat_files
+from workers.workspace import quick
+from workers.workspace.listing import IGNORE_FIX, GitRun, Listing, list_files, stat_files
 from workers.workspace.manifest import Entry, Manifest, Mode, blob_digest
 from workers.workspace.statcache import RACY_NS, StatCache
 
 CHUNK: Final = 1 << 20  # bytes one read takes: a large file is hashed in bounded memory
 PARALLEL_BYTES: Final = 8 << 20  # files to read worth more than this are read by threads
 HASH_THREADS: Final = 4
+KEEP_BYTES: Final = 128 << 20  # bytes of the files it read a snapshot keeps for `Snapshot.read` (the rest: read again)
 BATCH_FILES: Final = 64  # files one thread's task reads
 LARGEST_SHOWN: Final = 5  # folders a refusal names
 TOP_FILES: Final = "."  # the folder name a refusal gives the files at the top of the tree
@@ -53,12 +62,23 @@ class Snapshot:
     """A folder's files as a manifest, and the way back from a digest to the bytes on disk."""
 
     root: Path  # the folder snapshotted, absolute and resolved
-    manifest: Manifest
+    digest: str  # the manifest's
     git: bool  # the folder lies in a git work tree and git listed its files
     hashed: int = 0  # files read and hashed (the others came from the stat cache or git, or are symlinks)
     reused: int = 0  # files whose digest the stat cache gave (stat'ed, not read)
     from_git: int = 0  # files git found unchanged, whose blob's digest the cache gave (neither stat'ed nor read)
+    quick: bool = False  # the tree was the last snapshot's (workers.workspace.quick): no entry was built
+    _manifest: list[Manifest] = field(default_factory=list, repr=False, compare=False)  # [] until decoded
+    _encoded: bytes = field(default=b"", repr=False, compare=False)  # the manifest's bytes, for a quick one
     _index: dict[str, tuple[Entry, ...]] = field(default_factory=dict, repr=False, compare=False)
+    _kept: dict[str, bytes] = field(default_factory=dict, repr=False, compare=False)  # digest → the bytes hashed
+
+    @property
+    def manifest(self) -> Manifest:
+        """The manifest (a quick snapshot's is decoded on first use)."""
+        if not self._manifest:
+            self._manifest.append(Manifest.decode(self._encoded, what=f"the launch record of {self.root}"))
+        return self._manifest[0]
 
     def entries_of(self, digest: str) -> tuple[Entry, ...]:
         """The entries whose blob is `digest` (empty when the snapshot has none)."""
@@ -74,11 +94,15 @@ class Snapshot:
         return tuple(e.path for e in self.entries_of(digest))
 
     def read(self, digest: str) -> bytes:
-        """The bytes of blob `digest`, read again from disk and checked against the digest.
+        """The bytes of blob `digest`, checked against the digest: the ones the snapshot hashed if it kept them
+        (handed out once, then forgotten), else read again from disk and hashed.
 
         Raises:
             WorkspaceError: no file of the snapshot has that digest, or the file was changed or removed since.
         """
+        kept = self._kept.pop(digest, None)
+        if kept is not None:
+            return kept
         entries = self.entries_of(digest)
         if not entries:
             raise WorkspaceError(f"workspace {self.root}: no file of this snapshot has blob {digest}", field="digest")
@@ -105,10 +129,20 @@ class Snapshot:
         )
 
 
-def snapshot(root: Path, *, max_bytes: int, max_files: int, cache_dir: Path | None = None) -> Snapshot:
+def snapshot(
+    root: Path,
+    *,
+    max_bytes: int,
+    max_files: int,
+    cache_dir: Path | None = None,
+    keep_bytes: int = KEEP_BYTES,
+    on_read: OnRead | None = None,
+) -> Snapshot:
     """The snapshot of the folder `root`: refused over `max_bytes` or `max_files` before any file is read.
 
-    `cache_dir` holds the stat cache (none when None: every file is read).
+    `cache_dir` holds the stat cache (none when None: every file is read). The bytes of the files read, up to
+    `keep_bytes`, are kept for `Snapshot.read`; or, with `on_read`, handed to it batch by batch as they are read
+    (digests checked: a store may take them as they are), while the next ones are read, and not kept.
 
     Raises:
         WorkspaceTooLarge: the tree is over a bound; the message names its largest folders and the fix.
@@ -120,17 +154,18 @@ def snapshot(root: Path, *, max_bytes: int, max_files: int, cache_dir: Path | No
     if cache_dir is None:
         cache, listing = StatCache(None), list_files(root, stop_after=max_files)
     else:
-        with ThreadPoolExecutor(1) as pool:  # the cache file decodes while git lists the files
-            loading = pool.submit(StatCache.load, cache_dir, root)
-            listing = list_files(root, stop_after=max_files)
-            cache = loading.result()
+        found = _listed(root, cache_dir, max_bytes=max_bytes, max_files=max_files)
+        if isinstance(found, Snapshot):
+            return found
+        cache, listing = found
     entries, unknown = _known_blobs(listing.unchanged, cache)
     files = listing.files + stat_files(root, list(unknown)) if unknown else listing.files
     total = sum(e.size for e in entries) + sum(st.st_size for _, st in files)
     if len(entries) + len(files) > max_files or total > max_bytes:
         sizes = [(e.path, e.size) for e in entries] + [(rel, st.st_size) for rel, st in files]
         refuse(root, sizes, max_bytes=max_bytes, max_files=max_files, complete=listing.git)
-    read = _digest_all(root, files, cache)
+    kept: dict[str, bytes] = {}
+    read = _digest_all(root, files, cache, kept, keep_bytes=keep_bytes, on_read=on_read)
     if unknown:
         read = _with_git_modes(read, unknown)
         _learn_blobs(cache, unknown, started_ns)
@@ -138,9 +173,71 @@ def snapshot(root: Path, *, max_bytes: int, max_files: int, cache_dir: Path | No
     cache.save(started_ns)
     entries.sort(key=attrgetter("path"))  # code point order is UTF-8 byte order: the manifest's order
     # no Manifest.of: a listing holds each path once, and no file lies under another
+    manifest = Manifest(tuple(entries))
+    stated = _stated(files, unknown, cache)
+    digest = _remember(cache_dir, root, key=listing.key, files=stated, started_ns=started_ns, manifest=manifest)
     return Snapshot(
-        root, Manifest(tuple(entries)), listing.git, hashed=cache.added, reused=cache.hits, from_git=cache.blob_hits
+        root,
+        digest,
+        listing.git,
+        hashed=cache.added,
+        reused=cache.hits,
+        from_git=cache.blob_hits,
+        _manifest=[manifest],
+        _kept=kept,
     )
+
+
+def _listed(root: Path, cache_dir: Path, *, max_bytes: int, max_files: int) -> Snapshot | tuple[StatCache, Listing]:
+    """The quick snapshot of `root` if its launch record holds (workers.workspace.quick), else its stat cache and
+    listing. git runs while the record is read; the stat cache, which costs more to decode, is read while git runs
+    when there is no record."""
+    run = GitRun.start(root)
+    record = quick.load(cache_dir, root) if run is not None else None
+    if run is None or record is None:
+        with ThreadPoolExecutor(1) as pool:
+            loading = pool.submit(StatCache.load, cache_dir, root)
+            git = run.finish() if run is not None else None
+            cache = loading.result()
+    else:
+        git = run.finish()
+        if record.files <= max_files and record.total_bytes <= max_bytes and record.holds(root, git.key):
+            return Snapshot(root, record.digest, git=True, quick=True, _encoded=record.manifest)
+        cache = StatCache.load(cache_dir, root)
+    return cache, list_files(root, stop_after=max_files, git=git)
+
+
+def _remember(
+    cache_dir: Path | None,
+    root: Path,
+    *,
+    key: str | None,
+    files: list[tuple[str, os.stat_result]],
+    started_ns: int,
+    manifest: Manifest,
+) -> str:
+    """Keep the launch record of this snapshot of a git tree (`key`: its git answers') in `cache_dir`, for the next
+    launch's shortcut; forget it when the tree was walked or git failed. The manifest's digest."""
+    if cache_dir is None or key is None:
+        if cache_dir is not None:
+            quick.forget(cache_dir, root)
+        return manifest.digest
+    stats = [quick.stat_row(rel, st) for rel, st in files]
+    encoded = manifest.encode()
+    record = quick.LaunchRecord(
+        key, started_ns, stats, blob_digest(encoded), len(manifest), manifest.total_bytes, encoded
+    )
+    quick.save(cache_dir, root, record)
+    return record.digest
+
+
+def _stated(
+    files: list[tuple[str, os.stat_result]], unknown: dict[str, tuple[str, str]], cache: StatCache
+) -> list[tuple[str, os.stat_result]]:
+    """The files a launch record must stat: all that were stat'ed, but the tracked ones whose blob was learned (git's
+    answers name their blob ids)."""
+    learned = {rel for rel, (blob_id, _) in unknown.items() if blob_id in cache.found_blobs}
+    return [f for f in files if f[0] not in learned] if learned else files
 
 
 def _known_blobs(
@@ -198,8 +295,17 @@ def _folder(root: Path) -> Path:
     return resolved
 
 
-def _digest_all(root: Path, files: list[tuple[str, os.stat_result]], cache: StatCache) -> list[Entry]:
-    """The entries of `files`: digests from the stat cache, else read (and added to it)."""
+def _digest_all(
+    root: Path,
+    files: list[tuple[str, os.stat_result]],
+    cache: StatCache,
+    kept: dict[str, bytes],
+    *,
+    keep_bytes: int,
+    on_read: OnRead | None,
+) -> list[Entry]:
+    """The entries of `files`: digests from the stat cache, else read (and added to it); the bytes of the ones read,
+    while they fit in `keep_bytes`, go to `on_read` as they are read, else to `kept` (digest → bytes)."""
     entries: list[Entry] = []
     misses: list[tuple[str, os.stat_result]] = []
     modes: dict[int, Mode] = {}  # Mode.of once per distinct st_mode: it costs per file otherwise
@@ -218,23 +324,43 @@ def _digest_all(root: Path, files: list[tuple[str, os.stat_result]], cache: Stat
         if mode is None:
             mode = modes[st_mode] = Mode.of(st_mode)
         entries.append(Entry(rel, mode, st.st_size, digest))
-    for (rel, _), found in zip(misses, _hash_all(root, misses), strict=True):
-        if found is not None:  # else removed since it was listed
-            now, digest = found  # its stat once read: it may have changed once, and been read again
-            cache.add(rel, now, digest)
-            entries.append(Entry(rel, Mode.of(now.st_mode), now.st_size, digest))
+    keep, budget = [], keep_bytes
+    for _, st in misses:  # decided before reading: the same files whichever thread reads them
+        keep.append(st.st_size <= budget)
+        budget -= st.st_size if keep[-1] else 0
+    done = 0
+    for batch in _hash_all(root, misses, keep):
+        read: list[tuple[str, bytes]] = []
+        for (rel, _), found in zip(misses[done : done + len(batch)], batch, strict=True):
+            if found is not None:  # else removed since it was listed
+                now, digest, data = found  # its stat once read: it may have changed once, and been read again
+                if data is not None:
+                    read.append((digest, data))
+                cache.add(rel, now, digest)
+                entries.append(Entry(rel, Mode.of(now.st_mode), now.st_size, digest))
+        done += len(batch)
+        if on_read is None:
+            kept.update(read)
+        elif read:
+            on_read(read)  # while the threads read on
     return entries
 
 
-def _hash_all(root: Path, files: list[tuple[str, os.stat_result]]) -> list[tuple[os.stat_result, str] | None]:
-    """`_hash_stable` of each file: by a few threads when there are many bytes (reads and SHA-256 of more than
-    2 KiB release the GIL), in batches so that a small file does not cost a future of its own."""
+Hashed = tuple[os.stat_result, str, bytes | None]  # a file's stat once read, its digest, its bytes if kept
+OnRead = Callable[[list[tuple[str, bytes]]], None]  # (digest, bytes) of files just read, as checked
+
+
+def _hash_all(root: Path, files: list[tuple[str, os.stat_result]], keep: list[bool]) -> Iterator[list[Hashed | None]]:
+    """`_hash_stable` of each file (keeping its bytes where `keep` says), batch after batch in the files' order: by a
+    few threads when there are many bytes (reads and SHA-256 of more than 2 KiB release the GIL), in batches so that
+    a small file does not cost a future of its own; the threads read on while the caller handles a batch."""
     if len(files) < 2 or sum(st.st_size for _, st in files) < PARALLEL_BYTES:
-        return [_hash_stable(root, rel, st) for rel, st in files]
-    batches = [files[i : i + BATCH_FILES] for i in range(0, len(files), BATCH_FILES)]
+        yield [_hash_stable(root, rel, st, k) for (rel, st), k in zip(files, keep, strict=True)]
+        return
+    tasks = list(zip(files, keep, strict=True))
+    batches = [tasks[i : i + BATCH_FILES] for i in range(0, len(tasks), BATCH_FILES)]
     with ThreadPoolExecutor(HASH_THREADS) as pool:
-        done = pool.map(lambda batch: [_hash_stable(root, rel, st) for rel, st in batch], batches)
-        return [found for batch in done for found in batch]
+        yield from pool.map(lambda batch: [_hash_stable(root, rel, st, k) for (rel, st), k in batch], batches)
 
 
 def _changed_error(root: Path, rel: str) -> WorkspaceError:
@@ -263,12 +389,13 @@ def _link_target(root: Path, rel: str, st: os.stat_result) -> bytes:
     raise _changed_error(root, rel)
 
 
-def _hash_stable(root: Path, rel: str, st: os.stat_result) -> tuple[os.stat_result, str] | None:
-    """(stat, digest) of a regular file, read once more if it changed while read; None if it is gone."""
+def _hash_stable(root: Path, rel: str, st: os.stat_result, keep: bool = False) -> Hashed | None:
+    """(stat, digest, bytes if `keep`) of a regular file, read once more if it changed while read; None if it is
+    gone."""
     path = os.path.join(root, rel)
     for attempt in range(2):
         try:
-            return st, _hash_file(path, st)
+            return st, *_hash_file(path, st, keep)
         except _Changed:
             pass
         except FileNotFoundError:
@@ -293,8 +420,8 @@ def _open(path: str, flags: int) -> int:
     return os.open(path, flags | _OPEN_FLAGS)
 
 
-def _hash_file(path: str, st: os.stat_result) -> str:
-    """The SHA-256 of a regular file whose lstat was `st`.
+def _hash_file(path: str, st: os.stat_result, keep: bool = False) -> tuple[str, bytes | None]:
+    """The SHA-256 of a regular file whose lstat was `st`, and its bytes if `keep` (read whole, not in chunks).
 
     Raises:
         _Changed: the file is not the one `st` describes any more, or changed while it was read.
@@ -307,8 +434,8 @@ def _hash_file(path: str, st: os.stat_result) -> str:
             raise _Changed from exc  # a link or folder now stands where the file was
         raise
     try:
-        size = st.st_size
-        if size <= CHUNK:
+        size, data = st.st_size, None
+        if size <= CHUNK or keep:
             data = os.read(fd, size + 1)
             while 0 < len(data) <= size:  # a short read: read on to the end (or past the size)
                 more = os.read(fd, size + 1 - len(data))
@@ -323,7 +450,7 @@ def _hash_file(path: str, st: os.stat_result) -> str:
         os.close(fd)
     if read != size or _version(after) != _version(st) or not stat.S_ISREG(after.st_mode):
         raise _Changed
-    return digest.hexdigest()
+    return digest.hexdigest(), data if keep else None
 
 
 def _version(st: os.stat_result) -> tuple[int, int, int, int]:

@@ -157,5 +157,6 @@ def _prune(cache_dir: Path) -> None:
             with contextlib.suppress(OSError):
                 found.append((entry.stat().st_mtime_ns, Path(entry.path)))
     for _, path in sorted(found, reverse=True)[MAX_ROOTS:]:
-        with contextlib.suppress(OSError):
-            path.unlink()
+        for each in (path, path.with_suffix(".launch")):  # and its folder's launch record (workers.workspace.quick)
+            with contextlib.suppress(OSError):
+                each.unlink()
