@@ -354,3 +354,16 @@ def test_changes_and_apply_of_a_shared_fork_say_it_has_no_snapshot(forkq: Run, t
     for command in ("changes", "apply"):
         code, _, err = forkq(command, fork_id)
         assert code == 1 and "no snapshot workspace" in err, err
+
+
+@pytest.mark.parametrize("argv", [["--no-network"], ["--network", "false"]])
+def test_launch_records_a_workspace_cut_off_the_network(forkq: Run, argv: list[str]) -> None:
+    fork_id = launch(forkq, "--fork-turns", "1", *argv)
+    code, out, _ = forkq("inspect", fork_id, "--json")
+    assert code == 0 and json.loads(out)["workspace"]["network"] is False
+
+
+def test_a_network_option_that_is_not_true_or_false_exits_2(forkq: Run) -> None:
+    with pytest.raises(SystemExit) as exited:
+        forkq("launch", "--parent", PARENT, "--prompt", PROMPT, "--network", "maybe")
+    assert exited.value.code == 2

@@ -61,6 +61,14 @@ def count(text: str) -> int:
     return int(text)
 
 
+def on_off(value: str) -> bool:
+    """`true`/`false` (also on/off, yes/no, 1/0), as the launch option `network` is written elsewhere."""
+    words = {"true": True, "on": True, "yes": True, "1": True, "false": False, "off": False, "no": False, "0": False}
+    if value.lower() not in words:
+        raise argparse.ArgumentTypeError(f"{shown(value)} is not true or false")
+    return words[value.lower()]
+
+
 def text(value: str) -> str:
     """Text that can be stored as UTF-8 (a byte that is not UTF-8 reaches Python as a lone surrogate)."""
     problem = text_problem(shown(value), value)
@@ -187,6 +195,9 @@ def _launch_arguments(launch: Parser) -> None:
     )
     launch.add_argument(
         "--no-network", dest="network", action="store_false", help="cut a snapshot fork's tools off the network"
+    )
+    launch.add_argument(
+        "--network", dest="network", type=on_off, help="true (the default) or false: the same as --no-network"
     )
     launch.add_argument("--json", action="store_true", help="print JSON")
 
