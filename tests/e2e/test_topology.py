@@ -228,6 +228,8 @@ class Topology:
         if argv[1:2] == ["worker"]:  # one container each in compose: here one node name and heartbeat each
             argv += ["--hostname", f"{label}@%h"]
             env["FORKQ_HEARTBEAT_FILE"] = str(self.directory / f"{label}.heartbeat")
+            if "FORKQ_WORKSPACE_DIR" in env:  # the container's own tmpfs: here a folder of the test's
+                env["FORKQ_WORKSPACE_DIR"] = str(self.directory / f"{label}-workspaces")
         return self.start(name, label, argv, env, metrics_port)
 
     def start_flower(self) -> Proc:
