@@ -47,6 +47,7 @@ if str(ROOT) not in sys.path:  # `python bench/workspace.py` puts bench/, not th
 
 import redis  # noqa: E402
 
+from bench.revival import pct  # noqa: E402
 from bench.workspace_snapshot import floor  # noqa: E402
 from bench.workspace_tree import make_tree  # noqa: E402
 from broker_config.settings import Settings  # noqa: E402
@@ -112,15 +113,6 @@ class Row:
 def ms(seconds: float) -> str:
     """Seconds as milliseconds for the table."""
     return f"{seconds * 1000:,.0f} ms" if seconds >= 0.1 else f"{seconds * 1000:.1f} ms"
-
-
-def pct(values: Sequence[float], p: float) -> float:
-    """The p-th percentile, linear between order statistics (never beyond the max)."""
-    data = sorted(values)
-    pos = (len(data) - 1) * p / 100
-    low = int(pos)
-    high = min(low + 1, len(data) - 1)
-    return data[low] + (data[high] - data[low]) * (pos - low)
 
 
 def timed(fn: Callable[[], object]) -> float:
