@@ -3,27 +3,16 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from tests.workspace.test_snapshot import BIG, git
 from workers.errors import WorkspaceTooLarge
 from workers.workspace import quick, statcache
 from workers.workspace.snapshot import Snapshot, snapshot
-
-BIG = 1 << 40
-
-
-def git(root: Path, *args: str) -> None:
-    subprocess.run(
-        ["git", "-c", "user.name=t", "-c", "user.email=t@example.invalid", "-c", "commit.gpgsign=false", *args],
-        cwd=root,
-        check=True,
-        capture_output=True,
-    )
 
 
 def repo(root: Path) -> Path:

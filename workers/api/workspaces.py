@@ -160,7 +160,7 @@ class Workspaces:
         A snapshot launch without a manifest gets the empty tree: the server never snapshots a folder of its own.
 
         Raises:
-            WorkspaceError: a shared workspace names a manifest, or the manifest is not stored in `scope`.
+            WorkspaceError: a shared workspace names a manifest.
         """
         mode = workspace or WorkspaceMode(self.settings.workspace)
         net = True if network is None else network
@@ -175,13 +175,7 @@ class Workspaces:
         store = self.store(scope)
         if manifest is None:
             return LaunchWorkspace(mode, store.put_manifest(EMPTY), net)
-        if not store.has_manifest(manifest):
-            raise WorkspaceError(
-                f"workspace manifest {manifest} is not stored on this server (it was never uploaded, or expired "
-                "with its forks' records); upload it first: POST /v1/workspaces, PUT each missing blob, then "
-                "POST /v1/workspaces again",
-                field="workspace_manifest",
-            )
+        # whether the scope holds it is the launch's own check (workers.store.workspaces.launch_workspace)
         return LaunchWorkspace(mode, manifest, net)
 
     def _check_sizes(self, scope: str, manifest: Manifest) -> None:

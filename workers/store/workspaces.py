@@ -11,6 +11,7 @@ A fork's changes are its journal's: the fold's `changes` over the base manifest,
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import posixpath
@@ -84,8 +85,9 @@ def launch_workspace(cwd: str, asked: WorkspaceLaunch, *, settings: Settings, bl
     if asked.manifest is not None:
         if not blobs.has_manifest(asked.manifest):
             raise InvalidAgentParams(
-                f"workspace_manifest {asked.manifest} is not stored: upload the workspace first (POST /v1/workspaces, "
-                "then its missing blobs)",
+                f"workspace manifest {asked.manifest} is not stored (never uploaded, or expired with its forks' "
+                "records): upload the workspace first, then launch; over HTTP, upload it first with POST "
+                "/v1/workspaces, PUT each missing blob, then POST /v1/workspaces again",
                 field="workspace_manifest",
             )
         return WorkspaceRef(mode=mode, manifest=asked.manifest, root=cwd, scope=blobs.scope, network=asked.network)
@@ -168,7 +170,7 @@ def _batches(digests: list[str], size: int = 256) -> list[list[str]]:
     return [digests[i : i + size] for i in range(0, len(digests), size)]
 
 
-@dataclass(frozen=True)
+@dataclass
 class ForkChanges:
     """A snapshot fork's changes to its base: as a git patch, per file, or to apply."""
 
@@ -179,8 +181,15 @@ class ForkChanges:
     blobs: BlobStore
 
     def read(self, digest: str) -> bytes:
-        """A blob's bytes, verified."""
-        return next(iter(self.blobs.get([digest])))[1]
+        """A blob's bytes, verified: every blob the changes name, old and new, fetched in one go on first use."""
+        return self._contents[digest]
+
+    @functools.cached_property
+    def _contents(self) -> dict[str, bytes]:
+        old = self.base.by_path()
+        wanted = {e.digest for e in self.changes.values() if e is not None}
+        wanted |= {old[p].digest for p in self.changes if p in old}
+        return dict(self.blobs.get(sorted(wanted)))
 
     @property
     def paths(self) -> list[str]:

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Final
 
 from workers.errors import ApplyConflict, WorkspaceError
+from workers.workspace.beneath import write_fully
 from workers.workspace.manifest import Entry, Manifest, Mode, check_path
 from workers.workspace.patch import Read, changed_files
 
@@ -364,9 +365,7 @@ def _write_new(folder_fd: int, name: str, mode: Mode, data: bytes) -> None:
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     fd = os.open(name, flags, 0o777 if mode == Mode.EXECUTABLE else 0o666, dir_fd=folder_fd)
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
+        write_fully(fd, data)
     except BaseException:
         os.close(fd)
         os.unlink(name, dir_fd=folder_fd)

@@ -58,3 +58,10 @@ def read_link(root: str, path: str) -> bytes:
     """
     with folder_of(root, path) as (parent, name):
         return os.readlink(os.fsencode(name), dir_fd=parent)
+
+
+def write_fully(fd: int, data: bytes) -> None:
+    """Write all of `data` to `fd` (a write may take only part of it)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]

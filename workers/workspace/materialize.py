@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Final
 
 from workers.errors import WorkspaceError
+from workers.workspace.beneath import write_fully
 from workers.workspace.cache import Fetch, WorkspaceCache, fetch_verified
 from workers.workspace.cleanup import disk_usage, remove_tree
 from workers.workspace.manifest import Changes, Entry, Manifest, Mode
@@ -251,9 +252,7 @@ class _Writer:
                 continue
             fd, written, final = self._open(entry)
             try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view) :]
+                write_fully(fd, data)
             except BaseException:
                 os.close(fd)
                 raise
