@@ -16,6 +16,7 @@ The `nobody*` modes need root (to switch users and build the namespace) and the 
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import subprocess
@@ -29,7 +30,21 @@ from workers.workspace.sandbox import Confinement
 
 NOBODY = 65534
 SYSTEM_PYTHON = "/usr/bin/python3"
-SUPERVISOR = Path(shell_supervisor.__file__).resolve()
+
+
+def readable_supervisor() -> Path:
+    """The supervisor in a copy of the `workers` package that uid 65534 can read: the checkout may lie in a folder
+    only its owner may enter (a clone into `mktemp -d`), and the supervisor imports the package beside it."""
+    package = Path(shell_supervisor.__file__).resolve().parents[1]
+    copy = Path(tempfile.mkdtemp(prefix="forkq-sandbox-code-"))
+    atexit.register(shutil.rmtree, copy, ignore_errors=True)
+    shutil.copytree(package, copy / "workers", ignore=shutil.ignore_patterns("__pycache__"))
+    for folder in (copy, *copy.rglob("*")):
+        folder.chmod(0o755 if folder.is_dir() else 0o644)
+    return copy / "workers" / "tools" / "shell_supervisor.py"
+
+
+SUPERVISOR = readable_supervisor()
 SETPRIV = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
 SETPRIV += ["--inh-caps=-all", "--bounding-set=-all"]
 SECRET = "SECRET-7f3a"  # in every file the command must not read
