@@ -18,6 +18,7 @@ from workers.errors import WorkspaceTooLarge
 from workers.history.messages import Content, Part
 from workers.history.selection import ForkSeed
 from workers.history.structured import check_answer, feedback_text
+from workers.loop.guard import UNGUARDED, CallGuard
 from workers.loop.policy import (
     Gate,
     denied_by_policy,
@@ -178,6 +179,7 @@ class ChildLoop:
     tool_declarations: list[dict[str, Any]] | None = None  # `record.tools` parsed (a worker shares it)
     primed: PrimedCall | None = None  # the first call's digest, computed for the claim from this record
     workspace: Workspace | None = None  # a snapshot fork's files (None: its tools act on `record.cwd` in place)
+    guard: CallGuard = UNGUARDED  # budgets and admission before each model call (`workers.loop.guard`)
     declarations: list[dict[str, Any]] = field(init=False)  # parsed once, sent with every request
     gate: Gate = field(init=False)
 
@@ -209,7 +211,7 @@ class ChildLoop:
             LeaseLost: a fenced journal write was refused.
         """
         started = self._began = time.monotonic()
-        deadline = self._deadline = started + self.max_wall_s - self.running_s
+        self._deadline = started + self.max_wall_s - self.running_s
         state = self._state = replay(self.seed, self.entries, fork_id=self.record.fork_id)
         if self.workspace is not None:  # the files as of the last journaled step, on whichever worker this is
             self.workspace.open(state.changes)
@@ -222,11 +224,11 @@ class ChildLoop:
                     status = Status.SUCCEEDED if error is None else Status.FAILED
                     return self._result(state, started, status, output, error)
                 continue
-            if time.monotonic() >= deadline:
+            if time.monotonic() >= self._deadline:
                 error = f"wall_clock: stopped after {self.max_wall_s:g} s (the fork's wall-clock limit)"
                 return self._result(state, started, Status.FAILED, None, error)
             if state.pending:
-                self._run_tools(state, deadline)
+                self._run_tools(state, self._deadline)
                 continue
             if state.step - state.exchange_step >= self.max_turns:  # per exchange: a continuation starts afresh
                 return self._result(
@@ -305,7 +307,14 @@ class ChildLoop:
         digest = self._primed_digest(request) or self.digests.digest(request)  # what the model sees (no directive)
         self.io.emit(model_call_event(state.step, digest))
         self.io.checkpoint()
-        response = self.provider.generate(request)
+        # time spent waiting for admission is not the fork's work: it moves the wall-clock deadline on
+        self._deadline += self.guard.enter(request)
+        try:
+            response = self.provider.generate(request)
+        except BaseException:
+            self.guard.leave(request, None)
+            raise
+        self.guard.leave(request, response.usage)
         content = response.content
         calls = calls_of(content)
         answered = StepData(

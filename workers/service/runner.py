@@ -18,6 +18,7 @@ from workers.base.limits import INBOX_DELIVERY_BATCH
 from workers.errors import ForkNotFound, ForkqError, LeaseLost, RecordIntegrityError
 from workers.history.selection import ForkSeed
 from workers.loop.child import STOP_REASONS, ChildLoop, Parked, PrimedCall, Spawner, Stopped, StopReason
+from workers.loop.guard import UNGUARDED, CallGuard
 from workers.providers import ModelProvider
 from workers.providers.routing import ProviderRouter
 from workers.records.conversation import is_final_answer, recorded_surface
@@ -389,6 +390,11 @@ def _run_claimed(
     return _run_loop(runtime, job, claim, lost, run)
 
 
+def _guard(runtime: WorkerRuntime, job: RunForkJob, claim: Claim) -> CallGuard:
+    """What stands before each of the fork's model calls: its budgets, then its model's admission."""
+    return UNGUARDED
+
+
 def _prepare(
     runtime: WorkerRuntime,
     job: RunForkJob,
@@ -444,6 +450,7 @@ def _run_loop(runtime: WorkerRuntime, job: RunForkJob, claim: Claim, lost: threa
         digests=runtime.digests,
         primed=run.primed,
         workspace=workspace,
+        guard=_guard(runtime, job, claim),
     )
     try:
         result = _run_in(loop, workspace)
