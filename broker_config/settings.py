@@ -35,6 +35,12 @@ class Settings(BaseSettings):
         16, ge=0, description="Seed and context chunks a worker process keeps decoded, in MB of chunk bytes (0: none)."
     )
     record_ttl_s: int = Field(7 * 24 * 3600, gt=0, description="Retention of a fork's records after launch.")
+    session_tombstone_s: int = Field(
+        600,
+        gt=0,
+        le=30 * 24 * 3600,
+        description="How long launches into a cancelled session are refused after `forkq cancel --session`.",
+    )
     # no default: a worker that silently answered with the scripted (fake) model would report fake successes
     provider: Literal["scripted", "openai", "gemini"] | None = Field(
         None, description="Default model provider; unset, a worker serves only the models FORKQ_PROVIDER_ROUTES names."

@@ -49,6 +49,7 @@ if TYPE_CHECKING:  # types only: the send-only app is built on the first launch 
     from workers.records.seeds import SeedBuilder
     from workers.store.blobs import BlobStore
     from workers.store.lease import Leases
+    from workers.store.sessions import SessionCancel
     from workers.store.workspaces import ForkChanges
     from workers.subagents.definitions import CatalogCache
     from workers.subagents.launch import LaunchOptions
@@ -286,6 +287,7 @@ class ForkClient:
             InvalidAgentParams: the Agent call's parameters break the contract, or the launch
                 options are invalid or ask for what the provider lacks (`.field` names which).
             InvalidParentSnapshot: the parent snapshot is malformed.
+            SessionCancelled: the snapshot's session was cancelled moments ago (`cancel_session`); nothing was written.
             InvalidAgentDefinition: a file of FORKQ_AGENTS_DIR is malformed.
         """
         from workers.subagents.launch import LaunchOptions  # noqa: PLC0415  (launches only, as below)
@@ -320,6 +322,7 @@ class ForkClient:
             InvalidAgentParams: the options ask for what the provider or seed mode lacks, or break a nesting or
                 name rule (`.field` names which).
             InvalidAgentDefinition: a file of FORKQ_AGENTS_DIR is malformed.
+            SessionCancelled: the snapshot's session was cancelled moments ago; nothing was written.
         """
         from workers.broker.queue import send_call  # noqa: PLC0415  (launches only)
         from workers.records.seeds import SeedChunks  # noqa: PLC0415
@@ -526,6 +529,25 @@ class ForkClient:
                 self.app, "task-cancelled", f"{fork_id}.{before.attempt}", sender="forkq-client", result="cancelled"
             )
         return status
+
+    def cancel_session(self, session: str) -> SessionCancel:
+        """Cancel every fork of parent session `session` that has not ended, nested subagents included; what it did.
+
+        Launches into the session are refused from the start of the cancel until FORKQ_SESSION_TOMBSTONE_S after
+        it (`SessionCancelled`), so none launched while it runs escapes it; each cancelled fork keeps its usage.
+
+        Raises:
+            ValueError: `session` is not a parent session id (1-200 characters without braces or spaces).
+        """
+        from workers.broker.queue import send_ended_events  # noqa: PLC0415  (not to read a fork's state)
+        from workers.store.sessions import cancel_session  # noqa: PLC0415
+
+        outcome, cancels = cancel_session(self.store, session, tombstone_s=self.settings.session_tombstone_s)
+        # a parked run has no worker to end its row in Flower (a running one ends it itself)
+        parked = [f"{fid}.{c.attempt}" for fid, c in cancels.items() if c.newly and c.before and c.before.parked]
+        if parked:
+            send_ended_events(self.app, "task-cancelled", parked, sender="forkq-client", result="cancelled")
+        return outcome
 
     def resume(self, fork_id: str) -> Status:
         """Re-enqueue a paused fork (after its missing tools were installed); its status afterwards, `QUEUED`.

@@ -16,6 +16,7 @@ ForkqError                      base; never raised bare
 ├── LeaseLost                   this worker no longer holds the fork's lease (.fork_id)
 ├── InvalidApproval             approve/deny of a fork or call that is not awaiting a decision (.fork_id)
 ├── MessageRefused              a message `send` cannot give: empty, too long, ended fork, full inbox (.status)
+├── SessionCancelled            a launch into a session cancelled moments ago (.session, .until_ms)
 ├── IdempotencyConflict         an Idempotency-Key sent again with another launch body (.fork_id: the first launch's)
 ├── RequestRefused              an HTTP request `forkq serve` will not read: body too large, unknown encoding (.status)
 ├── WorkspaceError              a fork's files cannot be snapshotted, stored, built or applied (.field)
@@ -34,6 +35,7 @@ Every message names the thing, what was expected, and how to fix it.
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from typing import Any
 
 
@@ -158,6 +160,27 @@ class MessageRefused(ForkqError):
     def __init__(self, message: str, *, fork_id: str | None, status: str | None = None, field: str | None = None):
         super().__init__(message, fork_id=fork_id, field=field)
         self.status = status
+
+
+class SessionCancelled(ForkqError):
+    """A launch into a parent session that was cancelled (`forkq cancel --session`) while its tombstone lasts;
+    nothing was written. `session` is the session, `until_ms` when launches into it are taken again (Unix ms)."""
+
+    def __init__(self, session: str, until_ms: int, *, fork_id: str | None = None) -> None:
+        until = _utc(until_ms)
+        super().__init__(
+            f"session {session!r} was cancelled: launches into it are refused until {until} "
+            "(FORKQ_SESSION_TOMBSTONE_S after its cancel), and this one wrote nothing; launch with a new session id",
+            fork_id=fork_id,
+            field="session_id",
+        )
+        self.session = session
+        self.until_ms = until_ms
+
+
+def _utc(ms: int) -> str:
+    """Unix milliseconds as an ISO 8601 UTC time to the second."""
+    return datetime.fromtimestamp(ms / 1000, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 class IdempotencyConflict(ForkqError):

@@ -59,7 +59,11 @@ Each key: type; content; TTL; writer → readers.
 - `{ns}:{parent:<session>}:forks`: sorted set; the ids of the forks launched from one parent session,
   scored by launch time (Redis ms), entries older than the retention dropped at each launch; retention,
   renewed by every launch from the session; launch (with the record, atomically) → `forkq serve`'s
-  session listing.
+  session listing, session cancel.
+- `{ns}:{parent:<session>}:cancelled`: string; the tombstone of a cancelled session: the Redis ms until which
+  launches into it are refused (`workers.store.sessions`); `FORKQ_SESSION_TOMBSTONE_S`, written again by each
+  cancel of the session; session cancel (before it reads the session's forks) → launch, nested launch, teammate
+  name claim (each refuses atomically while it exists).
 - `{ns}:idempotency:<digest>`: string; JSON `{body, fork_id}`: the SHA-256 of the canonical body of a launch
   sent with an `Idempotency-Key` and the fork it launched, under the SHA-256 of the caller's token and that
   key (so keys of any length or alphabet make a bounded key, and two callers never share one);
@@ -168,6 +172,11 @@ class Keys:
         """The forks launched from one parent session, by launch time."""
         _check_session(parent_session)
         return f"{self.namespace}:{{parent:{parent_session}}}:forks"
+
+    def session_cancelled(self, parent_session: str) -> str:
+        """The tombstone of a cancelled parent session: launches into it are refused while it exists."""
+        _check_session(parent_session)
+        return f"{self.namespace}:{{parent:{parent_session}}}:cancelled"
 
     def blob(self, scope: str, digest_hex: str) -> str:
         """A workspace file's bytes, by the SHA-256 of those bytes, in one scope (tenant)."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import socket
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Final
 
 from broker_config.celery import RUN_FORK_TASK
@@ -120,10 +121,16 @@ def send_ended_event(app: Celery, event: str, task_id: str, *, sender: str, **fi
     run to end it (`end_previous_run`). Flower lists `sender@<host>` as the worker of this one event.
     Best-effort (`retry=False`): a broker hiccup loses one event, never a sweep or a cancel.
     """
-    if not app.conf.worker_send_task_events:
+    send_ended_events(app, event, [task_id], sender=sender, **fields)
+
+
+def send_ended_events(app: Celery, event: str, task_ids: Sequence[str], *, sender: str, **fields: Any) -> None:
+    """`send_ended_event` for many runs at once (a session's parked forks cancelled together), on one connection."""
+    if not app.conf.worker_send_task_events or not task_ids:
         return
     try:
         with app.events.default_dispatcher(hostname=f"{sender}@{socket.gethostname()}") as dispatcher:
-            dispatcher.send(event, uuid=task_id, retry=False, **fields)
+            for task_id in task_ids:
+                dispatcher.send(event, uuid=task_id, retry=False, **fields)
     except Exception as exc:
-        log.warning("task %s: %s not sent (%s: %s)", task_id, event, type(exc).__name__, exc)
+        log.warning("tasks %s: %s not sent (%s: %s)", ", ".join(task_ids[:3]), event, type(exc).__name__, exc)

@@ -8,12 +8,16 @@ from __future__ import annotations
 
 from workers.store.script_parts import NOW, lua_script
 
-# KEYS: bootstrap, state, events, the parent session's forks, and with a job: the broker queue's list, then the chunk
-# keys the caller did not send again. ARGV: record bytes, ttl_s, kind, description, digest, event data, fork id, and
-# with a job: the queue item, the task-sent event's channel ('' for none) and message. Returns the outcome and
-# whether the job was queued. The session index gets the fork with its record (the one key outside the fork's hash
-# tag). The job goes onto the queue after the record (the order a worker needs), and only if every chunk it names
-# is there: a chunk gone since the caller wrote it is written again first, and the job then sent by the caller.
+# KEYS: bootstrap, state, events, the parent session's forks, the session's tombstone, and with a job: the broker
+# queue's list, then the chunk keys the caller did not send again. ARGV: record bytes, ttl_s, kind, description,
+# digest, event data, fork id, and with a job: the queue item, the task-sent event's channel ('' for none) and
+# message. Returns the outcome and whether the job was queued; a launch into a cancelled session (its tombstone
+# exists) writes nothing and returns `session_cancelled` and the tombstone (the Redis ms until which it refuses),
+# so a launch racing a session cancel either lands before it (and is cancelled by it) or is refused. A launch
+# found written already (a retried launch) is not refused: it landed before. The session index gets the fork
+# with its record (the session's keys are the ones outside the fork's hash tag). The job goes onto the queue after
+# the record (the order a worker needs), and only if every chunk it names is there: a chunk gone since the caller
+# wrote it is written again first, and the job then sent by the caller.
 # A new stream's first node is allocated at 4 KiB (Redis 7's XADD pre-allocates `stream-node-max-bytes`, at most
 # 4096), most of a queued fork's memory: written anew by DUMP and RESTORE, the stream keeps only what its
 # `queued` event needs (about 0.8 KB), and grows from there as the worker appends. Best effort: where a
@@ -23,16 +27,18 @@ LAUNCH = lua_script(
     """
 local function send(outcome)
   if ARGV[8] == nil or ARGV[8] == '' then return {outcome, 0} end
-  for i = 6, #KEYS do
+  for i = 7, #KEYS do
     if redis.call('EXISTS', KEYS[i]) == 0 then return {outcome, 0} end
   end
-  redis.call('LPUSH', KEYS[5], ARGV[8])
+  redis.call('LPUSH', KEYS[6], ARGV[8])
   if ARGV[9] ~= '' then redis.call('PUBLISH', ARGV[9], ARGV[10]) end
   return {outcome, 1}
 end
 local existing = redis.call('GET', KEYS[1])
 if existing and existing ~= ARGV[1] then return {CONFLICT, 0} end
 if redis.call('EXISTS', KEYS[2]) == 1 then return send(EXISTS) end
+local tombstone = redis.call('GET', KEYS[5])
+if tombstone then return {SESSION_CANCELLED, tombstone} end
 redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
 redis.call('HSET', KEYS[2], 'status', QUEUED, 'kind', ARGV[3], 'description', ARGV[4], 'digest', ARGV[5],
            'attempt', 0, 'created_ms', now)
@@ -55,15 +61,18 @@ return send(CREATED)
 """,
 )
 
-# KEYS: chunks of one parent (one hash tag). ARGV: ttl_s, then each chunk's bytes, or '' for a chunk the client
-# wrote before (not sent again). Returns the 1-based positions of the '' chunks that are gone.
+# KEYS: the parent session's tombstone, then chunks of that parent (one hash tag). ARGV: ttl_s, then each chunk's
+# bytes, or '' for a chunk the client wrote before (not sent again). Returns the 1-based positions of the '' chunks
+# that are gone. Into a cancelled session (its tombstone exists) it writes nothing: the launch script that follows
+# refuses the launch.
 PUT_CHUNKS = lua_script(
     """
+if redis.call('EXISTS', KEYS[1]) == 1 then return {} end
 local gone = {}
-for i, key in ipairs(KEYS) do
-  if ARGV[i + 1] ~= '' then redis.call('SET', key, ARGV[i + 1], 'NX', 'EX', ARGV[1]) end
+for i = 2, #KEYS do
+  if ARGV[i] ~= '' then redis.call('SET', KEYS[i], ARGV[i], 'NX', 'EX', ARGV[1]) end
   -- a chunk lives at least as long as the newest record naming it
-  if redis.call('EXPIRE', key, ARGV[1]) == 0 then table.insert(gone, i) end
+  if redis.call('EXPIRE', KEYS[i], ARGV[1]) == 0 then table.insert(gone, i - 1) end
 end
 return gone
 """
@@ -168,10 +177,13 @@ return QUEUED
 )
 
 
-# KEYS: the session's names hash. ARGV: name, the fork id it must map to now ('' = none), the new fork id,
-# ttl_s. Compare-and-set: 1 when the name now maps to the new fork, 0 when another launch got there first.
+# KEYS: the session's names hash, its tombstone. ARGV: name, the fork id it must map to now ('' = none), the new
+# fork id, ttl_s. Compare-and-set: 1 when the name now maps to the new fork, 0 when another launch got there first;
+# in a cancelled session, nothing is written and the answer is its tombstone (a string: until when it refuses).
 CLAIM_NAME = lua_script(
     """
+local tombstone = redis.call('GET', KEYS[2])
+if tombstone then return tombstone end
 if (redis.call('HGET', KEYS[1], ARGV[1]) or '') ~= ARGV[2] then return 0 end
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])
 redis.call('EXPIRE', KEYS[1], ARGV[4])
@@ -204,5 +216,21 @@ redis.call('ZADD', KEYS[4], now + tonumber(ARGV[5]), ARGV[4])
 redis.call('XADD', KEYS[3], 'MAXLEN', '~', @MAXLEN@, '*', 'type', 'message', 'data',
            cjson.encode({waiting = waiting, status = status, continued = true}))
 return {CONTINUED, waiting}
+""",
+)
+
+
+# KEYS: the session's tombstone, the session's forks. ARGV: tombstone_s. The first step of a session cancel: the
+# tombstone, until now + tombstone_s (or a later one a cancel already wrote), before the session's forks are read;
+# from then on no launch adds to the session (the launch script refuses it), so the forks read after it are all
+# there will be. Returns the tombstone (Redis ms) and how many forks the session's index holds.
+TOMBSTONE = lua_script(
+    NOW,
+    """
+local until_ms = now + tonumber(ARGV[1]) * 1000
+local current = tonumber(redis.call('GET', KEYS[1]) or '')
+if current and current > until_ms then until_ms = current end
+redis.call('SET', KEYS[1], string.format('%d', until_ms), 'PX', string.format('%d', until_ms - now))
+return {until_ms, redis.call('ZCARD', KEYS[2])}
 """,
 )

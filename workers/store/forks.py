@@ -8,18 +8,20 @@ fork's hash tag, so each is atomic; timestamps come from Redis `TIME`, never fro
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, Literal, cast
 
 import redis
 from redis.commands.core import Script
 
 from workers.base.keys import Keys
-from workers.errors import InvalidApproval, RecordExistsError, RecordIntegrityError
+from workers.errors import InvalidApproval, RecordExistsError, RecordIntegrityError, SessionCancelled
 from workers.history.selection import ForkSeed
 from workers.records.fork import (
     BootstrapRecord,
@@ -50,6 +52,21 @@ log = logging.getLogger("forkq.store")
 
 DECIDE_ATTEMPTS: Final = 5
 DECIDED: Final = frozenset(d.value for d in Decision)
+
+
+@dataclass(frozen=True, slots=True)
+class Cancel:
+    """What one cancel of `ForkStore.cancel_many` found: the fork's status before and after it (None: no such fork),
+    and its attempt (its Flower task id is `<fork id>.<attempt>`)."""
+
+    before: Status | None
+    after: Status | None
+    attempt: int
+
+    @property
+    def newly(self) -> bool:
+        """This cancel ended the fork (it had not ended before)."""
+        return self.before is not None and not self.before.terminal and self.after is Status.CANCELLED
 
 
 class ForkStore:
@@ -112,6 +129,8 @@ class ForkStore:
         Raises:
             RecordExistsError: a different record already exists under this fork id.
             RecordIntegrityError: the number of seed chunks is not the number the record names.
+            SessionCancelled: the record's parent session was cancelled moments ago (its tombstone exists);
+                nothing was written.
         """
         from workers.records.events import QueuedData  # noqa: PLC0415 (see the TYPE_CHECKING imports)
 
@@ -120,23 +139,29 @@ class ForkStore:
         data = QueuedData(kind=record.kind, digest=digest_hex, messages=record.message_count).to_json()
         chunks, chunk_keys = self._launch_chunks(record, seed_chunks)
         sent = [b"" if self._known_chunk(key) else chunk for key, chunk in zip(chunk_keys, chunks, strict=True)]
+        tombstone = self.keys.session_cancelled(session)
         keys = [self.keys.bootstrap(fid), self.keys.state(fid), self.keys.events(fid), self.keys.session_forks(session)]
+        keys.append(tombstone)
         args: list[Any] = [record_bytes, self.ttl_s, record.kind, record.description, digest_hex, data, fid]
         if job is not None:
             keys += [job.queue_key, *(key for key, chunk in zip(chunk_keys, sent, strict=True) if not chunk)]
             args += [job.item, job.event_channel, job.event]
         gone, (outcome, queued) = self._scripts(
-            (self._put_chunks, chunk_keys, [self.ttl_s, *sent]), (self._launch, keys, args)
+            (self._put_chunks, [tombstone, *chunk_keys], [self.ttl_s, *sent]), (self._launch, keys, args)
         )
-        if fenced_reply(outcome, script="launch", fork_id=fid) is Refused.CONFLICT:
+        reply = fenced_reply(outcome, script="launch", fork_id=fid)
+        if reply is Refused.CONFLICT:
             raise RecordExistsError(
                 f"fork {fid}: a different bootstrap record already exists; fork ids must be unique per launch",
                 fork_id=fid,
                 key=self.keys.bootstrap(fid),
             )
+        if reply is Refused.SESSION_CANCELLED:
+            raise SessionCancelled(session, int(queued), fork_id=fid)
         if gone:  # expired or deleted since this store wrote them: write them again before the job is enqueued
             again = [int(i) - 1 for i in gone]
-            self._scripts((self._put_chunks, [chunk_keys[i] for i in again], [self.ttl_s, *(chunks[i] for i in again)]))
+            rewrite = [tombstone, *(chunk_keys[i] for i in again)]
+            self._scripts((self._put_chunks, rewrite, [self.ttl_s, *(chunks[i] for i in again)]))
         self._remember_chunks(chunk_keys)
         self._wait_for_replicas(fid)
         return bool(queued)
@@ -292,16 +317,46 @@ class ForkStore:
 
     def _cancel_tallied(self, fork_id: str, journal: list[bytes]) -> Status:
         """Cancel with the usage of `journal`, the entries read so far; the script tallies the ones after them."""
+        keys, args = self._cancel_call(fork_id, journal)
+        reply = self._cancel(keys=keys, args=args)
+        if reply == Refused.MISSING.value.encode():
+            raise reads.not_found(fork_id)
+        return word_of(Status, reply, script="cancel", fork_id=fork_id)
+
+    def _cancel_call(self, fork_id: str, journal: list[bytes]) -> tuple[list[str], list[Any]]:
+        """The cancel script's keys and arguments, with the usage of `journal` (the entries read so far)."""
         from workers.records.conversation import journal_usage  # noqa: PLC0415  (a cancel only: not to read a state)
 
         usage, k = journal_usage(journal, fork_id), self.keys
         counted = [len(journal), usage.input_tokens, usage.output_tokens, usage.model_calls, usage.tool_uses]
         counted.append(usage.cached_input_tokens)  # ARGV[8], after the counts the script always took
         keys = [k.state(fork_id), k.events(fork_id), k.result(fork_id), k.bootstrap(fork_id), k.journal(fork_id)]
-        reply = self._cancel(keys=keys, args=[fork_id, self.ttl_s, *counted])
-        if reply == Refused.MISSING.value.encode():
-            raise reads.not_found(fork_id)
-        return word_of(Status, reply, script="cancel", fork_id=fork_id)
+        return keys, [fork_id, self.ttl_s, *counted]
+
+    def cancel_many(self, fork_ids: Sequence[str]) -> dict[str, Cancel]:
+        """Cancel forks that have not ended, each as `cancel` does, in three pipelined round trips for them all:
+        their states, the journals of those not ended, the cancel scripts. What each cancel found and left."""
+        pipe = self.client.pipeline(transaction=False)
+        for fid in fork_ids:
+            pipe.hmget(self.keys.state(fid), "status", "attempt")
+        states = cast(list[list[bytes | None]], pipe.execute())
+        outcomes: dict[str, Cancel] = {}
+        for fid, (status, attempt) in zip(fork_ids, states, strict=True):
+            before = None if status is None else word_of(Status, status, script="status", fork_id=fid)
+            outcomes[fid] = Cancel(before=before, after=before, attempt=int(attempt or 0))
+        live = [fid for fid, found in outcomes.items() if found.before is not None and not found.before.terminal]
+        if not live:
+            return outcomes
+        pipe = self.client.pipeline(transaction=False)
+        for fid in live:
+            pipe.lrange(self.keys.journal(fid), 0, -1)
+        journals = cast(list[list[bytes]], pipe.execute())
+        calls = [(self._cancel, *self._cancel_call(fid, journal)) for fid, journal in zip(live, journals, strict=True)]
+        for fid, reply in zip(live, self._scripts(*calls), strict=True):
+            gone = reply == Refused.MISSING.value.encode()
+            after = None if gone else word_of(Status, reply, script="cancel", fork_id=fid)
+            outcomes[fid] = dataclasses.replace(outcomes[fid], after=after)
+        return outcomes
 
     def resume(self, fork_id: str) -> bool:
         """Put a paused fork back in the queue state; True when it was paused."""
@@ -362,10 +417,17 @@ class ForkStore:
 
     def claim_name(self, parent_session: str, name: str, fork_id: str, *, expected: str | None) -> bool:
         """Map `name` to `fork_id` (with the time, for a launch that never completed) if the entry is still
-        `expected` (None: no entry)."""
-        keys = [self.keys.session_names(parent_session)]
+        `expected` (None: no entry).
+
+        Raises:
+            SessionCancelled: the session was cancelled moments ago (its tombstone exists); nothing was written.
+        """
+        keys = [self.keys.session_names(parent_session), self.keys.session_cancelled(parent_session)]
         entry = f"{fork_id} {int(time.time() * 1000)}"
-        return bool(self._claim_name(keys=keys, args=[name, expected or "", entry, self.ttl_s]))
+        reply = self._claim_name(keys=keys, args=[name, expected or "", entry, self.ttl_s])
+        if isinstance(reply, bytes):  # the session's tombstone: it was cancelled moments ago
+            raise SessionCancelled(parent_session, int(reply), fork_id=fork_id)
+        return bool(reply)
 
     def send(self, fork_id: str, text: str, *, inbox_limit: int) -> tuple[SendReply, int]:
         """Give the fork a message: (`queued` in its inbox or `continued`, messages waiting); the reply is otherwise

@@ -51,6 +51,7 @@ class Refused(enum.StrEnum):
     INBOX = "inbox"  # the inbox no longer starts with the messages to deliver
     UNKNOWN_CALL = "unknown_call"  # no pending call has the decided call id
     CONFLICT = "conflict"  # a launch found another record under its fork id
+    SESSION_CANCELLED = "session_cancelled"  # a launch into a session whose tombstone exists (a session cancel)
 
 
 class Revival(enum.StrEnum):
