@@ -36,6 +36,7 @@ from workers.errors import (
     InvalidHistory,
     InvalidParentSnapshot,
     MessageRefused,
+    SessionCancelled,
     WorkspaceTooLarge,
 )
 from workers.history.snapshot import load_parent_snapshot, read_json_file
@@ -335,13 +336,34 @@ def cmd_events(args: argparse.Namespace) -> int:
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
-    """Cancel a fork that has not ended."""
+    """Cancel a fork that has not ended, or (--session) every fork of a parent session."""
+    if (args.fork_id is None) == (args.session is None):
+        raise InvalidAgentParams(
+            "name one fork id or one --session, not both nor neither: forkq cancel ID | forkq cancel --session S",
+            field="session" if args.session is not None else "fork_id",
+        )
+    if args.session is not None:
+        return _cancel_session(args.session, as_json=args.json)
     with _client() as client:
         status = client.cancel(args.fork_id).value
     if args.json:
         _print_json({"fork_id": args.fork_id, "status": status})
     else:
         print(status)
+    return EXIT_OK
+
+
+def _cancel_session(session: str, *, as_json: bool) -> int:
+    with _client() as client:
+        outcome = client.cancel_session(session)
+    if as_json:
+        _print_json(outcome.model_dump(mode="json"))
+        return EXIT_OK
+    until = datetime.fromtimestamp(outcome.refused_until_ms / 1000, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    print(
+        f"session {session}: {outcome.cancelled} forks cancelled, {outcome.already_ended} had already ended; "
+        f"launches into it are refused until {until}"
+    )
     return EXIT_OK
 
 
@@ -628,6 +650,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ConfigurationError,
         MessageRefused,
         WorkspaceTooLarge,
+        SessionCancelled,
     ) as exc:
         print(f"forkq {args.command}: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
-from workers.base.keys import FORK_ID_RE
+from workers.base.keys import FORK_ID_RE, SESSION_RE
 from workers.base.limits import shown, text_problem
 
 Parser = argparse.ArgumentParser
@@ -37,6 +37,15 @@ def fork_id(text: str) -> str:
         raise argparse.ArgumentTypeError(
             f"{shown(text)} is not a fork id: ids are 1-128 letters, digits, '_', '.', '-', starting with a "
             "letter or digit, as `forkq launch` prints them"
+        )
+    return text
+
+
+def session(text: str) -> str:
+    """A parent session id (part of the session's Redis keys)."""
+    if not SESSION_RE.fullmatch(text):
+        raise argparse.ArgumentTypeError(
+            f"{shown(text)} is not a parent session id: 1-200 characters without braces, spaces or control characters"
         )
     return text
 
@@ -106,7 +115,7 @@ def build_parser() -> Parser:
 
     _launch_arguments(add("launch", "Launch a fork or subagent from a parent snapshot."))
     by_id("status", "Show a fork's state.")
-    by_id("cancel", "Cancel a fork.")
+    _cancel_command(add)
     by_id("resume", "Queue a paused fork again (once the tools it lacked are installed).")
     result = by_id("result", "Show a fork's final output.", epilog=RESULT_EPILOG)
     result.add_argument("--wait", action="store_true", help="block until the fork ends (or parks)")
@@ -143,6 +152,19 @@ def build_parser() -> Parser:
     )
     _process_commands(add)
     return parser
+
+
+def _cancel_command(add: Callable[..., Parser]) -> None:
+    """`forkq cancel ID`, or `forkq cancel --session S`: every fork of a session, and a tombstone against launches."""
+    cancel = add(
+        "cancel",
+        "Cancel a fork; or, with --session, every fork of a parent session and their nested subagents (launches "
+        "into it are then refused for FORKQ_SESSION_TOMBSTONE_S).",
+        epilog="forms: forkq cancel ID | forkq cancel --session S",
+    )
+    cancel.add_argument("fork_id", nargs="?", type=fork_id, help="the fork to cancel")
+    cancel.add_argument("--session", type=session, help="cancel every fork of this parent session instead")
+    cancel.add_argument("--json", action="store_true", help="print JSON")
 
 
 def _workspace_commands(by_id: Callable[..., Parser]) -> None:

@@ -38,6 +38,7 @@ from workers.errors import (
     RecordExistsError,
     RequestRefused,
     SandboxUnavailable,
+    SessionCancelled,
     WorkspaceError,
 )
 
@@ -55,6 +56,7 @@ STATUS_OF: Final[Sequence[tuple[type[ForkqError], int]]] = (
     (InvalidApproval, 409),
     (MessageRefused, 409),  # an ended fork, a full inbox; an empty or oversized message is 422 (its field)
     (IdempotencyConflict, 409),
+    (SessionCancelled, 409),  # a launch into a session cancelled moments ago: a new session id is the fix
     (RecordExistsError, 409),  # a fork id chosen by the caller that another launch took
     (SandboxUnavailable, 503),  # no worker can confine a snapshot fork's tools: the operator's to fix
     (ApplyConflict, 409),

@@ -53,6 +53,7 @@ from workers.records.notification import render_task_notification
 from workers.store.health import check_redis
 from workers.store.reader import AsyncForkReader
 from workers.store.replies import Decision
+from workers.store.sessions import SessionCancel
 
 FORK_ID_PATTERN = f"^{FORK_ID_RE.pattern}$"
 SESSION_PATTERN = f"^{SESSION_RE.pattern}$"
@@ -208,6 +209,14 @@ async def session_forks(
     return SessionForks(session_id=session_id, forks=[SessionFork(**dataclasses.asdict(f)) for f in forks])
 
 
+def cancel_session(
+    session_id: Annotated[str, Path(pattern=SESSION_PATTERN, description="The parent's session id.")], svc: Svc
+) -> SessionCancel:
+    """Cancel every fork of a parent session that has not ended, nested subagents included; launches into the
+    session are refused (409) from then until FORKQ_SESSION_TOMBSTONE_S after it."""
+    return svc.client.cancel_session(session_id)
+
+
 def send_message(fork_id: ForkId, body: MessageRequest, svc: Svc) -> MessageSent:
     """Give the fork a message (docs/conversations.md): a succeeded fork is continued, a running or parked one
     reads it before its next model call; a fork that failed or was cancelled, or a full inbox, is 409."""
@@ -340,6 +349,13 @@ def _add_write_routes(v1: APIRouter) -> None:
         responses=_errors(404, 409, *BODY_ERRORS),
     )
     v1.add_api_route("/sessions/{session_id}/forks", session_forks, methods=["GET"])
+    v1.add_api_route(
+        "/sessions/{session_id}/cancel",
+        cancel_session,
+        methods=["POST"],
+        response_model=SessionCancel,
+        responses=_errors(*BODY_ERRORS),
+    )
     v1.add_api_route(
         "/forks/{fork_id}/messages",
         send_message,

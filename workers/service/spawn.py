@@ -21,7 +21,7 @@ from typing import Any, Final, TypeVar
 
 from kombu.exceptions import OperationalError
 
-from workers.errors import ForkqError, InvalidAgentParams, RecordExistsError
+from workers.errors import ForkqError, InvalidAgentParams, RecordExistsError, SessionCancelled
 from workers.history.params import validate_agent_params
 from workers.loop.child import Stopped, StopReason, Workspace
 from workers.loop.policy import effective_mode
@@ -151,6 +151,8 @@ class SubagentSpawner:
             self._ride(lambda: self.store.put_launch(child, data, digest), "launching its subagent", caller)
         except RecordExistsError:
             pass  # launched by an earlier run of this caller (a definition edited since): wait for that one
+        except SessionCancelled:  # the caller's own session is being cancelled: so is the caller, at its next write
+            return {"error": f"Error: the subagent was not launched: session {record.parent_session} was cancelled."}
         except ForkqError as exc:
             return {"error": f"Error: the subagent could not be launched: {exc}"}
         # not yet run; a duplicate job would be a no-op anyway
