@@ -11,6 +11,7 @@ import type {
   MessageSent,
   Notification,
   ResultBody,
+  SessionCancel,
   SessionForks,
   Transcript,
   WorkspaceOffered,
@@ -276,6 +277,15 @@ export class ForkqClient {
     const query = options.limit === undefined ? "" : `?limit=${encodeURIComponent(options.limit)}`;
     const path = `/v1/sessions/${segment(sessionId, "session_id")}/forks${query}`;
     return (await this.call<SessionForks>({ what: `forks of session ${sessionId}`, method: "GET", path }, options))
+      .body;
+  }
+
+  /** Cancel every fork of a parent session that has not ended, nested subagents included: the forks it cancelled and
+   * how many had already ended. Launches into the session are then refused (a 409 ForkqApiError, field
+   * `session_id`) until `refused_until_ms`. */
+  async cancelSession(sessionId: string, options: CallOptions = {}): Promise<SessionCancel> {
+    const path = `/v1/sessions/${segment(sessionId, "session_id")}/cancel`;
+    return (await this.call<SessionCancel>({ what: `cancel of session ${sessionId}`, method: "POST", path }, options))
       .body;
   }
 

@@ -415,6 +415,15 @@ export interface SeedSummary {
   settings: Record<string, unknown>;
 }
 
+/** What a session cancel did: the forks it cancelled (ids, oldest first) and how many had already ended. */
+export interface SessionCancel {
+  session: string;
+  cancelled: number;
+  forks: string[];
+  already_ended: number;
+  refused_until_ms: number;
+}
+
 /** One fork of a parent session. */
 export interface SessionFork {
   fork_id: string;
