@@ -668,6 +668,8 @@ class ForkClient:
         Raises:
             MessageRefused: the text is empty, not text or too long; the fork failed or was cancelled; or
                 its inbox is full. Nothing was written.
+            SessionCancelled: the fork had succeeded and its session was cancelled moments ago (`cancel_session`):
+                it is not continued; nothing was written.
             ForkNotFound: there is no such fork.
         """
         problem = message_problem(text)

@@ -164,15 +164,17 @@ def test_a_session_cancel_ends_its_running_parked_queued_and_nested_forks_and_no
     project: dict[str, Path],
     cli: Callable[..., tuple[int, str]],
 ) -> None:
-    # Given two workers of 2 slots each, and a session with two forks parked on a shell call, two forks and a
-    # subagent calling the shell step after step, the subagent's nested subagent doing the same (the 4 slots
-    # taken), and two forks queued behind them
+    # Given two workers of 2 slots each, and a session with a fork that succeeded, two forks parked on a shell
+    # call, two forks and a subagent calling the shell step after step, the subagent's nested subagent doing the
+    # same (the 4 slots taken), and two forks queued behind them
     workers = start_workers(2, 2)
     settings = make_settings()
     app = make_app(settings)
     cwd = project["cancelled"]
     with ForkClient(settings, app=app) as client:
         yolo, asks = parent_in(parent, SESSION, cwd), parent_in(parent, SESSION, cwd, mode="default")
+        done = client.launch(yolo, agent("done-a"), workspace="shared")
+        assert done.wait(timeout=60).status is Status.SUCCEEDED
         parked = [client.launch(asks, agent(f"p{i}"), approval_policy="park", workspace="shared") for i in (1, 2)]
         for handle in parked:
             wait_until(lambda h=handle: h.status().status is Status.AWAITING_APPROVAL, 30, workers.logs)
@@ -190,9 +192,16 @@ def test_a_session_cancel_ends_its_running_parked_queued_and_nested_forks_and_no
 
         # Then every one of its forks was cancelled by it, and ends cancelled
         everyone = {h.fork_id for h in [*parked, *running, caller, *queued]} | {nested_id}
-        assert set(outcome.forks) == everyone and (outcome.cancelled, outcome.already_ended) == (8, 0)
+        assert set(outcome.forks) == everyone and (outcome.cancelled, outcome.already_ended) == (8, 1)
         assert outcome.forks[0] == parked[0].fork_id  # oldest first: callers before the subagents they launched
         assert {fid: client.status(fid).status for fid in everyone} == dict.fromkeys(everyone, Status.CANCELLED)
+
+        # and the fork that had succeeded before stays so: neither a launch nor a message starts anything in it
+        with pytest.raises(SessionCancelled):
+            client.launch(yolo, agent("r3"), workspace="shared")
+        with pytest.raises(SessionCancelled):
+            client.send(done.fork_id, "One more thing.")
+        assert client.status(done.fork_id).status is Status.SUCCEEDED
 
         # and another session still launches and runs to its end on the same workers, once every run is over
         other = client.launch(parent_in(parent, OTHER, project["other"]), agent("done-b"), workspace="shared")
@@ -207,7 +216,7 @@ def test_a_session_cancel_ends_its_running_parked_queued_and_nested_forks_and_no
             assert 1 <= lines.count(tag) <= shell_starts(client, fid), (tag, lines)
         assert not {"p1", "p2", "q1", "q2"} & set(lines)
         assert workers.metric('forkq_forks_finished_total{status="cancelled"}') == 4
-        assert workers.metric('forkq_forks_finished_total{status="succeeded"}') == 1  # the other session's
+        assert workers.metric('forkq_forks_finished_total{status="succeeded"}') == 2  # done-a, and done-b
     app.close()
 
     # and a cancelled fork's result keeps what it used

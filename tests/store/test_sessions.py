@@ -1,6 +1,7 @@
 """A session cancel (workers/store/sessions.py, `ForkClient.cancel_session`) on a real Redis, without workers: its
 tombstone refuses launches into the session atomically and writes nothing of them; every fork of the session is
-cancelled in batches and counted; another session is untouched."""
+cancelled in batches and counted; a succeeded fork of it is not continued by a message; another session is
+untouched."""
 
 from __future__ import annotations
 
@@ -13,10 +14,12 @@ import redis
 
 from broker_config.settings import Settings
 from tests.api_support import no_keys_written
+from tests.store.test_forks import finished
 from workers.client import ForkClient
 from workers.errors import SessionCancelled
 from workers.records.fork import Status
 from workers.store import sessions
+from workers.store.replies import SendReply
 
 FORK = {"description": "audit", "prompt": "Audit the limiter.", "subagent_type": "fork", "fork_turns": "1"}
 TEAMMATE = {"description": "review", "prompt": "Review it.", "subagent_type": "general-purpose", "name": "ann"}
@@ -113,6 +116,31 @@ def test_a_retried_launch_of_a_fork_written_before_the_cancel_is_not_refused(
 
     # Then it is found as it was: cancelled
     assert client.status(handle.fork_id).status is Status.CANCELLED
+
+
+def test_a_message_does_not_continue_a_succeeded_fork_of_a_cancelled_session(
+    tombstone_client: ForkClient, parent: dict[str, Any], redis_client: redis.Redis
+) -> None:
+    # Given a succeeded fork of a session that is then cancelled, and a succeeded fork of another session
+    client = tombstone_client
+    done = client.launch(in_session(parent, "s-done"), FORK).fork_id
+    elsewhere = client.launch(in_session(parent, "s-live"), FORK).fork_id
+    for fork_id in (done, elsewhere):
+        finished(client.store, fork_id)
+    outcome = client.cancel_session("s-done")
+    unchanged = no_keys_written(redis_client)
+
+    # When each gets a message, which would continue it
+    with pytest.raises(SessionCancelled) as refused:
+        client.send(done, "And the tests?")
+    unchanged()
+    sent = client.send(elsewhere, "And the tests?")
+
+    # Then the cancelled session's fork stays as it ended, untouched; the other one is continued
+    assert (outcome.cancelled, outcome.already_ended) == (0, 1)
+    assert refused.value.session == "s-done" and refused.value.fork_id == done
+    assert client.status(done).status is Status.SUCCEEDED
+    assert sent.outcome is SendReply.CONTINUED and client.status(elsewhere).status is Status.QUEUED
 
 
 @pytest.mark.parametrize("session", ["has space", "{brace}", "x" * 201])

@@ -191,16 +191,22 @@ return 1
 """
 )
 
-# KEYS: state, inbox, events, running, result. ARGV: message, inbox limit, ttl_s, fork_id, grace_ms. A message
-# for the fork: refused (the status) when it has failed or was cancelled, `full` when its inbox is; otherwise
-# queued in the inbox. A succeeded fork is continued: back to `queued` for its next exchange (its result gone
-# until that ends, its wall clock and attempts counted afresh), indexed until its job is confirmed enqueued.
+# KEYS: state, inbox, events, running, result, and the tombstone of the fork's session when its record names one.
+# ARGV: message, inbox limit, ttl_s, fork_id, grace_ms. A message for the fork: refused (the status) when it has
+# failed or was cancelled, `full` when its inbox is; otherwise queued in the inbox. A succeeded fork is continued:
+# back to `queued` for its next exchange (its result gone until that ends, its wall clock and attempts counted
+# afresh), indexed until its job is confirmed enqueued; but not while its session's tombstone exists (a session
+# cancel): then nothing is written, and the answer is `session_cancelled` and the tombstone.
 SEND = lua_script(
     NOW,
     """
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status then return {MISSING, 0} end
 if status == FAILED or status == CANCELLED then return {status, 0} end
+if status == SUCCEEDED and KEYS[6] then
+  local tombstone = redis.call('GET', KEYS[6])
+  if tombstone then return {SESSION_CANCELLED, tombstone} end
+end
 if redis.call('LLEN', KEYS[2]) >= tonumber(ARGV[2]) then return {FULL, redis.call('LLEN', KEYS[2])} end
 local waiting = redis.call('RPUSH', KEYS[2], ARGV[1])
 redis.call('EXPIRE', KEYS[2], ARGV[3])

@@ -431,7 +431,12 @@ class ForkStore:
 
     def send(self, fork_id: str, text: str, *, inbox_limit: int) -> tuple[SendReply, int]:
         """Give the fork a message: (`queued` in its inbox or `continued`, messages waiting); the reply is otherwise
-        why not: `missing`, `failed`, `cancelled`, `full`. A `continued` fork's job is the caller's to send."""
+        why not: `missing`, `failed`, `cancelled`, `full`. A `continued` fork's job is the caller's to send.
+
+        Raises:
+            SessionCancelled: the fork had succeeded, and its session was cancelled moments ago: it is not
+                continued, and nothing was written.
+        """
         keys = [
             self.keys.state(fork_id),
             self.keys.inbox(fork_id),
@@ -439,9 +444,16 @@ class ForkStore:
             self.keys.running,
             self.keys.result(fork_id),
         ]
+        data = cast(bytes | None, self.client.get(self.keys.bootstrap(fork_id)))
+        session = None if data is None else BootstrapRecord.chunk_refs(data, fork_id=fork_id).parent_session
+        if session is not None:  # a continuation is a launch into the session: its tombstone refuses it
+            keys.append(self.keys.session_cancelled(session))
         args: list[Any] = [text.encode("utf-8"), inbox_limit, self.ttl_s, fork_id, DECISION_GRACE_MS]
         word, waiting = cast(list[Any], self._send(keys=keys, args=args))
-        return word_of(SendReply, word, script="send", fork_id=fork_id), int(waiting)
+        reply = word_of(SendReply, word, script="send", fork_id=fork_id)
+        if reply is SendReply.SESSION_CANCELLED and session is not None:
+            raise SessionCancelled(session, int(waiting), fork_id=fork_id)
+        return reply, int(waiting)
 
     def events(
         self, fork_id: str, *, after: str = "0-0", block_ms: int | None = None, count: int = 1000

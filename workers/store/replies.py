@@ -69,6 +69,7 @@ class SendReply(enum.StrEnum):
     QUEUED = "queued"  # in the inbox of a fork that runs, waits or is parked
     CONTINUED = "continued"  # a succeeded fork queued again for its next exchange: the caller sends its job
     FULL = "full"  # the inbox holds the most messages it keeps
+    SESSION_CANCELLED = "session_cancelled"  # a succeeded fork of a session cancelled moments ago: not continued
     MISSING = "missing"
     FAILED = "failed"
     CANCELLED = "cancelled"
