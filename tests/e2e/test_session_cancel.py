@@ -1,11 +1,11 @@
 """Cancelling a whole session on live `forkq worker` processes: running, parked and queued forks and a nested
-subagent all end `cancelled`, no tool starts after the cancel is acknowledged, and a cancel racing launches from
-several threads lets none escape.
+subagent all end `cancelled`, no tool starts after the cancel is acknowledged; a cancel racing launches from
+several threads lets none escape; a nested launch refused by the tombstone leaves its caller to end cancelled.
 
 The model is a local OpenAI-compatible server (tests/fakeapi.py) answering each fork by the tag in its prompt
 (`TAG[name]`): a fork of the cancelled session calls `run_shell_command` to append its tag to a ledger file, step
-after step, for ever; the `caller` subagent also launches a nested subagent at its first step; a fork of the
-other session answers at once. The workers' own metrics say when no run is left (`forkq_forks_running`).
+after step, for ever; the `caller` (and `late`) subagent also launches a nested subagent at its first step; a
+fork of the other session answers at once. The workers' own metrics say when no run is left (`forkq_forks_running`).
 """
 
 from __future__ import annotations
@@ -56,21 +56,35 @@ def fork_tag(received: Received) -> str:
     return found.group(1)
 
 
-def respond(received: Received) -> Reply:
-    """Call the shell for ever (finish after 4 steps: `race-` forks; at once: `done-` forks); `caller` nests."""
-    tag = fork_tag(received)
-    turn = sum(1 for m in received.json["messages"] if m["role"] == "assistant")
-    if tag.startswith("done") or (tag.startswith("race") and turn >= 4):
-        return Reply(body=completion({"content": f"{tag}: finished"}))
-    calls = [tool_call(f"c{turn}-sh", "run_shell_command", json.dumps({"command": f"echo {tag} >> {LEDGER}"}))]
-    if tag == "caller" and turn == 0:
-        calls.append(tool_call(f"c{turn}-agent", "Agent", json.dumps(NESTED)))
-    return Reply(body=completion({"content": None, "tool_calls": calls}, finish_reason="tool_calls"), delay_s=STEP_S)
+class Model:
+    """The fake model: calls the shell for ever (finishes after 4 steps: `race-` forks; at once: `done-` forks);
+    `caller` and `late` also launch a nested subagent at their first step, `late` once its gate opens."""
+
+    def __init__(self) -> None:
+        self.late = threading.Event()
+
+    def __call__(self, received: Received) -> Reply:
+        tag = fork_tag(received)
+        turn = sum(1 for m in received.json["messages"] if m["role"] == "assistant")
+        if tag.startswith("done") or (tag.startswith("race") and turn >= 4):
+            return Reply(body=completion({"content": f"{tag}: finished"}))
+        calls = [tool_call(f"c{turn}-sh", "run_shell_command", json.dumps({"command": f"echo {tag} >> {LEDGER}"}))]
+        if tag in ("caller", "late") and turn == 0:
+            if tag == "late":
+                assert self.late.wait(30), "the test never opened the gate of the late caller"
+            calls.append(tool_call(f"c{turn}-agent", "Agent", json.dumps(NESTED)))
+        body = completion({"content": None, "tool_calls": calls}, finish_reason="tool_calls")
+        return Reply(body=body, delay_s=STEP_S)
 
 
 @pytest.fixture
-def model() -> Iterator[FakeAPI]:
-    with FakeAPI(responder=respond) as server:
+def brain() -> Model:
+    return Model()
+
+
+@pytest.fixture
+def model(brain: Model) -> Iterator[FakeAPI]:
+    with FakeAPI(responder=brain) as server:
         yield server
 
 
@@ -276,4 +290,44 @@ def test_a_session_cancel_racing_launches_from_several_threads_lets_no_launch_es
         wait_until(lambda: workers.metric("forkq_forks_running") == 0, 60, workers.logs)
         assert workers.metric('forkq_forks_finished_total{status="succeeded"}') == 0
         assert {client.status(fid).status for fid in launched} == {Status.CANCELLED}
+    app.close()
+
+
+def test_a_nested_launch_into_a_session_being_cancelled_is_refused_and_its_caller_ends_cancelled(
+    make_settings: Callable[..., Settings],
+    start_workers: Callable[[int, int], Workers],
+    brain: Model,
+    parent: dict[str, Any],
+    project: dict[str, Path],
+) -> None:
+    # Given a subagent whose model is about to answer with an Agent call, and its session's tombstone written
+    # (the first step of a cancel, before the cancel reaches the subagent)
+    workers = start_workers(1, 2)
+    settings = make_settings()
+    app = make_app(settings)
+    with ForkClient(settings, app=app) as client:
+        snapshot = parent_in(parent, SESSION, project["cancelled"])
+        caller = client.launch(snapshot, agent("late", "general-purpose"), workspace="shared")
+        wait_until(lambda: caller.status().status is Status.RUNNING, 30, workers.logs)
+        client.redis.set(client.store.keys.session_cancelled(SESSION), "1", px=60_000)
+
+        # When the model answers and the caller launches its nested subagent
+        brain.late.set()
+
+        # Then the launch is refused and the caller's model reads why; nothing of the subagent was written
+        def refusal() -> str | None:
+            results = [e for e in client.store.journal(caller.fork_id) if e.kind is EntryKind.TOOL_RESULT]
+            return next((str(e.response) for e in results if e.name == "Agent"), None)
+
+        answer = wait_until(refusal, 30, workers.logs)
+        assert f"the subagent was not launched: session {SESSION} was cancelled" in answer
+        assert not client.redis.exists(client.store.keys.state(f"{caller.fork_id}.0.1"))
+
+        # and once the cancel reaches the caller, it ends cancelled, its run over, without an error in the log
+        outcome = client.cancel_session(SESSION)
+        assert outcome.forks == [caller.fork_id]
+        wait_until(lambda: workers.metric("forkq_forks_running") == 0, 60, workers.logs)
+        assert caller.status().status is Status.CANCELLED
+        assert workers.metric('forkq_forks_finished_total{status="cancelled"}') == 1
+        assert "Traceback" not in workers.logs()
     app.close()
