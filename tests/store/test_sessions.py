@@ -19,6 +19,7 @@ from workers.client import ForkClient
 from workers.errors import SessionCancelled
 from workers.records.fork import Status
 from workers.store import sessions
+from workers.store.forks import ForkStore
 from workers.store.replies import SendReply
 
 FORK = {"description": "audit", "prompt": "Audit the limiter.", "subagent_type": "fork", "fork_turns": "1"}
@@ -153,3 +154,30 @@ def test_a_session_cancel_of_an_invalid_session_id_is_refused_before_anything_is
         tombstone_client.cancel_session(session)
 
     unchanged()
+
+
+def test_a_session_of_a_thousand_forks_is_cancelled_in_a_few_round_trips_not_one_per_fork(
+    make_queued_fork: Callable[..., tuple[str, str]],
+    fork_store: ForkStore,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Given 1,000 queued forks of one session, and every round trip to Redis counted (redis-py's one send per
+    # command, or per pipeline)
+    forks = [make_queued_fork()[0] for _ in range(1000)]
+    sent = []
+    real_send = redis.connection.Connection.send_packed_command
+
+    def counted(self: redis.connection.Connection, command: Any, check_health: bool = True) -> None:
+        sent.append(1)
+        real_send(self, command, check_health)
+
+    monkeypatch.setattr(redis.connection.Connection, "send_packed_command", counted)
+
+    # When the session is cancelled
+    outcome, _ = sessions.cancel_session(fork_store, "s-unit", tombstone_s=60)
+
+    # Then all were cancelled: the tombstone, then per batch of 200 one read of the index and three pipelines
+    monkeypatch.undo()
+    assert outcome.cancelled == 1000 and set(outcome.forks) == set(forks)
+    assert len(sent) <= 1 + 5 * 4 + 2 * 2  # and, in a Redis that lacks them, each of 2 scripts loaded and sent again
+    assert {fork_store.state(fid).status for fid in forks[::97]} == {Status.CANCELLED}

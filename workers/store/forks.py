@@ -198,7 +198,7 @@ class ForkStore:
             except redis.exceptions.NoScriptError:  # a restarted or flushed Redis
                 if attempt == 2:
                     raise
-                for script, _, _ in calls:
+                for script in {id(script): script for script, _, _ in calls}.values():  # each once: a batch repeats one
                     script.sha = self.client.script_load(script.script)
         raise AssertionError("unreachable")
 
