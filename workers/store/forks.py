@@ -21,7 +21,13 @@ import redis
 from redis.commands.core import Script
 
 from workers.base.keys import Keys
-from workers.errors import InvalidApproval, RecordExistsError, RecordIntegrityError, SessionCancelled
+from workers.errors import (
+    InvalidApproval,
+    RecordDecodeError,
+    RecordExistsError,
+    RecordIntegrityError,
+    SessionCancelled,
+)
 from workers.history.selection import ForkSeed
 from workers.records.fork import (
     BootstrapRecord,
@@ -444,8 +450,7 @@ class ForkStore:
             self.keys.running,
             self.keys.result(fork_id),
         ]
-        data = cast(bytes | None, self.client.get(self.keys.bootstrap(fork_id)))
-        session = None if data is None else BootstrapRecord.chunk_refs(data, fork_id=fork_id).parent_session
+        session = self._session_of(fork_id)
         if session is not None:  # a continuation is a launch into the session: its tombstone refuses it
             keys.append(self.keys.session_cancelled(session))
         args: list[Any] = [text.encode("utf-8"), inbox_limit, self.ttl_s, fork_id, DECISION_GRACE_MS]
@@ -454,6 +459,14 @@ class ForkStore:
         if reply is SendReply.SESSION_CANCELLED and session is not None:
             raise SessionCancelled(session, int(waiting), fork_id=fork_id)
         return reply, int(waiting)
+
+    def _session_of(self, fork_id: str) -> str | None:
+        """The parent session the fork's record names; None without a readable record (a message still reaches it)."""
+        data = cast(bytes | None, self.client.get(self.keys.bootstrap(fork_id)))
+        try:
+            return None if data is None else BootstrapRecord.chunk_refs(data, fork_id=fork_id).parent_session
+        except RecordDecodeError:
+            return None
 
     def events(
         self, fork_id: str, *, after: str = "0-0", block_ms: int | None = None, count: int = 1000
