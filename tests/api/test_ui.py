@@ -412,6 +412,33 @@ def test_a_parked_call_is_denied_with_a_reason_and_another_fork_cancelled_from_t
     assert http.get(f"/v1/forks/{cancelled}").json()["status"] == "cancelled"
 
 
+def test_a_whole_session_is_cancelled_from_the_page_and_then_refuses_launches(
+    http: httpx.Client,
+    web: Web,
+    scripted_worker: Callable[..., WorkController],
+    parent: dict[str, Any],
+    work: Path,
+) -> None:
+    page, api = web.page, web.api
+    # Given two forks of the session parked on a call
+    scripted_worker(PARKING)
+    forks = [park(http, parent, work), park(http, parent, work)]
+    sign_in(page, api, session=parent["session_id"])
+    rows = [page.locator(f'#forks li[data-fork-id="{fork_id}"]') for fork_id in forks]
+    for row in rows:
+        expect(row.locator(".status")).to_have_text("awaiting_approval")
+
+    # When a person cancels the whole session
+    page.get_by_role("button", name="Cancel session").click()
+
+    # Then both forks end cancelled, the page says so, and a launch into the session is refused
+    expect(page.locator("#session-message")).to_have_text("Session cancelled: 2 forks cancelled, 0 had already ended.")
+    for row in rows:
+        expect(row.locator(".status")).to_have_text("cancelled")
+    refused = http.post("/v1/forks", json={"parent": parent, "agent": FORK, "options": {"workspace": "shared"}})
+    assert refused.status_code == 409 and refused.json()["error"]["field"] == "session_id"
+
+
 def test_a_snapshot_forks_changed_files_and_its_diff_are_shown_once_it_ended(
     http: httpx.Client, web: Web, scripted_worker: Callable[..., WorkController], parent: dict[str, Any]
 ) -> None:

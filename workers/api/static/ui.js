@@ -113,6 +113,8 @@
     clearTimeout(view.pollTimer);
     closeFork();
     $("forks").replaceChildren();
+    $("cancel-session").hidden = true;
+    $("session-message").textContent = "";
     $("main").hidden = true;
     $("sign-out").hidden = true;
     $("login").hidden = false;
@@ -131,6 +133,8 @@
       $("forks").replaceChildren();
     }
     view.session = session;
+    $("cancel-session").hidden = false;
+    $("session-message").textContent = "";
     const url = new URL(location.href);
     url.searchParams.set("session", session);
     history.replaceState(null, "", url);
@@ -434,6 +438,27 @@
     scheduleRefresh(track);
   }
 
+  // every fork of the session and its nested subagents; launches into it are refused for a while after
+  async function cancelSession() {
+    const session = view.session;
+    const question = "Cancel every fork of session " + session + ", nested subagents too? Launches into it are " +
+      "then refused for a while.";
+    if (!session || !window.confirm(question)) return;
+    $("cancel-session").disabled = true;
+    try {
+      const answer = await api("v1/sessions/" + enc(session) + "/cancel", { body: undefined });
+      if (session === view.session) {
+        $("session-message").textContent = "Session cancelled: " + answer.cancelled + " forks cancelled, " +
+          answer.already_ended + " had already ended.";
+        pollForks();
+      }
+    } catch (err) {
+      if (session === view.session) $("session-message").textContent = err.message;
+    } finally {
+      $("cancel-session").disabled = false;
+    }
+  }
+
   // the journal only grows: steps already shown stay, the new ones are appended
   function renderSteps(track, steps) {
     const list = $("steps");
@@ -567,6 +592,7 @@
     $("session-form").addEventListener("submit", showSession);
     $("sign-out").addEventListener("click", () => signOut(""));
     $("cancel").addEventListener("click", cancelFork);
+    $("cancel-session").addEventListener("click", cancelSession);
     const session = new URLSearchParams(location.search).get("session");
     if (session) $("session").value = session.slice(0, 256);
     const stored = sessionStorage.getItem(TOKEN_KEY);
