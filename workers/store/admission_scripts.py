@@ -125,7 +125,7 @@ end
 local why = grant() or ''
 local granted_now = mine()
 for _, g in ipairs(granted_now) do if g == id then return {GRANTED, now, why, granted_now} end end
-return {WAITING, now, why, granted_now}
+return {LATER, now, why, granted_now}
 """,
 )
 

@@ -90,7 +90,7 @@ class Admitted(enum.StrEnum):
     """What an admission script did with a model call (`workers.store.admission`)."""
 
     GRANTED = "granted"  # the call may go out now
-    WAITING = "waiting"  # queued: its process learns of the grant later
+    LATER = "later"  # queued: its process learns of the grant later
 
 
 FencedReply = Written | Refused | Status
