@@ -223,7 +223,7 @@ class RevivedData(EventData):
 
 
 class ModelWaitData(EventData):
-    """A model call waits for admission: the fork's step, the model, what holds it and what is ahead of it."""
+    """A model call waits for admission: the step of the call (1-based, as `model_call`), the model, what holds it."""
 
     step: int
     model: str

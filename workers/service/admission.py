@@ -49,7 +49,7 @@ def capacity(limit: ModelLimit) -> Capacity:
 def estimate(request: ModelRequest) -> int:
     """Tokens to reserve against tpm before the call: a quarter of the request's characters, plus its max output
     tokens (DEFAULT_OUTPUT_TOKENS without one). The call's reported usage settles it afterwards."""
-    chars = sum(len(message.model_dump_json()) for message in request.messages)
+    chars = sum(len(message.model_dump_json(exclude_none=True)) for message in request.messages)
     chars += len(str(request.system_instruction or "")) + len(str(request.tools))
     output = next((request.generation[k] for k in OUTPUT_KEYS if isinstance(request.generation.get(k), int)), None)
     return chars // CHARS_PER_TOKEN + (output if output is not None else DEFAULT_OUTPUT_TOKENS)
@@ -62,6 +62,7 @@ class Waiter:
     model: str
     ask: Ask
     granted: threading.Event = field(default_factory=threading.Event)
+    since: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -122,8 +123,9 @@ class Admission:
             with self._lock:
                 self._waiters.pop(ask.waiter, None)
             raise
-        own = [ask.waiter] if answer.granted else []
-        self._wake(model, own + [other for other in answer.mine if other != ask.waiter])
+        if answer.granted:
+            self._granted(model, ask.waiter)
+        self._wake(model, [other for other in answer.mine if other != ask.waiter])
         if waiter.granted.is_set():
             return None, None
         self._wakeup.set()
@@ -149,16 +151,20 @@ class Admission:
             return
         self._wake(model, mine)
 
-    def _wake(self, model: str, granted: list[str]) -> None:
-        """Wake the waiters granted; a grant nobody here waits for any more is handed back."""
-        for waiter_id in granted:
-            with self._lock:
-                waiter = self._waiters.pop(waiter_id, None)
-                if waiter is not None:
-                    self._holds.setdefault(model, set()).add(waiter_id)
+    def _granted(self, model: str, waiter_id: str) -> bool:
+        """Wake the waiter of a grant (its call now holds a slot); False when nobody here waits for it."""
+        with self._lock:
+            waiter = self._waiters.pop(waiter_id, None)
             if waiter is not None:
-                waiter.granted.set()
-            else:
+                self._holds.setdefault(model, set()).add(waiter_id)
+        if waiter is not None:
+            waiter.granted.set()
+        return waiter is not None
+
+    def _wake(self, model: str, granted: list[str]) -> None:
+        """Wake the waiters of grants Redis handed this process (each once); one nobody waits for is handed back."""
+        for waiter_id in granted:
+            if not self._granted(model, waiter_id):
                 self.release(model, waiter_id, TokenUsage())  # its fork stopped waiting meanwhile
 
     # ── the coordinator ───────────────────────────────────────────────────────────────────────
@@ -189,16 +195,18 @@ class Admission:
 
     def _look(self, census: bool) -> None:
         """One look for every model with waiters: wake the granted, ask again for those dropped."""
+        settled = time.monotonic() - CENSUS_S  # a census asks about waiters whose own acquire has certainly run
         with self._lock:
             by_model: dict[str, list[str]] = {}
+            counted: dict[str, list[str]] = {}
             for waiter_id, waiter in self._waiters.items():
                 by_model.setdefault(waiter.model, []).append(waiter_id)
+                if census and waiter.since < settled:
+                    counted.setdefault(waiter.model, []).append(waiter_id)
         limits = {model: self.limit_of(model) or ModelLimit() for model in by_model}
         if not limits:
             return
-        polled = self.store.poll(
-            {model: capacity(limit) for model, limit in limits.items()}, by_model if census else {}
-        )
+        polled = self.store.poll({model: capacity(limit) for model, limit in limits.items()}, counted)
         for model, result in polled.items():
             self._wake(model, result.mine)
             for waiter_id in result.lost:
@@ -206,8 +214,9 @@ class Admission:
                     lost = self._waiters.get(waiter_id)
                 if lost is not None:  # dropped while this process looked silent: queued again
                     answer = self.store.acquire(model, capacity(limits[model]), lost.ask)
-                    own = [waiter_id] if answer.granted else []
-                    self._wake(model, own + [other for other in answer.mine if other != waiter_id])
+                    if answer.granted:
+                        self._granted(model, waiter_id)
+                    self._wake(model, [other for other in answer.mine if other != waiter_id])
 
 
 @dataclass
