@@ -26,7 +26,7 @@ from broker_config.settings import Settings
 from tests.conftest import REPO_ROOT, TEST_NAMESPACE, WorkerProcess
 from tests.fakeapi import FakeAPI, Received, Reply
 from tests.live import forkq_environment, sweeper_process, wait_until
-from tests.providers.test_openai_compat import completion, error_body
+from tests.providers.test_openai_compat import completion, error_body, tool_call
 from workers.base.keys import Keys
 from workers.client import ForkClient
 from workers.records.fork import ForkResult, Status
@@ -91,10 +91,10 @@ class Rig:
     def worker(self, concurrency: int = 8, **env: str) -> WorkerProcess:
         return self.start_worker(concurrency, **{**self.env, **env})
 
-    def launch(self, session: str, task: str) -> str:
+    def launch(self, session: str, task: str, **options: Any) -> str:
         parent = {**copy.deepcopy(self.parent), "session_id": session}
         params = {"description": task, "prompt": task, "subagent_type": "fork", "fork_turns": "1"}
-        return self.client.launch(parent, params).fork_id
+        return self.client.launch(parent, params, **options).fork_id
 
     def result(self, fork_id: str, timeout: float = READY_S) -> ForkResult:
         result = self.client.wait(fork_id, timeout=timeout)
@@ -272,6 +272,37 @@ def test_a_session_with_few_forks_is_not_starved_by_one_with_many(rig: Callable[
     many_before = sum(task.startswith("TASK-many") for task in order[:last_few])
     assert granted_before + 2 < 8
     assert many_before <= granted_before + 2, (granted_before, order)
+
+
+def test_time_waiting_for_admission_does_not_count_against_max_wall_s(rig: Callable[..., Rig]) -> None:
+    # Given a model limited to one call at once, held 3 s by another fork's call
+    def answer(received: Received, index: int) -> Reply | None:
+        task = task_of(received)
+        if task == "TASK-hold":
+            time.sleep(3.0)  # the model's time: the slot is held meanwhile
+        elif received.json["messages"][-1]["role"] == "tool":  # the fork's tool result: its last call
+            return Reply(200, completion({"content": "read it"}))
+        elif task == "TASK-wall":
+            read = tool_call("call_1", "read_file", json.dumps({"path": "notes.txt"}))
+            return Reply(200, completion({"content": None, "tool_calls": [read]}, finish_reason="tool_calls"))
+        return None
+
+    setup = rig(Stub(latency_s=0.05, answer=answer), {MODEL: {"concurrency": 1}})
+    setup.worker()
+    holder = setup.launch("s-one", "TASK-hold.")
+    wait_until(lambda: len(setup.stub.arrivals) == 1, READY_S, "the slot to be taken")
+
+    # When a fork limited to 2 s of wall clock waits about 3 s for the slot, then calls the model twice
+    fid = setup.launch("s-two", "TASK-wall.", max_wall_s=2)
+    result = setup.result(fid)
+
+    # Then it succeeds (its deadline moved on by its wait), and its first start moved on by the wait too, so a
+    # revival would not count it either
+    assert setup.result(holder).status is Status.SUCCEEDED
+    assert result.status is Status.SUCCEEDED, result.error
+    assert result.usage.model_calls == 2
+    state = setup.redis.hgetall(Keys(TEST_NAMESPACE).state(fid))
+    assert int(state[b"first_started_ms"]) - int(state[b"started_ms"]) >= 2000
 
 
 def test_bad_admission_settings_stop_the_worker_with_exit_2_naming_the_glob_and_the_key(redis_url: str) -> None:
