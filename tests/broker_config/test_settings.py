@@ -311,6 +311,7 @@ def test_load_settings_overrides_win_over_the_environment(monkeypatch: pytest.Mo
 def test_model_limits_are_read_as_globs_of_limits_and_the_first_matching_glob_wins(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    assert model_limit(Settings(), "gpt-5") is None  # unset: no model is admitted
     limits = '{"gpt-4.1*": {"concurrency": 5, "tpm": 1000}, "gpt-*": {"rpm": 60}, "*": {}}'
     monkeypatch.setenv("FORKQ_MODEL_LIMITS", limits)
     monkeypatch.setenv("FORKQ_SESSION_WEIGHTS", '{"s-urgent": 3, "s-slow": 0.5}')
@@ -322,7 +323,6 @@ def test_model_limits_are_read_as_globs_of_limits_and_the_first_matching_glob_wi
     assert model_limit(settings, "gemini-2.5-pro") == ModelLimit()
     assert model_limit(settings, None) is None
     assert settings.session_weights == {"s-urgent": 3, "s-slow": 0.5}
-    assert model_limit(Settings(model_limits={}), "gpt-5") is None  # unset: no model is admitted
 
 
 @pytest.mark.parametrize(
