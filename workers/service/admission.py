@@ -35,7 +35,9 @@ log = logging.getLogger("forkq.admission")
 
 TICK_S: Final = 0.025  # how often a process with waiters looks for their grants
 CENSUS_S: Final = 1.0  # how often a look also checks that every waiter is still queued (one dropped: asked again)
-STOP_CHECK_S: Final = 0.2  # how often a waiting fork checks whether it must stop (cancel, lost lease, shutdown)
+# how often a waiting fork checks whether it must stop (a cancel or a lost lease is known from the heartbeat, a
+# shutdown at once): a thousand waiting threads wake twice a second, not in a tight loop
+STOP_CHECK_S: Final = 0.5
 CHARS_PER_TOKEN: Final = 4  # the estimate of a request's input tokens: its JSON's characters / 4
 DEFAULT_OUTPUT_TOKENS: Final = 1024  # the output estimate of a request without a max output tokens setting
 OUTPUT_KEYS: Final = ("max_output_tokens", "maxOutputTokens", "max_tokens")

@@ -56,9 +56,11 @@ end
 
 local function admit(id, est)
   redis.call('ZADD', holds, now + hold_ttl, id)
-  redis.call('ZADD', log, now, id)
-  redis.call('HSET', tokens, id, est)
-  redis.call('HINCRBY', tokens, '_sum', est)
+  if rpm > 0 or tpm > 0 then  -- the window is kept only for a model whose rates are bounded
+    redis.call('ZADD', log, now, id)
+    redis.call('HSET', tokens, id, est)
+    redis.call('HINCRBY', tokens, '_sum', est)
+  end
 end
 
 local function owner_of(id) return string.match(id, '^([^|]*)|') end
@@ -137,6 +139,12 @@ POLL: Final = lua_script(
     *_PARTS,
     """
 redis.call('HSET', alive, me, now + alive_ttl)
+if redis.call('HLEN', alive) > 256 then  -- processes that stopped long ago (shut down cleanly) are forgotten
+  local entries = redis.call('HGETALL', alive)
+  for i = 1, #entries, 2 do
+    if tonumber(entries[i + 1]) < now - 86400000 then redis.call('HDEL', alive, entries[i]) end
+  end
+end
 tidy()
 local why = grant() or ''
 local lost = {}
