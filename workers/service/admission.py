@@ -247,14 +247,27 @@ class AdmissionGuard:
             endpoint=admission.endpoint_of(model),
             weight=admission.weight(self.session),
         )
-        waiter, wait = admission.acquire(model, ask)
-        waited = 0.0
+        started = time.monotonic()
+        waiter, wait = self._ask(model, ask)
+        asked = time.monotonic() - started
+        waited = asked if waiter is None and asked >= STOP_CHECK_S else 0.0  # an outage ridden out is a wait too
         if waiter is not None and wait is not None:
             waited = self._wait(waiter, wait, request.step + 1, label)
         admission.held(model, ask.waiter)
         self._hold = (model, ask.waiter)
         admission.metrics.model_wait_seconds.labels(model=label).observe(waited)
         return waited
+
+    def _ask(self, model: str, ask: Ask) -> tuple[Waiter | None, ModelWait | None]:
+        """`Admission.acquire`, asked again while Redis does not answer (the lease rides such an outage out too),
+        until the fork must stop."""
+        while True:
+            try:
+                return self.admission.acquire(model, ask)
+            except redis.RedisError as exc:
+                log.warning("fork %s: admission to %s not reached (%s); asking again", self.fork_id, model, exc)
+                self.stop_if_asked()
+                time.sleep(STOP_CHECK_S)  # Redis is unreachable: ask again shortly, as the lease's writes do
 
     def _wait(self, waiter: Waiter, wait: ModelWait, step: int, label: str) -> float:
         """Block until the grant (or a stop); the seconds waited. The fork shows its wait meanwhile."""
