@@ -88,7 +88,7 @@ Each key: type; content; TTL; writer → readers.
   - `…:tags`: hash; parent session → the virtual finish tag of its last queued call; `_v` the virtual clock
     (the start tag of the last grant).
   - `…:log`: sorted set; calls admitted in the last 60 s (waiter ids), scored by admission time (Redis ms): `rpm`
-    counts them.
+    counts them (kept, with `…:tokens`, only for a model with an `rpm` or `tpm` limit).
   - `…:tokens`: hash; admitted call → its tokens (the estimate, settled to the reported usage), `_sum` the total
     of the calls in `…:log`: `tpm` reads it.
   - `…:cooldown`: hash; provider endpoint (base URL) → Redis ms until which no call to it for this model may go
