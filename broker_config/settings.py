@@ -18,7 +18,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 
 from workers.errors import ConfigurationError
 
@@ -343,6 +343,21 @@ def load_settings(**overrides: Any) -> Settings:
         return Settings(**overrides)
     except ValidationError as exc:
         raise settings_error(exc) from exc
+    except SettingsError as exc:  # a JSON setting (FORKQ_MODEL_LIMITS, ...) that is not JSON at all
+        raise json_setting_error(exc) from exc
+
+
+def json_setting_error(exc: SettingsError) -> ConfigurationError:
+    """The `ConfigurationError` for a JSON setting pydantic-settings could not parse, naming the variable."""
+    found = re.search(r'field "(\w+)"', str(exc))
+    field = found.group(1) if found else ""
+    name = f"FORKQ_{field.upper()}" if field else "a FORKQ_* variable"
+    info = Settings.model_fields.get(field)
+    what = f" ({info.description.rstrip('.')})" if info is not None and info.description else ""
+    cause = exc.__cause__ or exc
+    return ConfigurationError(
+        f"{name}: not valid JSON ({cause}); set it to JSON{what}, or unset it for its default", field=name, cause=exc
+    )
 
 
 def settings_error(exc: ValidationError) -> ConfigurationError:

@@ -352,3 +352,10 @@ def test_a_session_weight_must_be_a_positive_number() -> None:
     error = configuration_error(FORKQ_SESSION_WEIGHTS='{"s-1": 0}')
 
     assert error.field == "FORKQ_SESSION_WEIGHTS" and "session 's-1' has weight 0" in str(error)
+
+
+@pytest.mark.parametrize("name", ["FORKQ_MODEL_LIMITS", "FORKQ_SESSION_WEIGHTS", "FORKQ_PROVIDER_ROUTES"])
+def test_a_json_setting_that_is_not_json_names_the_variable(name: str) -> None:
+    error = configuration_error(**{name: "{gpt-*: 5}"})
+
+    assert error.field == name and str(error).startswith(f"{name}: not valid JSON (")
