@@ -10,7 +10,8 @@ renews the process's holds every heartbeat (one round trip).
 
 While a call waits, its fork's state shows `waiting_for` (kind `model`) and its stream gets one `model_wait`
 event; the time waited moves the fork's wall-clock deadline on (the guard returns it) and its first start in
-the state (so a revival does not count it either).
+the state (so a revival does not count it either). The coordinator writes these with its next look (one round
+trip for all of them), so neither a wait nor an admitted call pays a round trip of its own for them.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from broker_config.settings import ModelLimit, Settings, model_limit
 from workers.providers import ModelRequest, TokenUsage
 from workers.records.parked import AdmissionLimit, ModelWait
 from workers.service.metrics import Metrics
-from workers.store.admission import KEEP_ESTIMATE, AdmissionStore, Ask, Capacity
+from workers.store.admission import KEEP_ESTIMATE, AdmissionStore, Ask, Capacity, WaitWrite, wait_over, wait_shown
 
 log = logging.getLogger("forkq.admission")
 
@@ -79,6 +80,7 @@ class Admission:
     _waiters: dict[str, Waiter] = field(default_factory=dict)
     _holds: dict[str, set[str]] = field(default_factory=dict)  # model → hold ids of this process
     _counter: itertools.count[int] = field(default_factory=itertools.count)
+    _writes: list[WaitWrite] = field(default_factory=list)  # forks' waits for their states, written by the next look
     _wakeup: threading.Event = field(default_factory=threading.Event)
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
@@ -169,6 +171,12 @@ class Admission:
             if not self._granted(model, waiter_id):
                 self.release(model, waiter_id, TokenUsage())  # its fork stopped waiting meanwhile
 
+    def show(self, write: WaitWrite) -> None:
+        """Have a fork's wait written to its state and stream at the next look (the fork's call never waits for it)."""
+        with self._lock:
+            self._writes.append(write)
+        self._wakeup.set()
+
     # ── the coordinator ───────────────────────────────────────────────────────────────────────
 
     def _run(self) -> None:
@@ -187,13 +195,25 @@ class Admission:
                 self._look(census)
             except redis.RedisError as exc:
                 log.warning("admission: a look failed (%s); retrying", exc)
+            self._write_waits()
             with self._lock:
-                idle = not self._waiters
+                idle = not self._waiters and not self._writes
             if idle:
                 self._wakeup.wait(max(0.0, renew_at - time.monotonic()))
                 self._wakeup.clear()
             else:
                 self._stop.wait(TICK_S)
+
+    def _write_waits(self) -> None:
+        """Write the waits shown and ended since the last look (one round trip); a failed write is dropped (the
+        wait is shown, never a reason to stop a call; the next claim clears a stale one)."""
+        with self._lock:
+            writes, self._writes = self._writes, []
+        if writes:
+            try:
+                self.store.write_waits(writes)
+            except redis.RedisError as exc:
+                log.warning("admission: %d forks' waits were not written to their states (%s)", len(writes), exc)
 
     def _look(self, census: bool) -> None:
         """One look for every model with waiters: wake the granted, ask again for those dropped."""
@@ -271,12 +291,12 @@ class AdmissionGuard:
 
     def _wait(self, waiter: Waiter, wait: ModelWait, step: int, label: str) -> float:
         """Block until the grant (or a stop); the seconds waited. The fork shows its wait meanwhile."""
-        admission, store = self.admission, self.admission.store
+        admission = self.admission
         started = time.monotonic()
         gauge = admission.metrics.model_waiting.labels(model=label)
         gauge.inc()
         try:
-            self._show(lambda: store.mark_wait(self.fork_id, self.epoch, self.owner, wait, step))
+            admission.show(wait_shown(self.fork_id, self.epoch, self.owner, wait, step))
             while not waiter.granted.wait(STOP_CHECK_S):
                 self.stop_if_asked()
         except BaseException:
@@ -285,15 +305,8 @@ class AdmissionGuard:
         finally:
             gauge.dec()
         waited = time.monotonic() - started
-        self._show(lambda: store.clear_wait(self.fork_id, self.epoch, self.owner, int(waited * 1000)))
+        admission.show(wait_over(self.fork_id, self.epoch, self.owner, int(waited * 1000)))
         return waited
-
-    def _show(self, write: Callable[[], None]) -> None:
-        """A write of the wait to the fork's state: shown, never a reason to stop the call."""
-        try:
-            write()
-        except redis.RedisError as exc:
-            log.warning("fork %s: its admission wait was not written to its state (%s)", self.fork_id, exc)
 
     def leave(self, request: ModelRequest, usage: TokenUsage | None) -> None:
         """The call ended: free its slot and settle its tokens."""

@@ -161,13 +161,40 @@ class AdmissionStore:
 
     def mark_wait(self, fork_id: str, epoch: int, owner: str, wait: ModelWait, step: int) -> None:
         """The fork's state shows its wait and its stream gets `model_wait` (only while it runs under this claim)."""
-        event = ModelWaitData(step=step, model=wait.model, limit=wait.limit).to_json()
-        self._fork_wait(fork_id, epoch=epoch, owner=owner, wait=wait.stored(), event=event, waited_ms=0)
+        self.write_waits([wait_shown(fork_id, epoch, owner, wait, step)])
 
     def clear_wait(self, fork_id: str, epoch: int, owner: str, waited_ms: int) -> None:
         """The wait is over: its field goes, and the fork's wall clock moves on by `waited_ms`."""
-        self._fork_wait(fork_id, epoch=epoch, owner=owner, wait="", event="", waited_ms=max(0, waited_ms))
+        self.write_waits([wait_over(fork_id, epoch, owner, waited_ms)])
 
-    def _fork_wait(self, fork_id: str, *, epoch: int, owner: str, wait: str, event: str, waited_ms: int) -> None:
-        keys = [self.keys.state(fork_id), self.keys.events(fork_id)]
-        self._model_wait(keys=keys, args=[epoch, owner, wait, event, waited_ms])
+    def write_waits(self, writes: Sequence[WaitWrite]) -> None:
+        """Write forks' waits to their states and streams, in order (one round trip for all)."""
+        pipe = self.client.pipeline(transaction=False)
+        for write in writes:
+            keys = [self.keys.state(write.fork_id), self.keys.events(write.fork_id)]
+            args: list[str | int] = [write.epoch, write.owner, write.wait, write.event, write.waited_ms]
+            self._model_wait(keys=keys, args=args, client=pipe)
+        pipe.execute()
+
+
+@dataclass(frozen=True)
+class WaitWrite:
+    """A write of a fork's admission wait to its state (`MODEL_WAIT`): shown, or over."""
+
+    fork_id: str
+    epoch: int
+    owner: str
+    wait: str  # the state's `model_wait` ('' clears it)
+    event: str  # the `model_wait` event's data ('' for none)
+    waited_ms: int  # moves the fork's first start on
+
+
+def wait_shown(fork_id: str, epoch: int, owner: str, wait: ModelWait, step: int) -> WaitWrite:
+    """The write that shows `wait` in the fork's state and stream."""
+    event = ModelWaitData(step=step, model=wait.model, limit=wait.limit).to_json()
+    return WaitWrite(fork_id, epoch, owner, wait.stored(), event, 0)
+
+
+def wait_over(fork_id: str, epoch: int, owner: str, waited_ms: int) -> WaitWrite:
+    """The write that ends the fork's wait and moves its wall clock on by `waited_ms`."""
+    return WaitWrite(fork_id, epoch, owner, "", "", max(0, waited_ms))
