@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import fnmatch
 import re
 from pathlib import Path
 from typing import Any, Final, Literal
 from urllib.parse import urlsplit
 
-from pydantic import AliasChoices, Field, SecretStr, ValidationError, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 
 from workers.errors import ConfigurationError
 
@@ -17,6 +27,18 @@ REDIS_SCHEMES = ("redis", "rediss", "unix", "sentinel")
 BROKER_SCHEMES = ("redis", "rediss", "redis+socket", "sentinel")
 SENTINEL_SCHEME = "sentinel"
 TOKEN_HASH_PREFIX: Final = "sha256:"  # a FORKQ_API_TOKENS entry that is the SHA-256 of a token, not the token
+LIMIT_KEYS: Final = ("concurrency", "rpm", "tpm")  # what a FORKQ_MODEL_LIMITS entry may bound
+LIMIT_EXAMPLE: Final = '{"gpt-*": {"concurrency": 50, "rpm": 500, "tpm": 200000}}'
+
+
+class ModelLimit(BaseModel):
+    """One FORKQ_MODEL_LIMITS entry: what every worker together may send one model (None: no bound)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    concurrency: int | None = None  # calls in flight at once
+    rpm: int | None = None  # calls admitted in any 60 s
+    tpm: int | None = None  # tokens (estimated, then as reported) in any 60 s
 
 
 class Settings(BaseSettings):
@@ -120,6 +142,16 @@ class Settings(BaseSettings):
         description="How long a worker's connection must stay gone before its forks are revived without their leases.",
     )
     max_attempts: int = Field(3, ge=1, description="Runs a fork gets before a lost worker fails it (worker_lost).")
+    # model admission (docs/capacity.md): cluster-wide limits per model, shared fairly across parent sessions
+    model_limits: dict[str, ModelLimit] = Field(
+        default_factory=dict,
+        description='JSON object of model-name glob → {"concurrency": N, "rpm": N, "tpm": N} (any of them); '
+        "the first matching glob bounds each model, across every worker.",
+    )
+    session_weights: dict[str, float] = Field(
+        default_factory=dict,
+        description="JSON object of parent session id → its share of a short model capacity (default 1).",
+    )
     sentinel_master: str = Field(
         "mymaster", pattern=r"^[A-Za-z0-9_.-]+$", description="Master name that sentinel:// URLs ask Sentinel for."
     )
@@ -215,6 +247,24 @@ class Settings(BaseSettings):
                 )
         return value
 
+    @field_validator("model_limits", mode="before")
+    @classmethod
+    def _model_limits(cls, value: Any) -> Any:
+        return check_model_limits(value)
+
+    @field_validator("session_weights", mode="before")
+    @classmethod
+    def _session_weights(cls, value: Any) -> Any:
+        if not isinstance(value, dict):
+            return value  # pydantic says what it expected
+        for session, weight in value.items():
+            if isinstance(weight, bool) or not isinstance(weight, int | float) or not 0 < weight < float("inf"):
+                raise ValueError(
+                    f"session {session!r} has weight {weight!r}; a weight is a positive number (its share of a "
+                    'short model capacity; default 1), e.g. {"s-important": 3}'
+                )
+        return value
+
     @model_validator(mode="after")
     def _script_exists(self) -> Settings:
         if self.script is not None and not self.script.is_file():
@@ -247,6 +297,40 @@ class Settings(BaseSettings):
         return self.redis_url
 
 
+def check_model_limits(value: Any) -> Any:
+    """FORKQ_MODEL_LIMITS as given, once every glob maps to an object of positive whole limits.
+
+    Raises:
+        ValueError: naming the glob, the key and the fix (pydantic would name only a path).
+    """
+    if not isinstance(value, dict):
+        return value  # pydantic says what it expected (a JSON object)
+    for glob, limits in value.items():
+        if not isinstance(limits, dict):
+            raise ValueError(f"glob {glob!r} maps to {limits!r}; give it an object of limits, e.g. {LIMIT_EXAMPLE}")
+        for key, limit in limits.items():
+            if key not in LIMIT_KEYS:
+                raise ValueError(
+                    f"glob {glob!r} has the unknown key {key!r}; a limit is one of {', '.join(LIMIT_KEYS)}, "
+                    f"e.g. {LIMIT_EXAMPLE}"
+                )
+            if isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0:
+                raise ValueError(
+                    f"glob {glob!r} has {key}={limit!r}; each limit is a positive whole number (leave a key out "
+                    f"for no bound), e.g. {LIMIT_EXAMPLE}"
+                )
+    return value
+
+
+def model_limit(settings: Settings, model: str | None) -> ModelLimit | None:
+    """The limits of `model`: the first FORKQ_MODEL_LIMITS glob it matches, in the object's order (None: unbounded)."""
+    if model:
+        for glob, limit in settings.model_limits.items():
+            if fnmatch.fnmatchcase(model, glob):
+                return limit
+    return None
+
+
 def api_token_entries(tokens: SecretStr | None) -> list[str]:
     """The entries of FORKQ_API_TOKENS: comma-separated, surrounding spaces and empty entries dropped."""
     if tokens is None:
@@ -265,6 +349,21 @@ def load_settings(**overrides: Any) -> Settings:
         return Settings(**overrides)
     except ValidationError as exc:
         raise settings_error(exc) from exc
+    except SettingsError as exc:  # a JSON setting (FORKQ_MODEL_LIMITS, ...) that is not JSON at all
+        raise json_setting_error(exc) from exc
+
+
+def json_setting_error(exc: SettingsError) -> ConfigurationError:
+    """The `ConfigurationError` for a JSON setting pydantic-settings could not parse, naming the variable."""
+    found = re.search(r'field "(\w+)"', str(exc))
+    field = found.group(1) if found else ""
+    name = f"FORKQ_{field.upper()}" if field else "a FORKQ_* variable"
+    info = Settings.model_fields.get(field)
+    what = f" ({info.description.rstrip('.')})" if info is not None and info.description else ""
+    cause = exc.__cause__ or exc
+    return ConfigurationError(
+        f"{name}: not valid JSON ({cause}); set it to JSON{what}, or unset it for its default", field=name, cause=exc
+    )
 
 
 def settings_error(exc: ValidationError) -> ConfigurationError:

@@ -26,6 +26,8 @@ from workers.cli import main
 from workers.history.params import MSG_FORK_TURNS_VALUE
 from workers.history.selection import build_fork_seed
 from workers.history.snapshot import load_parent_snapshot
+from workers.records.parked import AdmissionLimit, ModelWait
+from workers.store.admission import AdmissionStore
 from workers.store.lease import Claim, Leases
 
 INSPECT_KEYS = {
@@ -56,6 +58,29 @@ def test_status_json_shows_the_state(forkq: Run) -> None:
     state = json.loads(out)
     assert code == 0
     assert (state["fork_id"], state["status"], state["attempt"], state["kind"]) == (fork_id, "queued", 0, "fork")
+
+
+def test_status_shows_a_running_forks_wait_for_its_model(forkq: Run, settings: Settings) -> None:
+    fork_id = launch(forkq, "--fork-turns", "1")
+    client = redis.Redis.from_url(settings.redis_url)
+    keys = Keys(settings.namespace)
+    claim = Leases(client, keys, ttl_ms=10_000, retention_s=3600).claim(fork_id, "worker-a")
+    assert isinstance(claim, Claim)
+    wait = ModelWait(model="gpt-4.1", limit=AdmissionLimit.TPM, since_ms=1764900000000)
+    store = AdmissionStore(client, keys, token="host:1:ab", hold_ttl_ms=10_000, alive_ttl_ms=10_000)
+    store.mark_wait(fork_id, claim.epoch, claim.owner, wait, step=1)
+
+    _, text, _ = forkq("status", fork_id)
+    code, out, _ = forkq("status", fork_id, "--json")
+
+    assert code == 0
+    assert "waiting for model gpt-4.1: its tpm limit (FORKQ_MODEL_LIMITS)" in text
+    assert json.loads(out)["waiting_for"] == {
+        "kind": "model",
+        "model": "gpt-4.1",
+        "limit": "tpm",
+        "since_ms": 1764900000000,
+    }
 
 
 def test_result_wait_json_prints_fork_id_status_output_and_usage(forkq: Run, live_worker: WorkController) -> None:

@@ -258,12 +258,14 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def _print_wait(fork_id: str, wait: WaitingFor | None, file: Any = None) -> None:
-    """What a parked fork waits for, in the CLI's words: the command that ends the wait."""
-    from workers.records.parked import ResumeWait  # loaded already: the state was read
+    """What a fork waits for, in the CLI's words: the command that ends a parked fork's wait, or its model's."""
+    from workers.records.parked import ModelWait, ResumeWait  # loaded already: the state was read
 
     if wait is None:
         return
-    if isinstance(wait, ResumeWait):
+    if isinstance(wait, ModelWait):
+        print(f"  waiting for model {wait.model}: its {wait.limit.value} limit (FORKQ_MODEL_LIMITS)", file=file)
+    elif isinstance(wait, ResumeWait):
         print(f"  waiting for resume: {wait.reason}; once that is fixed, `forkq resume {fork_id}`", file=file)
     else:
         names = ", ".join(f"{c.call_id} ({c.name})" for c in wait.calls)

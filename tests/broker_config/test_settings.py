@@ -12,7 +12,15 @@ from celery import Celery
 from celery.worker import WorkController
 from pydantic import ValidationError
 
-from broker_config.settings import Settings, is_sentinel_url, load_settings, redact_url, sentinel_nodes
+from broker_config.settings import (
+    ModelLimit,
+    Settings,
+    is_sentinel_url,
+    load_settings,
+    model_limit,
+    redact_url,
+    sentinel_nodes,
+)
 from workers.app import make_app
 from workers.client import ForkClient
 from workers.demo.redis_server import RedisServer
@@ -298,3 +306,56 @@ def test_load_settings_overrides_win_over_the_environment(monkeypatch: pytest.Mo
 
     assert load_settings(queue="given").queue == "given"
     assert load_settings().queue == "from-env"
+
+
+def test_model_limits_are_read_as_globs_of_limits_and_the_first_matching_glob_wins(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert model_limit(Settings(), "gpt-5") is None  # unset: no model is admitted
+    limits = '{"gpt-4.1*": {"concurrency": 5, "tpm": 1000}, "gpt-*": {"rpm": 60}, "*": {}}'
+    monkeypatch.setenv("FORKQ_MODEL_LIMITS", limits)
+    monkeypatch.setenv("FORKQ_SESSION_WEIGHTS", '{"s-urgent": 3, "s-slow": 0.5}')
+
+    settings = load_settings()
+
+    assert model_limit(settings, "gpt-4.1-mini") == ModelLimit(concurrency=5, tpm=1000)
+    assert model_limit(settings, "gpt-5") == ModelLimit(rpm=60)
+    assert model_limit(settings, "gemini-2.5-pro") == ModelLimit()
+    assert model_limit(settings, None) is None
+    assert settings.session_weights == {"s-urgent": 3, "s-slow": 0.5}
+
+
+@pytest.mark.parametrize(
+    ("value", "named"),
+    [
+        ('{"gpt-*": {"concurency": 5}}', "glob 'gpt-*' has the unknown key 'concurency'"),
+        ('{"gpt-*": {"rpm": -1}}', "glob 'gpt-*' has rpm=-1"),
+        ('{"gpt-*": {"tpm": 0}}', "glob 'gpt-*' has tpm=0"),
+        ('{"gpt-*": {"concurrency": 2.5}}', "glob 'gpt-*' has concurrency=2.5"),
+        ('{"gpt-*": {"concurrency": true}}', "glob 'gpt-*' has concurrency=True"),
+        ('{"gpt-*": 5}', "glob 'gpt-*' maps to 5"),
+    ],
+)
+def test_a_bad_model_limit_names_the_glob_the_key_and_the_fix(value: str, named: str) -> None:
+    error = configuration_error(FORKQ_MODEL_LIMITS=value)
+
+    assert error.field == "FORKQ_MODEL_LIMITS"
+    assert str(error).startswith("FORKQ_MODEL_LIMITS: ") and named in str(error)
+    assert (
+        "positive whole number" in str(error)
+        or "a limit is one of concurrency, rpm, tpm" in str(error)
+        or ("object of limits" in str(error))
+    )
+
+
+def test_a_session_weight_must_be_a_positive_number() -> None:
+    error = configuration_error(FORKQ_SESSION_WEIGHTS='{"s-1": 0}')
+
+    assert error.field == "FORKQ_SESSION_WEIGHTS" and "session 's-1' has weight 0" in str(error)
+
+
+@pytest.mark.parametrize("name", ["FORKQ_MODEL_LIMITS", "FORKQ_SESSION_WEIGHTS", "FORKQ_PROVIDER_ROUTES"])
+def test_a_json_setting_that_is_not_json_names_the_variable(name: str) -> None:
+    error = configuration_error(**{name: "{gpt-*: 5}"})
+
+    assert error.field == name and str(error).startswith(f"{name}: not valid JSON (")

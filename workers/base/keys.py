@@ -11,7 +11,8 @@ Each key: type; content; TTL; writer → readers.
   retention; client.launch → worker, inspect.
 - `{ns}:{<fork_id>}:state`: hash; `ForkState` (status, attempt, epoch, owner, times incl.
   `first_started_ms`, error, `pending`: JSON of the calls an `awaiting_approval` fork is parked on,
-  `waiting`: why a `paused` fork waits, `parked_ms`),
+  `waiting`: why a `paused` fork waits, `parked_ms`, `model_wait`: JSON of a running fork's wait for its
+  model's admission, cleared when admitted and by the next claim),
   and for the worker's retried writes `released_by` (owner token of the run that last gave the lease
   up: finish, release, park), `emitted` (mark of the running run's last checkpoint) and `retaken`
   (how often a run took back its lease after it lapsed in a Redis outage, never revived);
@@ -77,12 +78,37 @@ Each key: type; content; TTL; writer → readers.
 - `{ns}:{ws:<scope>}:manifest:<digest>`: string; canonical msgpack manifest of a workspace (path, mode, size,
   digest per file), named by its SHA-256 and named in turn by a snapshot fork's bootstrap record; retention as
   blobs; launch, `forkq serve` → worker, changes, apply, inspect.
+- `{ns}:{adm:<model>}:…`: model admission (`workers.store.admission`, docs/capacity.md), per model name (one
+  with braces, spaces, `|` or over 200 characters goes by `h-` and the BLAKE2b-64 hex of its name); no TTL: each
+  key empties (and so vanishes) once its model's calls are over, but `…:cooldown`, which expires with its latest
+  cooldown; worker → worker:
+  - `…:holds`: sorted set; one member per admitted call in flight (`<presence token>|<fork id>|<n>`, its waiter
+    id), scored by its expiry (Redis ms, the lease TTL ahead), renewed by its process's coordinator every
+    heartbeat; removed when the call ends, when it expires (a silent worker), or by the sweeper when the holding
+    process's connection is gone (a dead worker).
+  - `…:queue`: sorted set; waiting calls (waiter ids) scored by their virtual start tag (fair queuing across
+    parent sessions); granted in score order.
+  - `…:waiters`: hash; waiter id → JSON `{s: parent session, t: token estimate, e: endpoint}` of a queued call.
+  - `…:tags`: hash; parent session → the virtual finish tag of its last queued call; `_v` the virtual clock
+    (the start tag of the last grant).
+  - `…:log`: sorted set; calls admitted in the last 60 s (waiter ids), scored by admission time (Redis ms): `rpm`
+    counts them (kept, with `…:tokens`, only for a model with an `rpm` or `tpm` limit).
+  - `…:tokens`: hash; admitted call → its tokens (the estimate, settled to the reported usage), `_sum` the total
+    of the calls in `…:log`: `tpm` reads it.
+  - `…:cooldown`: hash; provider endpoint (base URL) → Redis ms until which no call to it for this model may go
+    out (set from a 429 or 503 with `Retry-After`).
+  - `…:granted`: hash; presence token → newline-separated waiter ids of that process granted since its last look.
+- `{ns}:admission:alive`: hash; presence token → Redis ms until which its process's waiters count as alive
+  (renewed by each of its coordinator's looks); none; worker → worker (a waiter of a lapsed process is dropped).
+- `{ns}:admission:models`: set; models whose admission keys exist (so the sweeper finds a dead process's holds);
+  none; worker → sweeper.
 
 `retention` is `FORKQ_RECORD_TTL_S`, set at launch and renewed when a fork finishes.
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass
 from typing import Final
@@ -92,6 +118,8 @@ FORK_ID_RE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 # path against this pattern): named, so the pattern means the same wherever it is checked
 SESSION_RE: Final = re.compile(r"[^{}\s\x1c-\x1f]{1,200}")
 HEX_DIGEST_RE: Final = re.compile(r"[0-9a-f]{64}")
+MODEL_RE: Final = re.compile(r"[^{}\s|]{1,200}")  # a model name used as it is in admission keys
+ADMISSION_PARTS: Final = ("holds", "queue", "waiters", "tags", "log", "tokens", "cooldown", "granted")
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,6 +225,21 @@ class Keys:
         if not HEX_DIGEST_RE.fullmatch(digest_hex):
             raise ValueError(f"idempotency digest {digest_hex!r} must be 64 lowercase hex digits (a SHA-256)")
         return f"{self.namespace}:idempotency:{digest_hex}"
+
+    def admission(self, model: str) -> tuple[str, ...]:
+        """One model's admission keys, in `ADMISSION_PARTS` order."""
+        tag = model if MODEL_RE.fullmatch(model) else "h-" + hashlib.blake2b(model.encode(), digest_size=8).hexdigest()
+        return tuple(f"{self.namespace}:{{adm:{tag}}}:{part}" for part in ADMISSION_PARTS)
+
+    @property
+    def admission_alive(self) -> str:
+        """Worker processes with waiting calls → until when they count as alive."""
+        return f"{self.namespace}:admission:alive"
+
+    @property
+    def admission_models(self) -> str:
+        """Models whose admission keys exist."""
+        return f"{self.namespace}:admission:models"
 
 
 def _check_scope(scope: str) -> None:

@@ -64,7 +64,7 @@ class GeminiProvider:
         self._client = genai.Client(vertexai=False, api_key=api_key, http_options=options)
         self._secret = api_key
         self._timeout_s = timeout_s
-        self._base_url = base_url
+        self._base_url = self.endpoint = base_url  # the endpoint: the scope of a shared cooldown (with the model)
         self.retry = retry
         self.schemas = SchemaModes()  # the models that refused `responseJsonSchema`
 
@@ -99,6 +99,7 @@ class GeminiProvider:
             classify=self._classify,
             secrets=(self._secret,),
             fork_id=request.fork_id,
+            endpoint=self.endpoint,
         )
         return from_response(response, model=model, fork_id=request.fork_id)
 

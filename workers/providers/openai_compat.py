@@ -96,6 +96,7 @@ class OpenAICompatProvider:
     ) -> None:
         # max_retries=0: our retry loop is the only one, so attempts and delays are what settings say
         self._client = openai.OpenAI(api_key=api_key, base_url=base_url, timeout=timeout_s, max_retries=0)
+        self.endpoint = base_url  # the scope of a shared cooldown (with the model)
         self._secret = api_key
         self._timeout_s = timeout_s
         self.retry = retry
@@ -131,6 +132,7 @@ class OpenAICompatProvider:
             classify=self._classify,
             secrets=(self._secret,),
             fork_id=request.fork_id,
+            endpoint=self.endpoint,
         )
         if not isinstance(completion, ChatCompletion) or not completion.choices:
             raise ProviderError(

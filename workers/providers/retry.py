@@ -3,6 +3,9 @@
 The adapters turn off their SDK's own retries and call `call_with_retries`, handing it a `classify`
 function that maps an SDK exception to a `Failure` (retryable or not, HTTP status, server-requested
 delay). Anything `classify` does not recognise is a bug, not a provider failure, and propagates.
+
+A `Pacer` (cluster-wide admission, `workers.service.admission`) makes the attempts of every worker share one
+cooldown per endpoint and model: every attempt waits for it first, and a 429 or 503 with `Retry-After` starts it.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import random
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Final, Protocol, TypeVar
 
 from workers.errors import ProviderError
 
@@ -24,6 +27,19 @@ T = TypeVar("T")
 # 408 request timeout, 409 conflict (OpenAI's lock contention), 429 rate limit; every 5xx is transient too
 RETRYABLE_STATUSES = frozenset({408, 409, 429})
 _DETAIL_MAX_CHARS = 300
+COOLDOWN_STATUSES: Final = frozenset({429, 503})  # with Retry-After: the endpoint asks every caller to hold off
+
+
+class Pacer(Protocol):
+    """A cooldown shared with every other caller of an endpoint and model."""
+
+    def wait(self, endpoint: str, model: str, attempt: int) -> None:
+        """Block until attempt `attempt` (1-based) of a call to `model` at `endpoint` may go out."""
+        ...
+
+    def throttled(self, endpoint: str, model: str, retry_after_s: float) -> None:
+        """`endpoint` answered 429 or 503 asking callers of `model` to wait `retry_after_s`."""
+        ...
 
 
 def is_retryable_status(status: int) -> bool:
@@ -49,6 +65,7 @@ class RetryPolicy:
     base_delay_s: float = 1.0
     max_delay_s: float = 60.0
     max_retry_after_s: float = 300.0  # a server asking for longer than this gets this
+    pacer: Pacer | None = field(default=None, compare=False)  # a cooldown shared cluster-wide (None: this call's own)
     sleep: Callable[[float], None] = field(default=time.sleep, compare=False)
     uniform: Callable[[], float] = field(default=random.random, compare=False)  # in [0, 1)
 
@@ -103,8 +120,11 @@ def call_with_retries(
     classify: Callable[[Exception], Failure | None],
     secrets: Iterable[str] = (),
     fork_id: str | None = None,
+    endpoint: str = "",
 ) -> T:
-    """Run `call` until it succeeds, fails for good, or `policy.max_attempts` attempts are spent.
+    """Run `call` until it succeeds, fails for good, or `policy.max_attempts` attempts are spent; each attempt
+    waits first for the shared cooldown of `endpoint` and `model` (`policy.pacer`), and a 429 or 503 with
+    `Retry-After` starts it.
 
     Raises:
         ProviderError: a non-retryable failure, or the last retryable one; names provider, model,
@@ -114,12 +134,16 @@ def call_with_retries(
     attempt = 0
     while True:
         attempt += 1
+        if policy.pacer is not None:
+            policy.pacer.wait(endpoint, model, attempt)
         try:
             return call()
         except Exception as exc:
             failure = classify(exc)
             if failure is None:
                 raise
+            if policy.pacer is not None and failure.status in COOLDOWN_STATUSES and failure.retry_after_s:
+                policy.pacer.throttled(endpoint, model, min(failure.retry_after_s, policy.max_retry_after_s))
             detail = scrub(failure.detail, secrets)
             if not failure.retryable or attempt >= policy.max_attempts:
                 error = _terminal_error(provider, model, failure, detail=detail, attempts=attempt, fork_id=fork_id)

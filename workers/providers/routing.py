@@ -21,7 +21,7 @@ from pydantic import SecretStr
 from broker_config.settings import Settings
 from workers.errors import ConfigurationError
 from workers.providers import ModelProvider, ModelRequest, ModelResponse
-from workers.providers.retry import RetryPolicy
+from workers.providers.retry import Pacer, RetryPolicy
 from workers.providers.scripted import ScriptedProvider, load_script
 
 ProviderKind = Literal["scripted", "openai", "gemini"]
@@ -76,12 +76,14 @@ def make_provider(settings: Settings, model_name: str | None) -> ModelProvider:
     return build_provider(settings, provider_kind(settings, model_name))
 
 
-def build_provider(settings: Settings, kind: ProviderKind) -> ModelProvider:
-    """A new provider of `kind`, configured from `settings` (imports each SDK only when it is used)."""
+def build_provider(settings: Settings, kind: ProviderKind, pacer: Pacer | None = None) -> ModelProvider:
+    """A new provider of `kind`, configured from `settings` (imports each SDK only when it is used); its attempts
+    wait for `pacer`'s shared cooldowns."""
     policy = RetryPolicy(
         max_attempts=settings.provider_max_attempts,
         base_delay_s=settings.provider_retry_base_s,
         max_delay_s=settings.provider_retry_max_s,
+        pacer=pacer,
     )
     if kind == "openai":
         from workers.providers.openai_compat import OpenAICompatProvider  # noqa: PLC0415  (SDK import is slow)
@@ -103,6 +105,16 @@ def build_provider(settings: Settings, kind: ProviderKind) -> ModelProvider:
             retry=policy,
         )
     return ScriptedProvider(load_script(settings.script) if settings.script else None)
+
+
+def endpoint_of(settings: Settings, model_name: str | None) -> str:
+    """The endpoint (base URL) the provider of `model_name` calls: with the model, a shared cooldown's scope.
+
+    Raises:
+        ConfigurationError: no provider serves the model (`provider_kind`).
+    """
+    kind = provider_kind(settings, model_name)
+    return {"openai": settings.openai_base_url, "gemini": settings.gemini_base_url}.get(kind, kind)
 
 
 def _key(secret: SecretStr | None, provider: str) -> str:

@@ -23,6 +23,7 @@ and an event read back goes out (SSE, `forkq events --json`) as it was stored.
 | `resumed` | resume (Lua) | `ResumedData` |
 | `released` | release, or finish continuing the fork (Lua) | `ReasonData` |
 | `revived` | the sweeper (Lua) | `RevivedData` |
+| `model_wait` | a model call's admission, when it must wait (FORKQ_MODEL_LIMITS) | `ModelWaitData` |
 | `finished` | finish, cancel and revive (Lua): the last event | `FinishedData` |
 
 `ForkEvent` is the union of these, the one the API documents. An event this version cannot read as one
@@ -42,7 +43,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from typing_extensions import TypeAliasType
 
 from workers.records.fork import Status, Usage
-from workers.records.parked import ParkedCall
+from workers.records.parked import AdmissionLimit, ParkedCall
 
 log = logging.getLogger("forkq.events")
 
@@ -221,6 +222,14 @@ class RevivedData(EventData):
     via: Literal["connection", "lease"] = "lease"
 
 
+class ModelWaitData(EventData):
+    """A model call waits for admission: the step of the call (1-based, as `model_call`), the model, what holds it."""
+
+    step: int
+    model: str
+    limit: AdmissionLimit
+
+
 class FinishedData(EventData):
     """The fork ended: its status, its error and (except for a fork failed by the sweeper) its usage."""
 
@@ -330,6 +339,13 @@ class RevivedEvent(Event):
     data: RevivedData
 
 
+class ModelWaitEvent(Event):
+    """`model_wait`: a model call waits for its model's admission (a slot, a rate window or a cooldown)."""
+
+    type: Literal["model_wait"] = "model_wait"
+    data: ModelWaitData
+
+
 class FinishedEvent(Event):
     """`finished`: the fork ended; its last event."""
 
@@ -355,6 +371,7 @@ ForkEvent = TypeAliasType(
             ResumedEvent,
             ReleasedEvent,
             RevivedEvent,
+            ModelWaitEvent,
             FinishedEvent,
         ],
         Field(discriminator="type", description="One event of a fork: its type's model, tagged by `type`."),

@@ -19,7 +19,7 @@ from workers.history.params import ApprovalPolicy
 from workers.history.selection import ForkSeed
 from workers.history.snapshot import ApprovalMode
 from workers.records.allocation import fills_its_class
-from workers.records.parked import ParkedCall, WaitingFor, decode_parked, read_wait
+from workers.records.parked import ParkedCall, WaitingFor, decode_parked, read_model_wait, read_wait
 from workers.workspace.ref import WorkspaceRef
 
 SCHEMA_VERSION: Final = 1
@@ -298,7 +298,8 @@ class ForkState(BaseModel):
     finished_ms: int | None = None
     error: str | None = None  # the last error (never why a parked fork waits: `waiting_for` says that)
     pending_approval: list[ParkedCall] = Field(default_factory=list)  # awaiting_approval: the parked calls
-    waiting_for: WaitingFor | None = None  # a parked fork's wait: a person's decision on calls, or a resume
+    # a parked fork's wait (a person's decision on calls, or a resume), or a running fork's wait for its model
+    waiting_for: WaitingFor | None = None
 
     @classmethod
     def from_hash(cls, fork_id: str, fields: dict[str, str]) -> ForkState:
@@ -332,7 +333,9 @@ class ForkState(BaseModel):
 
 
 def _waiting(status: Status, pending: list[ParkedCall], fields: dict[str, str]) -> tuple[WaitingFor | None, str | None]:
-    """A state's wait (None unless it is parked) and its error (`read_wait`)."""
+    """A state's wait (a running fork's admission wait, or a parked fork's `read_wait`) and its error."""
+    if status is Status.RUNNING:
+        return read_model_wait(fields), fields.get("error") or None
     if not status.parked:
         return None, fields.get("error") or None
     return read_wait(pending if status is Status.AWAITING_APPROVAL else None, fields)

@@ -8,6 +8,7 @@ A paused fork's reason is the state's `waiting` field (states written before it 
 
 from __future__ import annotations
 
+import enum
 import json
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Literal
@@ -60,8 +61,45 @@ class ResumeWait(BaseModel):
     reason: str
 
 
-# what a parked fork waits for, by `kind`
-WaitingFor = Annotated[ApprovalWait | ResumeWait, Field(discriminator="kind")]
+class AdmissionLimit(enum.StrEnum):
+    """What keeps a model call waiting for admission (FORKQ_MODEL_LIMITS, docs/capacity.md)."""
+
+    CONCURRENCY = "concurrency"  # the model's calls in flight, cluster-wide
+    RPM = "rpm"  # calls admitted in the last 60 s
+    TPM = "tpm"  # tokens of the calls admitted in the last 60 s
+    COOLDOWN = "cooldown"  # the endpoint answered 429 or 503 with Retry-After: every call waits it out
+
+
+class ModelWait(BaseModel):
+    """A running fork's model call waits for admission to `model`, held by `limit`, since `since_ms` (Redis ms)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    kind: Literal["model"] = "model"
+    model: str
+    limit: AdmissionLimit
+    since_ms: int
+
+    def stored(self) -> str:
+        """The state's `model_wait` field."""
+        return self.model_dump_json(exclude={"kind"})
+
+
+# what a fork waits for, by `kind`: a parked fork on a person (approval) or an operator (resume), a running one
+# on its model's admission
+WaitingFor = Annotated[ApprovalWait | ResumeWait | ModelWait, Field(discriminator="kind")]
+
+
+def read_model_wait(fields: Mapping[str, str]) -> ModelWait | None:
+    """A running fork's admission wait (its state's `model_wait` field), or None (none, or unreadable: a wait is
+    shown, never a reason to fail a read)."""
+    text = fields.get("model_wait")
+    if not text:
+        return None
+    try:
+        return ModelWait.model_validate_json(text)
+    except ValueError:
+        return None
 
 
 def approval_wait(calls: Sequence[ParkedCall]) -> ApprovalWait:

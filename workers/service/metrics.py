@@ -42,6 +42,9 @@ SWEEP_OUTCOMES: Final = ("revive", "requeue", "failed")
 # model calls and steps take seconds (tens with long outputs or retries); attempts are few
 LATENCY_BUCKETS: Final = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
 ATTEMPT_BUCKETS: Final = (1.0, 2.0, 3.0, 4.0, 5.0, 10.0)
+# a wait for admission: a handoff takes a tick (25 ms), a slot a call's length, a rate window up to a minute
+WAIT_BUCKETS: Final = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+MODEL_LABELS: Final = 64  # distinct model labels of the admission metrics; later models count as `other`
 
 
 class AbandonedToolCalls(Collector):
@@ -156,12 +159,45 @@ class Metrics:
             "Input tokens the provider read from its prompt cache (part of the input tokens; where it reports them).",
             registry=registry,
         )
+        self._admission_metrics(registry)
         self.tool_calls = Counter(
             "forkq_tool_calls",
             "Tool calls answered, by tool (unknown names: other) and outcome (ok, error).",
             ["tool", "outcome"],
             registry=registry,
         )
+
+    def _admission_metrics(self, registry: CollectorRegistry) -> None:
+        """Model admission's metrics (FORKQ_MODEL_LIMITS), by model."""
+        self._models: set[str] = set()
+        self.model_waiting = Gauge(
+            "forkq_model_waiting",
+            "Model calls of this process waiting for admission, by model.",
+            ["model"],
+            registry=registry,
+        )
+        self.model_wait_seconds = Histogram(
+            "forkq_model_wait_seconds",
+            "Time a model call waited for admission (calls admitted at once count 0), by model.",
+            ["model"],
+            buckets=WAIT_BUCKETS,
+            registry=registry,
+        )
+        self.model_cooldowns = Counter(
+            "forkq_model_cooldowns",
+            "429 or 503 answers with Retry-After that started a cooldown shared by every worker, by model.",
+            ["model"],
+            registry=registry,
+        )
+
+    def model_label(self, model: str) -> str:
+        """`model` as a label: the first MODEL_LABELS models by name, later ones `other` (labels stay bounded)."""
+        if model in self._models:
+            return model
+        if len(self._models) < MODEL_LABELS:
+            self._models.add(model)
+            return model
+        return OTHER_TOOL
 
     def _zero_labels(self) -> None:
         """Export every fixed label value at 0, so rates and alerts work before the first event."""

@@ -20,16 +20,18 @@ from workers.history.selection import ForkSeed
 from workers.loop.child import STOP_REASONS, ChildLoop, Parked, PrimedCall, Spawner, Stopped, StopReason
 from workers.loop.guard import UNGUARDED, CallGuard
 from workers.providers import ModelProvider
-from workers.providers.routing import ProviderRouter
+from workers.providers.routing import ProviderRouter, build_provider, endpoint_of
 from workers.records.conversation import is_final_answer, recorded_surface
 from workers.records.events import Event
 from workers.records.fork import BootstrapRecord, ChunkCache, Declarations, ForkResult, Status
 from workers.records.journal import EntryKind, JournalEntry, RequestDigests
+from workers.service.admission import Admission, AdmissionGuard, SharedCooldown
 from workers.service.job import FirstStep, RunForkJob, executable, first_step, load_inputs
 from workers.service.metrics import Metrics
 from workers.service.outcome import ENDED, STOPPED, Outcome, RunOutcome, stop_reason
 from workers.service.progress import Progress, RunObserver
 from workers.service.spawn import SubagentSpawner
+from workers.store.admission import AdmissionStore
 from workers.store.blobs import BlobStore
 from workers.store.forks import ForkStore
 from workers.store.lease import Claim, LeaseKeeper, Leases, revival_grace_s, ride_out
@@ -163,8 +165,22 @@ class WorkerRuntime:
 
     @cached_property
     def provider(self) -> ModelProvider:
-        """The model provider forks of this worker use: a router choosing one per request by model name."""
-        return ProviderRouter(self.settings)
+        """The model provider forks of this worker use: a router choosing one per request by model name (whose
+        attempts share each limited model's cooldown with every worker, when FORKQ_MODEL_LIMITS is set)."""
+        if self.admission is None:
+            return ProviderRouter(self.settings)
+        pacer = SharedCooldown(self.admission)
+        return ProviderRouter(self.settings, build=lambda settings, kind: build_provider(settings, kind, pacer))
+
+    @cached_property
+    def admission(self) -> Admission | None:
+        """Cluster-wide admission of model calls (None without FORKQ_MODEL_LIMITS: no cost at all)."""
+        if not self.settings.model_limits:
+            return None
+        ttl_ms = int(self.settings.lease_ttl_s * 1000)  # silent this long, a worker's forks are revived: its slots too
+        keys = Keys(self.settings.namespace)
+        store = AdmissionStore(self.redis, keys, token=self.presence_token, hold_ttl_ms=ttl_ms, alive_ttl_ms=ttl_ms)
+        return Admission(store, self.settings, self.metrics, lambda model: endpoint_of(self.settings, model))
 
     @cached_property
     def spawner(self) -> SubagentSpawner | None:
@@ -221,6 +237,10 @@ class FencedChannel:
     def _take_events(self) -> list[Event]:
         events, self.pending_events = self.pending_events, []
         return events
+
+    def stop_if_asked(self) -> None:
+        """Raise `Stopped` when the fork must stop: cancelled, lost, or its worker stops."""
+        self._stop_if_asked()
 
     def _stop_if_asked(self) -> None:
         if self.lost.is_set():  # the heartbeat found the lease gone, or the fork no longer running: which?
@@ -390,9 +410,19 @@ def _run_claimed(
     return _run_loop(runtime, job, claim, lost, run)
 
 
-def _guard(runtime: WorkerRuntime, job: RunForkJob, claim: Claim) -> CallGuard:
+def _guard(runtime: WorkerRuntime, job: RunForkJob, claim: Claim, run: Prepared) -> CallGuard:
     """What stands before each of the fork's model calls: its budgets, then its model's admission."""
-    return UNGUARDED
+    admission = runtime.admission
+    if admission is None or admission.limit_of(run.record.model) is None:
+        return UNGUARDED
+    return AdmissionGuard(
+        admission,
+        fork_id=job.fork_id,
+        session=run.record.parent_session,
+        epoch=claim.epoch,
+        owner=claim.owner,
+        stop_if_asked=run.channel.stop_if_asked,
+    )
 
 
 def _prepare(
@@ -450,7 +480,7 @@ def _run_loop(runtime: WorkerRuntime, job: RunForkJob, claim: Claim, lost: threa
         digests=runtime.digests,
         primed=run.primed,
         workspace=workspace,
-        guard=_guard(runtime, job, claim),
+        guard=_guard(runtime, job, claim, run),
     )
     try:
         result = _run_in(loop, workspace)

@@ -3,7 +3,8 @@ after max attempts).
 
 A worker process that dies closes its Redis connections at once: the sweeper looks at the workers'
 connections every `presence_s` (`workers.store.presence`) and revives a dead worker's forks within
-about a second, without waiting for their leases. A worker that is alive but silent keeps its
+about a second, without waiting for their leases, and frees the model admission slots it held
+(`workers.store.admission`; a silent worker's slots expire with its leases). A worker that is alive but silent keeps its
 connection; its forks are revived when their leases expire, as below.
 
 Any number of sweepers may run: the revive transition is one Lua script per fork, so each expired
@@ -60,6 +61,8 @@ class Sweeper:
     failed: Callable[[str, int], None] | None = None  # a fork failed worker_lost: (fork id, its last attempt)
     presence: PresenceWatch | None = None  # the workers' connections (`sweep_dead`); None: leases only
     presence_s: float = 0.0  # how often `run` looks at them
+    # frees a dead worker process's model admission holds (`AdmissionStore.release_owner`): as fast as its forks
+    release_holds: Callable[[str], int] | None = None
 
     def sweep_once(self) -> Counter[str]:
         """One pass over expired leases; counts outcomes (`revive`, `requeue`, `failed`, `alive`, ...).
@@ -109,6 +112,10 @@ class Sweeper:
                     fork_id, max_attempts=self.max_attempts, grace_ms=grace_ms, dead_owner=owner
                 )
                 self._settle(fork_id, outcome, outcomes, "worker connection gone")
+            if self.release_holds is not None:
+                freed = self.release_holds(token)
+                if freed:
+                    log.warning("worker %s: freed its %d model admission slots", token, freed)
             self.presence.forget(token, cid)
         return outcomes
 

@@ -32,6 +32,7 @@ from workers.service.outcome import Outcome, RunOutcome
 from workers.service.progress import Progress
 from workers.service.runner import WorkerRuntime, run_fork_job
 from workers.service.sweeper import Sweeper
+from workers.store.admission import AdmissionStore
 from workers.store.lease import Claim
 from workers.store.presence import PresenceWatch
 
@@ -48,6 +49,10 @@ def enqueue_again(app: Celery, runtime: WorkerRuntime, fork_id: str, digest: str
 def make_sweeper(app: Celery, runtime: WorkerRuntime) -> Sweeper:
     """A sweeper over the runtime's Redis that re-enqueues through `app`."""
     settings = runtime.settings
+    ttl_ms = int(settings.lease_ttl_s * 1000)
+    admission = AdmissionStore(
+        runtime.redis, Keys(settings.namespace), token=runtime.presence_token, hold_ttl_ms=ttl_ms, alive_ttl_ms=ttl_ms
+    )
     return Sweeper(
         leases=runtime.leases,
         store=runtime.store,
@@ -57,6 +62,7 @@ def make_sweeper(app: Celery, runtime: WorkerRuntime) -> Sweeper:
         enqueue=lambda fid, digest, attempt: enqueue_again(app, runtime, fid, digest, attempt),
         presence=PresenceWatch(runtime.redis, Keys(settings.namespace), grace_s=settings.presence_grace_s),
         presence_s=settings.presence_check_s,
+        release_holds=admission.release_owner,
         failed=lambda fid, attempt: send_ended_event(
             app,
             "task-lost",

@@ -101,6 +101,7 @@ else
   attempt = redis.call('HINCRBY', KEYS[1], 'attempt', 1)
   redis.call('HSET', KEYS[1], 'status', RUNNING, 'owner', ARGV[1], 'started_ms', now)
   redis.call('HSETNX', KEYS[1], 'first_started_ms', now)
+  redis.call('HDEL', KEYS[1], 'model_wait')  -- a wait for admission of a lost run is over
   redis.call('ZADD', KEYS[4], now + tonumber(ARGV[2]), ARGV[3])
   redis.call('XADD', KEYS[3], 'MAXLEN', '~', @MAXLEN@, '*', 'type', 'started', 'data',
              cjson.encode({owner = ARGV[1], attempt = attempt, epoch = epoch}))

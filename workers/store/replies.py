@@ -14,6 +14,7 @@ from typing import Final, TypeVar
 
 from workers.errors import RecordDecodeError
 from workers.records.fork import Status
+from workers.records.parked import AdmissionLimit
 
 E = TypeVar("E", bound=enum.StrEnum)
 
@@ -87,6 +88,13 @@ class Decision(enum.StrEnum):
         return cls.QUEUED if status is Status.QUEUED else cls.RECORDED
 
 
+class Admitted(enum.StrEnum):
+    """What an admission script did with a model call (`workers.store.admission`)."""
+
+    GRANTED = "granted"  # the call may go out now
+    LATER = "later"  # queued: its process learns of the grant later
+
+
 FencedReply = Written | Refused | Status
 RevivalReply = Revival | Refused | Status
 
@@ -156,4 +164,6 @@ LUA_WORDS: Final[tuple[type[enum.StrEnum], ...]] = (
     Revival,
     SendReply,
     Decision,
+    Admitted,
+    AdmissionLimit,
 )

@@ -365,7 +365,7 @@
     renderPending(track, wait && wait.kind === "approval" ? state.pending_approval || [] : []);
   }
 
-  // what a parked fork waits for (its state's `waiting_for`), in the page's words: never under "Error"
+  // what a fork waits for (its state's `waiting_for`), in the page's words: never under "Error"
   function renderWaiting(forkId, wait) {
     const shown = $("fork-waiting");
     shown.hidden = wait === null;
@@ -373,6 +373,9 @@
     if (wait.kind === "approval") {
       const calls = wait.calls.map((call) => call.name + " (" + call.call_id + ")").join(", ");
       return (shown.textContent = "Waiting for your approval of " + calls + ": approve or deny below.");
+    }
+    if (wait.kind === "model") {
+      return (shown.textContent = "Waiting for model " + wait.model + ": its " + wait.limit + " limit (FORKQ_MODEL_LIMITS).");
     }
     shown.textContent = "Paused: " + wait.reason + ". Once that is fixed, resume it (forkq resume " + forkId + ").";
   }
