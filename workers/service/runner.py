@@ -17,20 +17,23 @@ from workers.base.keys import Keys
 from workers.base.limits import INBOX_DELIVERY_BATCH
 from workers.errors import ForkNotFound, ForkqError, LeaseLost, RecordIntegrityError
 from workers.history.selection import ForkSeed
+from workers.loop.budget import BudgetReached
 from workers.loop.child import STOP_REASONS, ChildLoop, Parked, PrimedCall, Spawner, Stopped, StopReason
-from workers.loop.guard import UNGUARDED, CallGuard
+from workers.loop.guard import CallGuard
 from workers.providers import ModelProvider
 from workers.providers.routing import ProviderRouter
 from workers.records.conversation import is_final_answer, recorded_surface
 from workers.records.events import Event
 from workers.records.fork import BootstrapRecord, ChunkCache, Declarations, ForkResult, Status
 from workers.records.journal import EntryKind, JournalEntry, RequestDigests
+from workers.service.budget import budget_guard, park_at_budget
 from workers.service.job import FirstStep, RunForkJob, executable, first_step, load_inputs
 from workers.service.metrics import Metrics
 from workers.service.outcome import ENDED, STOPPED, Outcome, RunOutcome, stop_reason
 from workers.service.progress import Progress, RunObserver
 from workers.service.spawn import SubagentSpawner
 from workers.store.blobs import BlobStore
+from workers.store.budget import BudgetStore
 from workers.store.forks import ForkStore
 from workers.store.lease import Claim, LeaseKeeper, Leases, revival_grace_s, ride_out
 from workers.store.presence import Presence, owner_token, presence_token
@@ -106,6 +109,11 @@ class WorkerRuntime:
             ttl_s=self.settings.record_ttl_s,
             chunk_cache=ChunkCache(self.settings.chunk_cache_mb * 1024 * 1024),
         )
+
+    @cached_property
+    def budgets(self) -> BudgetStore:
+        """Session token budgets: read before each model call, charged after it."""
+        return BudgetStore(self.redis, Keys(self.settings.namespace), ttl_s=self.settings.record_ttl_s)
 
     @cached_property
     def leases(self) -> Leases:
@@ -390,9 +398,9 @@ def _run_claimed(
     return _run_loop(runtime, job, claim, lost, run)
 
 
-def _guard(runtime: WorkerRuntime, job: RunForkJob, claim: Claim) -> CallGuard:
+def _guard(runtime: WorkerRuntime, job: RunForkJob, claim: Claim, run: Prepared) -> CallGuard:
     """What stands before each of the fork's model calls: its budgets, then its model's admission."""
-    return UNGUARDED
+    return budget_guard(runtime, run.record, run.entries)
 
 
 def _prepare(
@@ -450,13 +458,16 @@ def _run_loop(runtime: WorkerRuntime, job: RunForkJob, claim: Claim, lost: threa
         digests=runtime.digests,
         primed=run.primed,
         workspace=workspace,
-        guard=_guard(runtime, job, claim),
+        guard=_guard(runtime, job, claim, run),
     )
     try:
         result = _run_in(loop, workspace)
     except Parked as park:  # no worker slot is held while a person decides
         runtime.leases.park(claim, park.calls)
         return Outcome.AWAITING_APPROVAL
+    except BudgetReached as stop:  # before the model call: nothing of the step was spent
+        park_at_budget(runtime, claim, job.digest, stop)
+        return Outcome.PAUSED
     except Stopped as stop:
         return _stopped(runtime, job, claim, stop.reason)
     except (LeaseLost, redis.RedisError):

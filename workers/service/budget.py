@@ -1,0 +1,89 @@
+"""The worker's budget guard: a fork stops before a model call once its `max_tokens` or its session's budget is
+used up, and is parked `paused` (reason `budget_reached`), its journal and workspace kept.
+
+Before each model call the guard compares the fork's used tokens (its journal's fold, then each response's usage
+as it comes: `workers.loop.budget`) with the launch's `max_tokens`, and reads its session's budget (one HMGET).
+After each response it charges the session, once per fork and step (`workers.store.budget`). Forks that run at
+once may each make one call past a session's limit: the check comes before a call, the charge after it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from workers.loop.budget import BudgetKind, BudgetReached, cached_weight, journal_tokens, usage_tokens
+from workers.providers import ModelRequest, TokenUsage
+from workers.records.fork import BootstrapRecord
+from workers.records.journal import JournalEntry
+from workers.records.parked import PauseReason
+from workers.store.budget import BudgetStore
+from workers.store.lease import Claim
+
+if TYPE_CHECKING:
+    from workers.service.runner import WorkerRuntime
+
+log = logging.getLogger("forkq.worker")
+
+
+@dataclass
+class BudgetGuard:
+    """A fork's `CallGuard` for its token budgets: its own `max_tokens`, and its session's."""
+
+    store: BudgetStore
+    fork_id: str
+    session: str
+    max_tokens: int | None
+    weight: float  # of a cached input token of the fork's model
+    used: int  # the fork's tokens so far: its journal's, then each response's as it comes
+
+    def enter(self, request: ModelRequest) -> float:
+        """Stop the fork (`BudgetReached`) when a budget is used up; never waits."""
+        if self.max_tokens is not None and self.used >= self.max_tokens:
+            raise self._reached(BudgetKind.FORK, self.used, self.max_tokens)
+        budget = self.store.read(self.session)
+        if budget.tokens is not None and budget.reached:
+            raise self._reached(BudgetKind.SESSION, budget.used, budget.tokens)
+        return 0.0
+
+    def leave(self, request: ModelRequest, usage: TokenUsage | None) -> None:
+        """Count the response's tokens, and charge them to the session once (by fork and step)."""
+        if usage is None:
+            return
+        tokens = usage_tokens(usage, self.weight)
+        self.used += tokens
+        self.store.charge(self.session, self.fork_id, request.step, tokens)
+
+    def _reached(self, kind: BudgetKind, used: int, limit: int) -> BudgetReached:
+        return BudgetReached(kind, fork_id=self.fork_id, session=self.session, used=used, limit=limit)
+
+
+def budget_guard(runtime: WorkerRuntime, record: BootstrapRecord, entries: list[JournalEntry]) -> BudgetGuard:
+    """The budget guard of a run of `record` whose journal holds `entries`."""
+    weight = cached_weight(runtime.settings, record.model)
+    return BudgetGuard(
+        store=runtime.budgets,
+        fork_id=record.fork_id,
+        session=record.parent_session,
+        max_tokens=record.options.max_tokens,
+        weight=weight,
+        used=journal_tokens(entries, weight),
+    )
+
+
+def park_at_budget(runtime: WorkerRuntime, claim: Claim, digest: str, stop: BudgetReached) -> None:
+    """Park the fork `paused` (`budget_reached`), in its session's budget-paused forks when that budget stopped it.
+
+    A raise of the budget between the check and this pause finds the fork in no set: so the budget is read again
+    after the pause, and a fork no longer over it is resumed here (the raise may resume it too: one of the two
+    takes it out of `paused`, and only that one enqueues it).
+    """
+    session = stop.session if stop.kind is BudgetKind.SESSION else None
+    runtime.leases.pause(claim, PauseReason.BUDGET_REACHED.value, detail=stop.detail(), budget_session=session)
+    log.info("fork %s: paused, %s", claim.fork_id, stop.detail())
+    if session is None or runtime.budgets.read(session).reached:
+        return
+    if runtime.store.resume(claim.fork_id) and runtime.requeue is not None:
+        runtime.requeue(claim.fork_id, digest, claim.attempt + 1)
+    runtime.budgets.resumed(session, claim.fork_id)
