@@ -573,7 +573,7 @@ class ForkClient:
         Raises:
             BudgetExhausted: the budget that paused it is still used up (a resume would only pause it again).
         """
-        from workers.loop.budget import BudgetKind, budget_detail  # noqa: PLC0415  (budgets only)
+        from workers.records.budget import BudgetKind, budget_detail  # noqa: PLC0415  (budgets only)
         from workers.records.parked import PauseReason  # noqa: PLC0415
 
         state = self.store.state(fork_id)
@@ -641,7 +641,7 @@ class ForkClient:
         Raises:
             ForkNotFound: the fork does not exist.
         """
-        from workers.loop.budget import cached_weight, journal_tokens  # noqa: PLC0415  (budgets only)
+        from workers.records.budget import cached_weight, journal_tokens  # noqa: PLC0415  (budgets only)
         from workers.store.budget import ForkBudget  # noqa: PLC0415
 
         state = self.store.state(fork_id)

@@ -21,6 +21,7 @@ from pydantic import (
     model_validator,
 )
 
+from workers.base.limits import MAX_TOKENS
 from workers.errors import WorkspaceError
 from workers.history.params import AgentParams, validate_agent_params
 from workers.history.snapshot import ParentSnapshot, parse_parent_snapshot
@@ -185,6 +186,18 @@ class Health(BaseModel):
     ok: bool
     redis_reachable: bool
     redis_fit: bool
+
+
+class BudgetRequest(BaseModel):
+    """A parent session's token budget (`PUT /v1/sessions/{id}/budget`): raised above what its forks used, every
+    fork it paused resumes."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tokens: Annotated[int, Field(ge=0, le=MAX_TOKENS, strict=True)] = Field(
+        description="Tokens the session's forks and nested subagents may use in all (input plus output, cached "
+        "input as the provider bills it: docs/capacity.md)."
+    )
 
 
 class MessageRequest(BaseModel):

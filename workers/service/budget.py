@@ -10,19 +10,19 @@ once may each make one call past a session's limit: the check comes before a cal
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from workers.loop.budget import BudgetKind, BudgetReached, cached_weight, journal_tokens, usage_tokens
+from broker_config.settings import Settings
+from workers.loop.budget import BudgetReached
 from workers.providers import ModelRequest, TokenUsage
+from workers.records.budget import BudgetKind, cached_weight, journal_tokens, usage_tokens
 from workers.records.fork import BootstrapRecord
 from workers.records.journal import JournalEntry
 from workers.records.parked import PauseReason
 from workers.store.budget import BudgetStore
-from workers.store.lease import Claim
-
-if TYPE_CHECKING:
-    from workers.service.runner import WorkerRuntime
+from workers.store.forks import ForkStore
+from workers.store.lease import Claim, Leases
 
 log = logging.getLogger("forkq.worker")
 
@@ -59,11 +59,13 @@ class BudgetGuard:
         return BudgetReached(kind, fork_id=self.fork_id, session=self.session, used=used, limit=limit)
 
 
-def budget_guard(runtime: WorkerRuntime, record: BootstrapRecord, entries: list[JournalEntry]) -> BudgetGuard:
+def budget_guard(
+    settings: Settings, budgets: BudgetStore, record: BootstrapRecord, entries: list[JournalEntry]
+) -> BudgetGuard:
     """The budget guard of a run of `record` whose journal holds `entries`."""
-    weight = cached_weight(runtime.settings, record.model)
+    weight = cached_weight(settings, record.model)
     return BudgetGuard(
-        store=runtime.budgets,
+        store=budgets,
         fork_id=record.fork_id,
         session=record.parent_session,
         max_tokens=record.options.max_tokens,
@@ -72,18 +74,28 @@ def budget_guard(runtime: WorkerRuntime, record: BootstrapRecord, entries: list[
     )
 
 
-def park_at_budget(runtime: WorkerRuntime, claim: Claim, digest: str, stop: BudgetReached) -> None:
-    """Park the fork `paused` (`budget_reached`), in its session's budget-paused forks when that budget stopped it.
+@dataclass(frozen=True)
+class BudgetPark:
+    """What parks a fork at a budget: the fenced pause, the resume, the budgets, and the worker's requeue."""
 
-    A raise of the budget between the check and this pause finds the fork in no set: so the budget is read again
-    after the pause, and a fork no longer over it is resumed here (the raise may resume it too: one of the two
-    takes it out of `paused`, and only that one enqueues it).
-    """
-    session = stop.session if stop.kind is BudgetKind.SESSION else None
-    runtime.leases.pause(claim, PauseReason.BUDGET_REACHED.value, detail=stop.detail(), budget_session=session)
-    log.info("fork %s: paused, %s", claim.fork_id, stop.detail())
-    if session is None or runtime.budgets.read(session).reached:
-        return
-    if runtime.store.resume(claim.fork_id) and runtime.requeue is not None:
-        runtime.requeue(claim.fork_id, digest, claim.attempt + 1)
-    runtime.budgets.resumed(session, claim.fork_id)
+    leases: Leases
+    store: ForkStore
+    budgets: BudgetStore
+    requeue: Callable[[str, str, int], None] | None
+
+    def park(self, claim: Claim, digest: str, stop: BudgetReached) -> None:
+        """Park the fork `paused` (`budget_reached`), in its session's budget-paused forks when that budget
+        stopped it.
+
+        A raise of the budget between the check and this pause finds the fork in no set: so the budget is read
+        again after the pause, and a fork no longer over it is resumed here (the raise may resume it too: one of
+        the two takes it out of `paused`, and only that one enqueues it).
+        """
+        session = stop.session if stop.kind is BudgetKind.SESSION else None
+        self.leases.pause(claim, PauseReason.BUDGET_REACHED.value, detail=stop.detail(), budget_session=session)
+        log.info("fork %s: paused, %s", claim.fork_id, stop.detail())
+        if session is None or self.budgets.read(session).reached:
+            return
+        if self.store.resume(claim.fork_id) and self.requeue is not None:
+            self.requeue(claim.fork_id, digest, claim.attempt + 1)
+        self.budgets.resumed(session, claim.fork_id)

@@ -26,7 +26,7 @@ from workers.records.conversation import is_final_answer, recorded_surface
 from workers.records.events import Event
 from workers.records.fork import BootstrapRecord, ChunkCache, Declarations, ForkResult, Status
 from workers.records.journal import EntryKind, JournalEntry, RequestDigests
-from workers.service.budget import budget_guard, park_at_budget
+from workers.service.budget import BudgetPark, budget_guard
 from workers.service.job import FirstStep, RunForkJob, executable, first_step, load_inputs
 from workers.service.metrics import Metrics
 from workers.service.outcome import ENDED, STOPPED, Outcome, RunOutcome, stop_reason
@@ -400,7 +400,7 @@ def _run_claimed(
 
 def _guard(runtime: WorkerRuntime, job: RunForkJob, claim: Claim, run: Prepared) -> CallGuard:
     """What stands before each of the fork's model calls: its budgets, then its model's admission."""
-    return budget_guard(runtime, run.record, run.entries)
+    return budget_guard(runtime.settings, runtime.budgets, run.record, run.entries)
 
 
 def _prepare(
@@ -466,7 +466,7 @@ def _run_loop(runtime: WorkerRuntime, job: RunForkJob, claim: Claim, lost: threa
         runtime.leases.park(claim, park.calls)
         return Outcome.AWAITING_APPROVAL
     except BudgetReached as stop:  # before the model call: nothing of the step was spent
-        park_at_budget(runtime, claim, job.digest, stop)
+        BudgetPark(runtime.leases, runtime.store, runtime.budgets, runtime.requeue).park(claim, job.digest, stop)
         return Outcome.PAUSED
     except Stopped as stop:
         return _stopped(runtime, job, claim, stop.reason)
