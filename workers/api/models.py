@@ -189,8 +189,7 @@ class Health(BaseModel):
 
 
 class BudgetRequest(BaseModel):
-    """A parent session's token budget (`PUT /v1/sessions/{id}/budget`): raised above what its forks used, every
-    fork it paused resumes."""
+    """A parent session's token budget to set (`PUT /v1/sessions/{id}/budget`); raised, it resumes what it paused."""
 
     model_config = ConfigDict(extra="forbid")
 

@@ -60,9 +60,11 @@ class PauseReason(enum.StrEnum):
 
 
 class ResumeWait(BaseModel):
-    """The fork is paused for `reason` (a tool this worker lacks, `budget_reached`, ...): once that is fixed,
-    `forkq resume` it (a budget pause resumes by itself when its session budget is raised). `detail` is the
-    human account of a budget pause: which budget, used, limit, and the command that raises it."""
+    """The fork is paused for `reason` (a missing tool, `budget_reached`, ...): once fixed, `forkq resume` it.
+
+    A pause by a session budget resumes by itself when that budget is raised. `detail` is the human account of a
+    budget pause: which budget, used, limit, and the command that raises it.
+    """
 
     model_config = ConfigDict(frozen=True)
 

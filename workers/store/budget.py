@@ -113,8 +113,7 @@ class BudgetStore:
 
 
 class ForkBudget(BaseModel):
-    """A fork's budgets: its own `max_tokens` (None: none), the tokens it used (its journal's), what is left of it,
-    and its session's budget."""
+    """A fork's budgets: its own `max_tokens` (None: none) with used and left, and its session's budget."""
 
     model_config = ConfigDict(frozen=True)
 
