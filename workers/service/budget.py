@@ -22,7 +22,7 @@ from workers.records.journal import JournalEntry
 from workers.records.parked import PauseReason
 from workers.store.budget import BudgetStore
 from workers.store.forks import ForkStore
-from workers.store.lease import Claim, Leases
+from workers.store.lease import Claim, Leases, forever, ride_out
 
 log = logging.getLogger("forkq.worker")
 
@@ -37,12 +37,16 @@ class BudgetGuard:
     max_tokens: int | None
     weight: float  # of a cached input token of the fork's model
     used: int  # the fork's tokens so far: its journal's, then each response's as it comes
+    # the claim's `LeaseClock.deadline`: a read or charge rides out a Redis outage until then, as the run's writes do
+    until: Callable[[], float] = forever
 
     def enter(self, request: ModelRequest) -> float:
         """Stop the fork (`BudgetReached`) when a budget is used up; never waits."""
         if self.max_tokens is not None and self.used >= self.max_tokens:
             raise self._reached(BudgetKind.FORK, self.used, self.max_tokens)
-        budget = self.store.read(self.session)
+        budget = ride_out(
+            lambda: self.store.read(self.session), until=self.until, what="reading its budget", fork_id=self.fork_id
+        )
         if budget.tokens is not None and budget.reached:
             raise self._reached(BudgetKind.SESSION, budget.used, budget.tokens)
         return 0.0
@@ -53,16 +57,21 @@ class BudgetGuard:
             return
         tokens = usage_tokens(usage, self.weight)
         self.used += tokens
-        self.store.charge(self.session, self.fork_id, request.step, tokens)
+        charge = lambda: self.store.charge(self.session, self.fork_id, request.step, tokens)  # noqa: E731
+        ride_out(charge, until=self.until, what="charging its budget", fork_id=self.fork_id)  # once per step
 
     def _reached(self, kind: BudgetKind, used: int, limit: int) -> BudgetReached:
         return BudgetReached(kind, fork_id=self.fork_id, session=self.session, used=used, limit=limit)
 
 
 def budget_guard(
-    settings: Settings, budgets: BudgetStore, record: BootstrapRecord, entries: list[JournalEntry]
+    settings: Settings,
+    budgets: BudgetStore,
+    record: BootstrapRecord,
+    entries: list[JournalEntry],
+    until: Callable[[], float] = forever,
 ) -> BudgetGuard:
-    """The budget guard of a run of `record` whose journal holds `entries`."""
+    """The budget guard of a run of `record` whose journal holds `entries`, riding out Redis until `until()`."""
     weight = cached_weight(settings, record.model)
     return BudgetGuard(
         store=budgets,
@@ -71,6 +80,7 @@ def budget_guard(
         max_tokens=record.options.max_tokens,
         weight=weight,
         used=journal_tokens(entries, weight),
+        until=until,
     )
 
 
@@ -94,7 +104,10 @@ class BudgetPark:
         session = stop.session if stop.kind is BudgetKind.SESSION else None
         self.leases.pause(claim, PauseReason.BUDGET_REACHED.value, detail=stop.detail(), budget_session=session)
         log.info("fork %s: paused, %s", claim.fork_id, stop.detail())
-        if session is None or self.budgets.read(session).reached:
+        if session is None:
+            return
+        read = lambda: self.budgets.read(session)  # noqa: E731
+        if ride_out(read, until=claim.clock.deadline, what="reading its budget", fork_id=claim.fork_id).reached:
             return
         if self.store.resume(claim.fork_id) and self.requeue is not None:
             self.requeue(claim.fork_id, digest, claim.attempt + 1)

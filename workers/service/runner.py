@@ -400,7 +400,7 @@ def _run_claimed(
 
 def _guard(runtime: WorkerRuntime, job: RunForkJob, claim: Claim, run: Prepared) -> CallGuard:
     """What stands before each of the fork's model calls: its budgets, then its model's admission."""
-    return budget_guard(runtime.settings, runtime.budgets, run.record, run.entries)
+    return budget_guard(runtime.settings, runtime.budgets, run.record, run.entries, claim.clock.deadline)
 
 
 def _prepare(
@@ -467,7 +467,7 @@ def _run_loop(runtime: WorkerRuntime, job: RunForkJob, claim: Claim, lost: threa
         return Outcome.AWAITING_APPROVAL
     except BudgetReached as stop:  # before the model call: nothing of the step was spent
         BudgetPark(runtime.leases, runtime.store, runtime.budgets, runtime.requeue).park(claim, job.digest, stop)
-        return Outcome.PAUSED
+        return stop_outcome(stop.reason, fork_id=job.fork_id)
     except Stopped as stop:
         return _stopped(runtime, job, claim, stop.reason)
     except (LeaseLost, redis.RedisError):
