@@ -144,14 +144,7 @@ def build_parser() -> Parser:
     listing = add("list", "List the forks of a parent session (id, kind, name, description, status, times).")
     listing.add_argument("--session", required=True, help="the parent session id")
     listing.add_argument("--json", action="store_true", help="print JSON")
-    budget = add(
-        "budget",
-        "Show a parent session's token budget (limit, used, left), or set it with --tokens: raised above what its "
-        "forks used, every fork it paused resumes.",
-    )
-    budget.add_argument("--session", required=True, help="the parent session id")
-    budget.add_argument("--tokens", type=tokens, help="the budget in tokens (input plus output) shared by the session")
-    budget.add_argument("--json", action="store_true", help="print JSON")
+    _budget_command(add)
     add("agents", "List the subagent definitions (built-ins and FORKQ_AGENTS_DIR).").add_argument(
         "--json", action="store_true", help="print JSON"
     )
@@ -160,6 +153,18 @@ def build_parser() -> Parser:
     )
     _process_commands(add)
     return parser
+
+
+def _budget_command(add: Callable[..., Parser]) -> None:
+    """`forkq budget`: a parent session's token budget, shown or set."""
+    budget = add(
+        "budget",
+        "Show a parent session's token budget (limit, used, left), or set it with --tokens: raised above what its "
+        "forks used, every fork it paused resumes.",
+    )
+    budget.add_argument("--session", required=True, help="the parent session id")
+    budget.add_argument("--tokens", type=tokens, help="the budget in tokens (input plus output) shared by the session")
+    budget.add_argument("--json", action="store_true", help="print JSON")
 
 
 def _workspace_commands(by_id: Callable[..., Parser]) -> None:

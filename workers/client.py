@@ -289,9 +289,8 @@ class ForkClient:
                 the model reads; `park` parks the fork (`awaiting_approval`) until approve/deny.
             output_schema: a JSON schema the final answer must match (sent back to the model
                 with the error a bounded number of times).
-            max_wall_s, max_turns: limits below the workers' own.
-            max_tokens: the fork's tokens at most (input plus output, cached input as the provider bills it:
-                docs/capacity.md); at it the fork pauses (`budget_reached`) before its next model call.
+            max_wall_s, max_turns, max_tokens: limits below the workers' own; at max_tokens (input plus output
+                tokens: docs/capacity.md) the fork pauses (`budget_reached`) before its next model call.
             seed_mode: a fork's seed: `fork_turns` (the default: `fork_turns` of the Agent call) or
                 `completed_turns` (the parent's completed turns, in a fresh scope).
             persona: a system prompt replacing the child's (regular subagents, completed-turn forks).
