@@ -2,7 +2,7 @@
 used up, and is parked `paused` (reason `budget_reached`), its journal and workspace kept.
 
 Before each model call the guard compares the fork's used tokens (its journal's fold, then each response's usage
-as it comes: `workers.loop.budget`) with the launch's `max_tokens`, and reads its session's budget (one HMGET).
+as it comes: `workers.records.budget`) with the launch's `max_tokens`, and reads its session's budget (one HMGET).
 After each response it charges the session, once per fork and step (`workers.store.budget`). Forks that run at
 once may each make one call past a session's limit: the check comes before a call, the charge after it.
 """
