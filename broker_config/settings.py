@@ -5,7 +5,7 @@ from __future__ import annotations
 import fnmatch
 import re
 from pathlib import Path
-from typing import Any, Final, Literal
+from typing import Annotated, Any, Final, Literal
 from urllib.parse import urlsplit
 
 from pydantic import (
@@ -71,6 +71,12 @@ class Settings(BaseSettings):
     provider_routes: dict[str, Literal["scripted", "openai", "gemini"]] = Field(
         default_factory=dict,
         description='JSON object of model-name glob → provider, e.g. {"gemini-*": "gemini"}; first match wins.',
+    )
+    # a token budget counts a cached input token at this weight (`workers.loop.budget`): as the provider bills it
+    cached_input_weights: dict[str, Annotated[float, Field(ge=0, le=1)]] = Field(
+        default_factory=dict,
+        description="JSON object of model-name glob → weight of a cached input token in budgets, 0 to 1, e.g. "
+        '{"gpt-5*": 0.1}; first match wins, else the provider\'s default (openai 0.5, gemini 0.25)',
     )
     openai_base_url: str = Field(
         "https://api.openai.com/v1", description="Chat Completions endpoint (OpenAI, DashScope, vLLM, Ollama, ...)."

@@ -150,6 +150,11 @@ BAD_LAUNCHES: dict[str, Callable[[Path], tuple[list[str], str]]] = {
         ["--parent", parent_file(d, model="gpt\ud800"), *FORK_ARGS],
         "field 'model' is not valid Unicode text",
     ),
+    "max-tokens-negative": lambda d: (
+        ["--parent", PARENT, *FORK_ARGS, "--max-tokens", "-5"],
+        "max_tokens must be a positive whole number of tokens",
+    ),
+    "max-tokens-zero": lambda d: (["--parent", PARENT, *FORK_ARGS, "--max-tokens", "0"], "max_tokens"),
     "output-schema-lone-surrogate": lambda d: (
         ["--parent", PARENT, *FORK_ARGS, "--output-schema", written(d / "s.json", b'{"title": "\\ud800"}')],
         "output_schema.title is not valid Unicode text",

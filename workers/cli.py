@@ -33,6 +33,7 @@ from workers.errors import (
     ForkqError,
     ForkTimeout,
     InvalidAgentParams,
+    InvalidBudget,
     InvalidHistory,
     InvalidParentSnapshot,
     MessageRefused,
@@ -90,6 +91,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
             output_schema=schema,
             max_wall_s=args.max_wall_s,
             max_turns=args.max_turns,
+            max_tokens=args.max_tokens,
             seed_mode=args.seed_mode,
             persona=persona,
             tool_filter=tool_filter,
@@ -265,6 +267,8 @@ def _print_wait(fork_id: str, wait: WaitingFor | None, file: Any = None) -> None
         return
     if isinstance(wait, ModelWait):
         print(f"  waiting for model {wait.model}: its {wait.limit.value} limit (FORKQ_MODEL_LIMITS)", file=file)
+    elif isinstance(wait, ResumeWait) and wait.detail:  # a budget pause: the detail says what raises it
+        print(f"  waiting for resume: {wait.reason}: {wait.detail}", file=file)
     elif isinstance(wait, ResumeWait):
         print(f"  waiting for resume: {wait.reason}; once that is fixed, `forkq resume {fork_id}`", file=file)
     else:
@@ -385,11 +389,33 @@ def cmd_resume(args: argparse.Namespace) -> int:
     return EXIT_OK if resumed else EXIT_FAIL
 
 
+def cmd_budget(args: argparse.Namespace) -> int:
+    """Show a parent session's token budget, or set it (--tokens), resuming the forks it paused."""
+    with _client() as client:
+        budget = (
+            client.budget(args.session) if args.tokens is None else client.set_budget(args.session, tokens=args.tokens)
+        )
+    if args.json:
+        _print_json(budget.model_dump(mode="json"))
+        return EXIT_OK
+    print(f"session {budget.session}: {_budget_line(budget.tokens, budget.used, budget.left)}")
+    if budget.resumed:
+        print(f"resumed {len(budget.resumed)} fork(s) it paused: {', '.join(budget.resumed)}")
+    return EXIT_OK
+
+
+def _budget_line(limit: int | None, used: int, left: int | None) -> str:
+    if limit is None:
+        return f"no limit, used {used:,} tokens"
+    return f"used {used:,} of {limit:,} tokens, {left:,} left"
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     """Print a fork's bootstrap record, seed resolved and verified (and what it waits for, when parked)."""
     with _client() as client:
         record = client.inspect(args.fork_id)
         wait = client.status(args.fork_id).waiting_for
+    budget = record["budget"]
     if args.json:
         _print_json({**record, "waiting_for": None if wait is None else wait.model_dump(mode="json")})
     else:
@@ -412,6 +438,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print(f"output_schema: {'none' if schema is None else json.dumps(schema, ensure_ascii=False)[:500]}")
         print(f"task prompt: {record['task_prompt'][:200]}")
         print(f"workspace: {_workspace_line(record['workspace'])}")
+        print(f"max_tokens: {_budget_line(budget['max_tokens'], budget['used'], budget['left'])}")
+        session = budget["session"]
+        line = _budget_line(session["tokens"], session["used"], session["left"])
+        print(f"session budget ({session['session']}): {line}")
         _print_wait(args.fork_id, wait)
     return EXIT_OK
 
@@ -631,6 +661,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "agents": cmd_agents,
     "send": cmd_send,
     "list": cmd_list,
+    "budget": cmd_budget,
     "providers": cmd_providers,
     "worker": cmd_worker,
     "check": cmd_check,
@@ -647,6 +678,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         code: int = COMMANDS[args.command](args)
     except (
         InvalidAgentParams,
+        InvalidBudget,
         InvalidParentSnapshot,
         InvalidHistory,
         ConfigurationError,

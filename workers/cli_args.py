@@ -70,6 +70,15 @@ def count(text: str) -> int:
     return int(text)
 
 
+def tokens(text: str) -> int:
+    """A whole number of tokens, 0 or more (digits only, at most 16 of them: a budget is at most 10^15)."""
+    if not (text.isascii() and text.isdigit() and len(text) <= 16 and int(text) <= 10**15):
+        raise argparse.ArgumentTypeError(
+            f"{shown(text)} is not a whole number of tokens from 0 to 10^15; give one such as 200000"
+        )
+    return int(text)
+
+
 def on_off(value: str) -> bool:
     """`true`/`false` (also on/off, yes/no, 1/0), as the launch option `network` is written elsewhere."""
     words = {"true": True, "on": True, "yes": True, "1": True, "false": False, "off": False, "no": False, "0": False}
@@ -144,6 +153,7 @@ def build_parser() -> Parser:
     listing = add("list", "List the forks of a parent session (id, kind, name, description, status, times).")
     listing.add_argument("--session", required=True, help="the parent session id")
     listing.add_argument("--json", action="store_true", help="print JSON")
+    _budget_command(add)
     add("agents", "List the subagent definitions (built-ins and FORKQ_AGENTS_DIR).").add_argument(
         "--json", action="store_true", help="print JSON"
     )
@@ -165,6 +175,18 @@ def _cancel_command(add: Callable[..., Parser]) -> None:
     cancel.add_argument("fork_id", nargs="?", type=fork_id, help="the fork to cancel")
     cancel.add_argument("--session", type=session, help="cancel every fork of this parent session instead")
     cancel.add_argument("--json", action="store_true", help="print JSON")
+
+
+def _budget_command(add: Callable[..., Parser]) -> None:
+    """`forkq budget`: a parent session's token budget, shown or set."""
+    budget = add(
+        "budget",
+        "Show a parent session's token budget (limit, used, left), or set it with --tokens: raised above what its "
+        "forks used, every fork it paused resumes.",
+    )
+    budget.add_argument("--session", required=True, help="the parent session id")
+    budget.add_argument("--tokens", type=tokens, help="the budget in tokens (input plus output) shared by the session")
+    budget.add_argument("--json", action="store_true", help="print JSON")
 
 
 def _workspace_commands(by_id: Callable[..., Parser]) -> None:
@@ -198,6 +220,12 @@ def _launch_arguments(launch: Parser) -> None:
     # checked with the launch (exit 2, one line naming the field), like ForkClient.launch's own arguments
     launch.add_argument("--max-wall-s", dest="max_wall_s", type=float, help="wall-clock limit in seconds")
     launch.add_argument("--max-turns", dest="max_turns", type=int, help="model calls at most")
+    launch.add_argument(
+        "--max-tokens",
+        dest="max_tokens",
+        type=int,
+        help="tokens at most (input plus output, cached input as the provider bills it); then the fork pauses",
+    )
     launch.add_argument(
         "--seed-mode",
         dest="seed_mode",

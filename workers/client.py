@@ -19,9 +19,10 @@ import redis
 from broker_config.celery import RUN_FORK_TASK
 from broker_config.redis_client import redis_client as connect_redis
 from broker_config.settings import Settings
-from workers.base.keys import Keys
+from workers.base.keys import SESSION_RE, Keys
 from workers.base.limits import MAX_INBOX_MESSAGES, MAX_MESSAGE_BYTES, shown, text_problem
 from workers.errors import (
+    BudgetExhausted,
     ForkNotEnded,
     ForkNotFound,
     ForkNotPaused,
@@ -29,6 +30,7 @@ from workers.errors import (
     ForkTimeout,
     InvalidAgentParams,
     InvalidApproval,
+    InvalidBudget,
     MessageRefused,
 )
 from workers.history.params import AgentParams, ApprovalPolicy, SeedMode, validate_agent_params
@@ -48,6 +50,7 @@ if TYPE_CHECKING:  # types only: the send-only app is built on the first launch 
     from workers.records.events import StreamEvent  # and the event models load at the first event read
     from workers.records.seeds import SeedBuilder
     from workers.store.blobs import BlobStore
+    from workers.store.budget import BudgetStore, ForkBudget, SessionBudget
     from workers.store.lease import Leases
     from workers.store.sessions import SessionCancel
     from workers.store.workspaces import ForkChanges
@@ -56,12 +59,25 @@ if TYPE_CHECKING:  # types only: the send-only app is built on the first launch 
     from workers.workspace.ref import WorkspaceRef
 
 
+def _budget_session(session: object) -> str:
+    """A session id a budget may be kept under, else InvalidBudget naming `session`."""
+    if not isinstance(session, str) or not SESSION_RE.fullmatch(session):
+        raise InvalidBudget(
+            f"session {shown(session)} is not a valid parent session id: use the session's id, 1-200 characters "
+            "without braces or whitespace",
+            field="session",
+        )
+    return session
+
+
 def parked_error(state: ForkState) -> ForkParked:
     """The `ForkParked` for a fork in a parked state: its status, pending calls and what to do."""
     fid = state.fork_id
     wait = state.waiting_for
     reason = wait.reason if isinstance(wait, ResumeWait) else None
-    if state.status is Status.PAUSED:
+    if state.status is Status.PAUSED and isinstance(wait, ResumeWait) and wait.detail:
+        todo = f"{reason}: {wait.detail}"  # a budget pause: what raises it, or that nothing does
+    elif state.status is Status.PAUSED:
         todo = f"{reason or 'paused'}; once that is fixed, `forkq resume {fid}` (ForkClient.resume)"
     else:
         calls = ", ".join(f"{c.call_id} ({c.name})" for c in state.pending_approval) or "none"
@@ -253,6 +269,7 @@ class ForkClient:
         output_schema: dict[str, Any] | None = None,
         max_wall_s: float | None = None,
         max_turns: int | None = None,
+        max_tokens: int | None = None,
         seed_mode: SeedMode | str | None = None,
         persona: str | None = None,
         tool_filter: list[str] | tuple[str, ...] | None = None,
@@ -273,7 +290,8 @@ class ForkClient:
                 the model reads; `park` parks the fork (`awaiting_approval`) until approve/deny.
             output_schema: a JSON schema the final answer must match (sent back to the model
                 with the error a bounded number of times).
-            max_wall_s, max_turns: limits below the workers' own.
+            max_wall_s, max_turns, max_tokens: limits below the workers' own; at max_tokens (input plus output
+                tokens: docs/capacity.md) the fork pauses (`budget_reached`) before its next model call.
             seed_mode: a fork's seed: `fork_turns` (the default: `fork_turns` of the Agent call) or
                 `completed_turns` (the parent's completed turns, in a fresh scope).
             persona: a system prompt replacing the child's (regular subagents, completed-turn forks).
@@ -297,7 +315,7 @@ class ForkClient:
         options = LaunchOptions(
             fork_id=fork_id, seed_mode=seed_mode, persona=persona, tool_filter=tool_filter, max_depth=max_depth,
             approval_policy=approval_policy, output_schema=output_schema, max_wall_s=max_wall_s, max_turns=max_turns,
-            workspace=workspace, workspace_manifest=manifest, network=network,
+            max_tokens=max_tokens, workspace=workspace, workspace_manifest=manifest, network=network,
         )  # fmt: skip
         snapshot = parent if isinstance(parent, ParentSnapshot) else parse_parent_snapshot(dict(parent))
         # one parsed here from a dict cannot be passed again: keep nothing of it
@@ -556,6 +574,7 @@ class ForkClient:
             ForkNotPaused: the fork is not paused (`.status` is its status); nothing was changed.
             ForkNotFound: the fork does not exist.
         """
+        session = self._budget_paused(fork_id)
         if not self.store.resume(fork_id):
             status = self.store.state(fork_id).status
             raise ForkNotPaused(
@@ -565,7 +584,98 @@ class ForkClient:
                 status=status.value,
             )
         self._enqueue_again(fork_id)
+        if session is not None:
+            self._budgets.resumed(session, fork_id)
         return Status.QUEUED
+
+    def _budget_paused(self, fork_id: str) -> str | None:
+        """The session of a fork paused at a token budget that is no longer used up (None: not a budget pause).
+
+        Raises:
+            BudgetExhausted: the budget that paused it is still used up (a resume would only pause it again).
+        """
+        from workers.records.budget import BudgetKind, budget_detail  # noqa: PLC0415  (budgets only)
+        from workers.records.parked import PauseReason  # noqa: PLC0415
+
+        state = self.store.state(fork_id)
+        wait = state.waiting_for
+        if state.status is not Status.PAUSED or not isinstance(wait, ResumeWait):
+            return None
+        if wait.reason != PauseReason.BUDGET_REACHED:
+            return None
+        budget = self.fork_budget(fork_id)
+        kind = None
+        if budget.max_tokens is not None and budget.used >= budget.max_tokens:
+            kind, used, limit = BudgetKind.FORK, budget.used, budget.max_tokens
+        elif budget.session.reached and budget.session.tokens is not None:
+            kind, used, limit = BudgetKind.SESSION, budget.session.used, budget.session.tokens
+        if kind is None:
+            return budget.session.session
+        detail = budget_detail(kind, fork_id=fork_id, session=budget.session.session, used=used, limit=limit)
+        raise BudgetExhausted(f"fork {fork_id} stays paused: {detail}", fork_id=fork_id, budget=kind.value)
+
+    # ── budgets ───────────────────────────────────────────────────────────────────────────────
+
+    @functools.cached_property
+    def _budgets(self) -> BudgetStore:
+        """Session token budgets; built on first use."""
+        from workers.store.budget import BudgetStore  # noqa: PLC0415  (budgets only)
+
+        return BudgetStore(self.redis, Keys(self.settings.namespace), ttl_s=self.settings.record_ttl_s)
+
+    def budget(self, session: str) -> SessionBudget:
+        """A parent session's token budget: its limit (None: none set), what its forks used, and what is left.
+
+        Raises:
+            InvalidBudget: the session id is not valid (`.field` is `session`).
+        """
+        return self._budgets.read(_budget_session(session))
+
+    def set_budget(self, session: str, *, tokens: int) -> SessionBudget:
+        """Set a parent session's token budget, shared by all its forks and their nested subagents; raised above
+        what they used, every fork it paused is resumed (`resumed` names them).
+
+        Raises:
+            InvalidBudget: `tokens` is not a whole number from 0 to 10^15, or the session id is not valid.
+        """
+        from workers.base.limits import MAX_TOKENS  # noqa: PLC0415
+
+        session = _budget_session(session)
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or not 0 <= tokens <= MAX_TOKENS:
+            raise InvalidBudget(
+                f"tokens must be a whole number of tokens from 0 to {MAX_TOKENS:,} (input plus output, cached input "
+                f"as the provider bills it); got {shown(tokens)}",
+                field="tokens",
+            )
+        budget, paused = self._budgets.set(session, tokens)
+        resumed = []
+        for fork_id in paused:
+            if self.store.resume(fork_id):  # one that was resumed by hand, or cancelled, is only taken out
+                self._enqueue_again(fork_id)
+                resumed.append(fork_id)
+            self._budgets.resumed(session, fork_id)
+        return budget.model_copy(update={"resumed": resumed})
+
+    def fork_budget(self, fork_id: str) -> ForkBudget:
+        """A fork's budgets: its own max_tokens, the tokens its journal's responses cost, and its session's budget.
+
+        Raises:
+            ForkNotFound: the fork does not exist.
+        """
+        from workers.records.budget import cached_weight, journal_tokens  # noqa: PLC0415  (budgets only)
+        from workers.store.budget import ForkBudget  # noqa: PLC0415
+
+        state = self.store.state(fork_id)
+        record = self.store.get_record(fork_id, state.digest or None)
+        used = journal_tokens(self.store.journal(fork_id), cached_weight(self.settings, record.model))
+        limit = record.options.max_tokens
+        return ForkBudget(
+            fork_id=fork_id,
+            max_tokens=limit,
+            used=used,
+            left=None if limit is None else max(limit - used, 0),
+            session=self._budgets.read(record.parent_session),
+        )
 
     def approve(self, fork_id: str, call_id: str) -> Status:
         """Approve a parked call; when no other call waits, the fork is enqueued to go on (on any worker).
@@ -752,4 +862,5 @@ class ForkClient:
             **launch_settings(record),
             "workspace": None if record.workspace is None else record.workspace.model_dump(mode="json"),
             "exchanges": exchanges(record.directive, self.store.journal(fork_id)),
+            "budget": self.fork_budget(fork_id).model_dump(mode="json", exclude={"session": {"resumed"}}),
         }

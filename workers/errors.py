@@ -13,6 +13,8 @@ ForkqError                      base; never raised bare
 ├── ForkNotEnded                a fork has no result yet (.fork_id)
 ├── ForkParked                  a waited-on fork is parked: awaiting approval or paused (.fork_id, .status, .pending)
 ├── ForkNotPaused               a resumed fork is not paused: nothing to resume (.fork_id, .status)
+├── BudgetExhausted             a resumed fork paused at a token budget that is still used up (.fork_id, .budget)
+├── InvalidBudget               a session budget that is not a whole number of tokens, or a bad session id (.field)
 ├── LeaseLost                   this worker no longer holds the fork's lease (.fork_id)
 ├── InvalidApproval             approve/deny of a fork or call that is not awaiting a decision (.fork_id)
 ├── MessageRefused              a message `send` cannot give: empty, too long, ended fork, full inbox (.status)
@@ -135,6 +137,18 @@ class ForkNotPaused(ForkqError):
     def __init__(self, message: str, *, fork_id: str, status: str) -> None:
         super().__init__(message, fork_id=fork_id)
         self.status = status
+
+
+class BudgetExhausted(ForkqError):
+    """A resume of a fork paused at a token budget still used up; `budget` is `max_tokens` (its own) or `session`."""
+
+    def __init__(self, message: str, *, fork_id: str, budget: str) -> None:
+        super().__init__(message, fork_id=fork_id)
+        self.budget = budget
+
+
+class InvalidBudget(ForkqError):
+    """A session budget's tokens or session id are invalid; `.field` names which (`tokens`, `session`)."""
 
 
 class LeaseLost(ForkqError):

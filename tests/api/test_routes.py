@@ -581,6 +581,8 @@ def test_the_openapi_document_is_valid_and_names_every_endpoint_and_the_bearer_s
         "/v1/forks/{fork_id}/approvals/{call_id}",
         "/v1/sessions/{session_id}/forks",
         "/v1/sessions/{session_id}/cancel",
+        "/v1/sessions/{session_id}/budget",
+        "/v1/forks/{fork_id}/budget",
         "/v1/forks/{fork_id}/messages",
         "/v1/agents",
         "/v1/providers",

@@ -373,6 +373,50 @@ def test_a_paused_fork_shows_why_it_waits_and_how_to_resume_it_not_an_error(
     expect(page.locator("#pending")).to_be_hidden()
 
 
+def test_a_fork_paused_at_its_session_budget_shows_each_budget_and_goes_on_when_the_budget_is_raised(
+    http: httpx.Client,
+    web: Web,
+    scripted_worker: Callable[..., WorkController],
+    parent: dict[str, Any],
+    work: Path,
+) -> None:
+    page, api = web.page, web.api
+    # Given a session budget of 150 tokens, and a fork (max_tokens 1000) whose every response reports 100 tokens
+    usage = {"input_tokens": 80, "output_tokens": 20}
+    answers = [
+        step(call("l1", "list_directory", dir_path=".")),
+        step(call("l2", "list_directory", dir_path=".")),
+        step("done"),
+    ]
+    scripted_worker([{**answer, "usage": usage} for answer in answers])
+    session = parent["session_id"]
+    assert http.put(f"/v1/sessions/{session}/budget", json={"tokens": 150}).status_code == 200
+    fork_id = launch(http, {**parent, "cwd": str(work), "approval_mode": "yolo"}, workspace="shared", max_tokens=1000)
+
+    # When it has paused at the budget, and a person opens it
+    wait_status(http, fork_id, "paused")
+    sign_in(page, api, session=session)
+    open_fork(page, fork_id)
+
+    # Then the page shows why (the budget, the numbers, the command), and each budget with what was used and is left
+    expect(page.locator("#fork-waiting")).to_contain_text(
+        f"Paused: budget_reached: the budget of session {session} is reached: used 200 of 150 tokens."
+    )
+    expect(page.locator("#fork-waiting")).to_contain_text(f"forkq budget --session {session} --tokens N")
+    expect(page.locator('#budget dd[data-budget="max_tokens"]')).to_have_text("used 200 of 1000 tokens, 800 left")
+    expect(page.locator('#budget dd[data-budget="session"]')).to_have_text("used 200 of 150 tokens, 0 left")
+    expect(page.locator("#fork-error")).to_have_text("—")
+
+    # When the session's budget is raised
+    assert http.put(f"/v1/sessions/{session}/budget", json={"tokens": 10000}).json()["resumed"] == [fork_id]
+
+    # Then the page follows the fork to its end, and shows the budgets it ended with
+    expect(page.locator("#fork-status")).to_have_text("succeeded")
+    expect(page.locator("#fork-waiting")).to_be_hidden()
+    expect(page.locator('#budget dd[data-budget="session"]')).to_have_text("used 300 of 10000 tokens, 9700 left")
+    expect(page.locator('#budget dd[data-budget="max_tokens"]')).to_have_text("used 300 of 1000 tokens, 700 left")
+
+
 def test_a_parked_call_is_denied_with_a_reason_and_another_fork_cancelled_from_the_page(
     http: httpx.Client,
     web: Web,

@@ -86,7 +86,7 @@ def live_server(
 
 @pytest.mark.parametrize(
     ("test_file", "count"),
-    [("forks.test.mjs", 8), ("stream.test.mjs", 3), ("workspace.test.mjs", 4), ("sessions.test.mjs", 2)],
+    [("forks.test.mjs", 9), ("stream.test.mjs", 3), ("workspace.test.mjs", 4), ("sessions.test.mjs", 2)],
 )
 def test_the_client_launches_follows_and_acts_on_the_forks_of_a_live_server(
     built_client: str, live_server: dict[str, str], test_file: str, count: int

@@ -436,6 +436,7 @@ def test_each_reason_to_stop_has_its_outcome_and_an_unknown_one_leaves_the_fork_
         "shutdown": Outcome.RELEASED,
         "lease_lost": Outcome.LEASE_LOST,
         "awaiting_approval": Outcome.LEASE_LOST,
+        "budget_reached": Outcome.PAUSED,  # parked by the runner's `BudgetPark` before it asks
     }
     assert unknown is Outcome.LEASE_LOST
     assert "fork f-stop: the loop stopped for 'evicted'" in caplog.text

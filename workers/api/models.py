@@ -21,6 +21,7 @@ from pydantic import (
     model_validator,
 )
 
+from workers.base.limits import MAX_TOKENS
 from workers.errors import WorkspaceError
 from workers.history.params import AgentParams, validate_agent_params
 from workers.history.snapshot import ParentSnapshot, parse_parent_snapshot
@@ -32,6 +33,7 @@ from workers.workspace.manifest import Entry
 MAX_WAIT_S: Final = 60.0  # a long poll holds a connection, never a thread; under proxies' usual idle timeouts
 DIGEST_PATTERN: Final = "^[0-9a-f]{64}$"
 WORKSPACE_OPTIONS: Final = ("workspace", "workspace_manifest", "network")  # the API's options beyond LaunchOptions
+LATER_OPTIONS: Final = (*WORKSPACE_OPTIONS, "max_tokens")  # in a body's digest only when given (`body_digest`)
 
 
 def _agent_call(value: object) -> object:
@@ -98,9 +100,9 @@ def body_digest(data: Mapping[str, Any]) -> str:
     earlier server matches a request sent again to this one; and no parsed snapshot is dumped to compute it.
     """
     options = data.get("options") or {}
-    named = {name: options.get(name) for name in launch.LaunchOptions.model_fields if name not in WORKSPACE_OPTIONS}
-    # the workspace's options only when given: a body without them has the digest it had before they existed
-    named |= {name: options[name] for name in WORKSPACE_OPTIONS if options.get(name) is not None}
+    named = {name: options.get(name) for name in launch.LaunchOptions.model_fields if name not in LATER_OPTIONS}
+    # the options added since digests were first kept, only when given: a body without them has the digest it had
+    named |= {name: options[name] for name in LATER_OPTIONS if options.get(name) is not None}
     canonical = {"schema_version": 1, "parent": data["parent"], "agent": data["agent"], "options": named}
     text = json.dumps(canonical, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
@@ -185,6 +187,17 @@ class Health(BaseModel):
     ok: bool
     redis_reachable: bool
     redis_fit: bool
+
+
+class BudgetRequest(BaseModel):
+    """A parent session's token budget to set (`PUT /v1/sessions/{id}/budget`); raised, it resumes what it paused."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tokens: Annotated[int, Field(ge=0, le=MAX_TOKENS, strict=True)] = Field(
+        description="Tokens the session's forks and nested subagents may use in all (input plus output, cached "
+        "input as the provider bills it: docs/capacity.md)."
+    )
 
 
 class MessageRequest(BaseModel):

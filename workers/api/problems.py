@@ -24,6 +24,7 @@ from starlette.types import Send
 from workers.api.models import LaunchOptions
 from workers.errors import (
     ApplyConflict,
+    BudgetExhausted,
     ForkNotEnded,
     ForkNotFound,
     ForkNotPaused,
@@ -32,6 +33,7 @@ from workers.errors import (
     InvalidAgentDefinition,
     InvalidAgentParams,
     InvalidApproval,
+    InvalidBudget,
     InvalidHistory,
     InvalidParentSnapshot,
     MessageRefused,
@@ -53,6 +55,8 @@ STATUS_OF: Final[Sequence[tuple[type[ForkqError], int]]] = (
     (ForkNotFound, 404),
     (ForkNotEnded, 409),
     (ForkNotPaused, 409),
+    (BudgetExhausted, 409),
+    (InvalidBudget, 422),
     (InvalidApproval, 409),
     (MessageRefused, 409),  # an ended fork, a full inbox; an empty or oversized message is 422 (its field)
     (IdempotencyConflict, 409),

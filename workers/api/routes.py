@@ -22,6 +22,7 @@ from workers.api.launches import Launcher
 from workers.api.models import (
     DIGEST_PATTERN,
     MAX_WAIT_S,
+    BudgetRequest,
     Cancelled,
     ChangedFile,
     ChangesBody,
@@ -50,6 +51,7 @@ from workers.errors import ForkNotEnded
 from workers.records.events import ForkEvent
 from workers.records.fork import ForkResult, ForkState
 from workers.records.notification import render_task_notification
+from workers.store.budget import ForkBudget, SessionBudget
 from workers.store.health import check_redis
 from workers.store.reader import AsyncForkReader
 from workers.store.replies import Decision
@@ -217,6 +219,24 @@ def cancel_session(
     return svc.client.cancel_session(session_id)
 
 
+SessionId = Annotated[str, Path(pattern=SESSION_PATTERN, description="The parent's session id.")]
+
+
+def session_budget(session_id: SessionId, svc: Svc) -> SessionBudget:
+    """The session's token budget: its limit (null: none), what its forks used, and what is left."""
+    return svc.client.budget(session_id)
+
+
+def set_session_budget(session_id: SessionId, body: BudgetRequest, svc: Svc) -> SessionBudget:
+    """Set the session's token budget; raised above what its forks used, the forks it paused resume (`resumed`)."""
+    return svc.client.set_budget(session_id, tokens=body.tokens)
+
+
+def fork_budget(fork_id: ForkId, svc: Svc) -> ForkBudget:
+    """The fork's budgets: its own max_tokens, used and left, and its session's budget."""
+    return svc.client.fork_budget(fork_id)
+
+
 def send_message(fork_id: ForkId, body: MessageRequest, svc: Svc) -> MessageSent:
     """Give the fork a message (docs/conversations.md): a succeeded fork is continued, a running or parked one
     reads it before its next model call; a fork that failed or was cancelled, or a full inbox, is 409."""
@@ -349,6 +369,17 @@ def _add_write_routes(v1: APIRouter) -> None:
         responses=_errors(404, 409, *BODY_ERRORS),
     )
     v1.add_api_route("/sessions/{session_id}/forks", session_forks, methods=["GET"])
+    v1.add_api_route("/sessions/{session_id}/budget", session_budget, methods=["GET"], response_model=SessionBudget)
+    v1.add_api_route(
+        "/sessions/{session_id}/budget",
+        set_session_budget,
+        methods=["PUT"],
+        response_model=SessionBudget,
+        responses=_errors(*BODY_ERRORS),
+    )
+    v1.add_api_route(
+        "/forks/{fork_id}/budget", fork_budget, methods=["GET"], response_model=ForkBudget, responses=_errors(404)
+    )
     v1.add_api_route(
         "/sessions/{session_id}/cancel",
         cancel_session,

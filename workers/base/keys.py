@@ -65,6 +65,17 @@ Each key: type; content; TTL; writer → readers.
   launches into it are refused (`workers.store.sessions`); `FORKQ_SESSION_TOMBSTONE_S`, written again by each
   cancel of the session; session cancel (before it reads the session's forks) → launch, nested launch, teammate
   name claim (each refuses atomically while it exists).
+- `{ns}:{parent:<session>}:budget`: hash; the session's token budget: `tokens` (the limit a person set;
+  absent: no limit) and `used` (billed tokens of every model response of the session's forks and their nested
+  subagents, each charged once: `workers.store.budget`); retention, renewed by every charge and every set;
+  set_budget (`forkq budget`, `PUT /v1/sessions/{id}/budget`) and the worker's budget guard (charge) → the
+  guard (before each model call), budget readers (`forkq budget`, inspect, the API, the web view).
+- `{ns}:{parent:<session>}:budget:charged`: hash; fork id → the last model step (`ModelRequest.step`) whose usage
+  was charged to the session: a charge for a step at or below it is a retry or a revival's repeat, and is not
+  counted again; retention, renewed with the budget; worker's budget guard → itself.
+- `{ns}:{parent:<session>}:budget:paused`: set; ids of the session's forks the session budget paused, emptied (and
+  each resumed) by a raise of the budget; retention; worker (with the pause, then a check of the budget) →
+  set_budget.
 - `{ns}:idempotency:<digest>`: string; JSON `{body, fork_id}`: the SHA-256 of the canonical body of a launch
   sent with an `Idempotency-Key` and the fork it launched, under the SHA-256 of the caller's token and that
   key (so keys of any length or alphabet make a bounded key, and two callers never share one);
@@ -205,6 +216,21 @@ class Keys:
         """The tombstone of a cancelled parent session: launches into it are refused while it exists."""
         _check_session(parent_session)
         return f"{self.namespace}:{{parent:{parent_session}}}:cancelled"
+
+    def session_budget(self, parent_session: str) -> str:
+        """The token budget of one parent session: its limit and what its forks used."""
+        _check_session(parent_session)
+        return f"{self.namespace}:{{parent:{parent_session}}}:budget"
+
+    def session_budget_charged(self, parent_session: str) -> str:
+        """Per fork of one parent session, the last model step charged to its budget."""
+        _check_session(parent_session)
+        return f"{self.namespace}:{{parent:{parent_session}}}:budget:charged"
+
+    def session_budget_paused(self, parent_session: str) -> str:
+        """The forks of one parent session that its budget paused."""
+        _check_session(parent_session)
+        return f"{self.namespace}:{{parent:{parent_session}}}:budget:paused"
 
     def blob(self, scope: str, digest_hex: str) -> str:
         """A workspace file's bytes, by the SHA-256 of those bytes, in one scope (tenant)."""

@@ -21,6 +21,7 @@ MAX_PARENT_FILE_BYTES: Final = 256 * 1024 * 1024  # `forkq launch --parent`
 MAX_SCHEMA_FILE_BYTES: Final = 1024 * 1024  # `forkq launch --output-schema`
 MAX_SNAPSHOT_DEPTH: Final = 1000  # a parent snapshot's `depth` (nesting is refused far below this)
 MAX_LAUNCH_TURNS: Final = 1_000_000  # a launch's `max_turns`
+MAX_TOKENS: Final = 10**15  # a launch's `max_tokens`, and a session's token budget: far past any bill, within int64
 MAX_LAUNCH_WALL_S: Final = 365 * 24 * 3600.0  # a launch's `max_wall_s` (a year)
 MAX_MESSAGE_BYTES: Final = 256 * 1024  # one message `send` gives a fork (UTF-8)
 MAX_INBOX_MESSAGES: Final = 100  # messages waiting in one fork's inbox

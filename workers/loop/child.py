@@ -111,6 +111,7 @@ class StopReason(enum.StrEnum):
     SHUTDOWN = "shutdown"  # its worker shuts down: the fork is handed to another
     LEASE_LOST = "lease_lost"  # another worker runs the fork now
     AWAITING_APPROVAL = "awaiting_approval"  # it parked on calls a person decides (`Parked`)
+    BUDGET_REACHED = "budget_reached"  # a token budget is used up (`workers.loop.budget.BudgetReached`): paused
 
 
 STOP_REASONS: Final = tuple(StopReason)

@@ -1,6 +1,8 @@
 """The scripted provider, for demos and tests only: deterministic answers from a JSON script.
 
-Script (`FORKQ_SCRIPT`): `{"steps": [{"delay_s": 0.5, "content": <model Content>}, ...]}`. The
+Script (`FORKQ_SCRIPT`): `{"steps": [{"delay_s": 0.5, "content": <model Content>}, ...]}`, a step's `usage`
+optional (the tokens it reports, e.g. `{"input_tokens": 100, "output_tokens": 20}`; else about a token per four
+characters of the request's and the answer's text). The
 fork's k-th model call returns step k after sleeping `delay_s`, so a revived fork gets the same
 answers; past the last step it answers with a final text. Without a script it answers with a short
 report of what the fork received.
@@ -29,6 +31,7 @@ class ScriptStep(BaseModel):
 
     delay_s: float = Field(0.0, ge=0, le=3600)
     content: Content
+    usage: TokenUsage | None = None  # what the step reports (token budgets' tests); None: counted from the text
 
 
 class Script(BaseModel):
@@ -72,6 +75,8 @@ class ScriptedProvider:
             if step.delay_s:  # sleep(0) would still hand the GIL to another thread
                 time.sleep(step.delay_s)
             content = step.content
+            if step.usage is not None:
+                return ModelResponse(content=content, usage=step.usage)
         else:
             time.sleep(self.default_delay_s if self.script is None else 0.0)
             content = Content(role="model", parts=[Part(text=self._final_text(request))])

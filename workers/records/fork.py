@@ -80,6 +80,7 @@ class ForkOptions(BaseModel):
     output_schema: dict[str, Any] | None = None  # the final answer's JSON schema, checked at launch
     max_wall_s: int | float | None = None  # the launch's own limits, below the worker's
     max_turns: int | None = None
+    max_tokens: int | None = None  # billed tokens at most (`workers.loop.budget`); at it the fork pauses
     seed_mode: Literal["completed_turns"] | None = None  # None: the fork_turns fork
     agent: str | None = None  # the definition a regular subagent (or a completed-turn fork) was resolved from
     agent_source: str | None = None  # where that definition was read: "built-in" or its file's name

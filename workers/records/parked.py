@@ -3,7 +3,8 @@ and the park event's `calls`), and `WaitingFor`, the state's account of what it 
 
 The calls are stored as compact JSON (a list of objects with `call_id`, `index`, `step`, `name`, `args`, in that
 order), written when the fork parks and rewritten by each decision; decoded here, once, where it is read.
-A paused fork's reason is the state's `waiting` field (states written before it kept it in `error`).
+A paused fork's reason is the state's `waiting` field (states written before it kept it in `error`), and the
+human account of a budget pause its `waiting_detail` field (absent in other states, and in older ones).
 """
 
 from __future__ import annotations
@@ -52,13 +53,24 @@ class ApprovalWait(BaseModel):
     calls: list[WaitingCall]
 
 
+class PauseReason(enum.StrEnum):
+    """A paused fork's `reason` when it is a word a program acts on (other pauses give a sentence)."""
+
+    BUDGET_REACHED = "budget_reached"  # its max_tokens, or its session's budget, is used up
+
+
 class ResumeWait(BaseModel):
-    """The fork is paused for `reason` (a tool this worker lacks, ...): once that is fixed, `forkq resume` it."""
+    """The fork is paused for `reason` (a missing tool, `budget_reached`, ...): once fixed, `forkq resume` it.
+
+    A pause by a session budget resumes by itself when that budget is raised. `detail` is the human account of a
+    budget pause: which budget, used, limit, and the command that raises it.
+    """
 
     model_config = ConfigDict(frozen=True)
 
     kind: Literal["resume"] = "resume"
     reason: str
+    detail: str | None = None
 
 
 class AdmissionLimit(enum.StrEnum):
@@ -120,7 +132,7 @@ def read_wait(calls: Sequence[ParkedCall] | None, fields: Mapping[str, str]) -> 
         reason, error = error or "", None
     if calls is not None:
         return approval_wait(calls), error
-    return ResumeWait(reason=reason or "paused"), error
+    return ResumeWait(reason=reason or "paused", detail=fields.get("waiting_detail") or None), error
 
 
 _CALLS = TypeAdapter(list[ParkedCall])

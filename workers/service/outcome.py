@@ -70,6 +70,7 @@ STOPPED: Final[Mapping[StopReason, Outcome]] = {
     StopReason.SHUTDOWN: Outcome.RELEASED,
     StopReason.CANCELLED: Outcome.CANCELLED,
     StopReason.LEASE_LOST: Outcome.LEASE_LOST,
+    StopReason.BUDGET_REACHED: Outcome.PAUSED,  # parked by the runner (`workers.service.budget`)
 }
 
 

@@ -17,8 +17,9 @@ from workers.base.keys import Keys
 from workers.base.limits import INBOX_DELIVERY_BATCH
 from workers.errors import ForkNotFound, ForkqError, LeaseLost, RecordIntegrityError
 from workers.history.selection import ForkSeed
+from workers.loop.budget import BudgetReached
 from workers.loop.child import STOP_REASONS, ChildLoop, Parked, PrimedCall, Spawner, Stopped, StopReason
-from workers.loop.guard import UNGUARDED, CallGuard
+from workers.loop.guard import CallGuard, Guards
 from workers.providers import ModelProvider
 from workers.providers.routing import ProviderRouter, build_provider, endpoint_of
 from workers.records.conversation import is_final_answer, recorded_surface
@@ -26,6 +27,7 @@ from workers.records.events import Event
 from workers.records.fork import BootstrapRecord, ChunkCache, Declarations, ForkResult, Status
 from workers.records.journal import EntryKind, JournalEntry, RequestDigests
 from workers.service.admission import Admission, AdmissionGuard, SharedCooldown
+from workers.service.budget import BudgetPark, budget_guard
 from workers.service.job import FirstStep, RunForkJob, executable, first_step, load_inputs
 from workers.service.metrics import Metrics
 from workers.service.outcome import ENDED, STOPPED, Outcome, RunOutcome, stop_reason
@@ -33,6 +35,7 @@ from workers.service.progress import Progress, RunObserver
 from workers.service.spawn import SubagentSpawner
 from workers.store.admission import AdmissionStore
 from workers.store.blobs import BlobStore
+from workers.store.budget import BudgetStore
 from workers.store.forks import ForkStore
 from workers.store.lease import Claim, LeaseKeeper, Leases, revival_grace_s, ride_out
 from workers.store.presence import Presence, owner_token, presence_token
@@ -108,6 +111,11 @@ class WorkerRuntime:
             ttl_s=self.settings.record_ttl_s,
             chunk_cache=ChunkCache(self.settings.chunk_cache_mb * 1024 * 1024),
         )
+
+    @cached_property
+    def budgets(self) -> BudgetStore:
+        """Session token budgets: read before each model call, charged after it."""
+        return BudgetStore(self.redis, Keys(self.settings.namespace), ttl_s=self.settings.record_ttl_s)
 
     @cached_property
     def leases(self) -> Leases:
@@ -412,10 +420,11 @@ def _run_claimed(
 
 def _guard(runtime: WorkerRuntime, job: RunForkJob, claim: Claim, run: Prepared) -> CallGuard:
     """What stands before each of the fork's model calls: its budgets, then its model's admission."""
+    budget = budget_guard(runtime.settings, runtime.budgets, run.record, run.entries, claim.clock.deadline)
     admission = runtime.admission
     if admission is None or admission.limit_of(run.record.model) is None:
-        return UNGUARDED
-    return AdmissionGuard(
+        return budget
+    admit = AdmissionGuard(
         admission,
         fork_id=job.fork_id,
         session=run.record.parent_session,
@@ -423,6 +432,7 @@ def _guard(runtime: WorkerRuntime, job: RunForkJob, claim: Claim, run: Prepared)
         owner=claim.owner,
         stop_if_asked=run.channel.stop_if_asked,
     )
+    return Guards([budget, admit])  # the budget first: a fork at its budget never takes (or waits for) a slot
 
 
 def _prepare(
@@ -487,6 +497,9 @@ def _run_loop(runtime: WorkerRuntime, job: RunForkJob, claim: Claim, lost: threa
     except Parked as park:  # no worker slot is held while a person decides
         runtime.leases.park(claim, park.calls)
         return Outcome.AWAITING_APPROVAL
+    except BudgetReached as stop:  # before the model call: nothing of the step was spent
+        BudgetPark(runtime.leases, runtime.store, runtime.budgets, runtime.requeue).park(claim, job.digest, stop)
+        return stop_outcome(stop.reason, fork_id=job.fork_id)
     except Stopped as stop:
         return _stopped(runtime, job, claim, stop.reason)
     except (LeaseLost, redis.RedisError):

@@ -126,7 +126,7 @@ UNPARK = """
 local parked = tonumber(redis.call('HGET', KEYS[1], 'parked_ms') or '')
 local first = tonumber(redis.call('HGET', KEYS[1], 'first_started_ms') or '')
 if parked and first then redis.call('HSET', KEYS[1], 'first_started_ms', first + (now - parked)) end
-redis.call('HDEL', KEYS[1], 'parked_ms', 'waiting')
+redis.call('HDEL', KEYS[1], 'parked_ms', 'waiting', 'waiting_detail')
 """
 
 # KEYS: state, events. A paused fork goes back to queued (the caller re-enqueues it).

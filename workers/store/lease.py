@@ -375,15 +375,23 @@ class Leases:
         outcome = self._write(claim, "release", self._release, keys, [claim.epoch, claim.owner, fid, reason, grace_ms])
         self._fenced(claim, outcome, "release")
 
-    def pause(self, claim: Claim, reason: str) -> None:
-        """Park the fork (`paused`, lease deleted) with a reason, until an operator resumes it."""
+    def pause(self, claim: Claim, reason: str, *, detail: str = "", budget_session: str | None = None) -> None:
+        """Park the fork (`paused`, lease deleted) with a reason, until an operator resumes it.
+
+        `detail` is the human account of a pause whose reason is a word (`budget_reached`); with
+        `budget_session`, the fork joins that session's budget-paused forks (a raise of the budget resumes them).
+        """
         from workers.records.events import ReasonData  # noqa: PLC0415 (loaded at the first write: see forks.py)
 
         k = self.keys
         fid = claim.fork_id
         keys = [k.state(fid), k.lease(fid), k.events(fid), k.running]
+        if budget_session is not None:
+            keys.append(k.session_budget_paused(budget_session))
+        text = f"{reason}: {detail}" if detail else reason
         # the status is also the type of the event the script writes (`PausedEvent`), with this data
-        args = [claim.epoch, claim.owner, fid, reason, Status.PAUSED.value, "", ReasonData(reason=reason).to_json()]
+        args = [claim.epoch, claim.owner, fid, reason, Status.PAUSED.value, "", ReasonData(reason=text).to_json()]
+        args.append(detail)
         self._fenced(claim, self._write(claim, "pause", self._pause, keys, args), "pause")
 
     def park(self, claim: Claim, pending: Sequence[ParkedCall]) -> None:

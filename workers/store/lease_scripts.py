@@ -256,11 +256,13 @@ return RELEASED
 """,
 )
 
-# KEYS: state, lease, events, running. ARGV: epoch, owner, fork_id, reason, status (paused or
-# awaiting_approval), pending calls (JSON), event data. Parked, holding no worker and out of the
+# KEYS: state, lease, events, running, and for a pause by its session's budget that session's set of budget-paused
+# forks. ARGV: epoch, owner, fork_id, reason, status (paused or awaiting_approval), pending calls (JSON), event
+# data, and the pause's detail ('' or absent: none). Parked, holding no worker and out of the
 # running index (never revived), until an operator resumes it or a person decides its calls. The reason
 # a paused fork waits goes to the state's `waiting` field (a parked one waits on its `pending` calls), never
-# to its `error`.
+# to its `error`; a budget pause's human account to `waiting_detail`. The set gets the fork with its pause, so a
+# raise of the budget that reads the set after the pause resumes it (the runner checks the budget after it).
 PAUSE: Final = lua_script(
     NOW,
     _ALREADY_RELEASED
@@ -268,6 +270,16 @@ PAUSE: Final = lua_script(
     + """
 redis.call('HSET', KEYS[1], 'status', ARGV[5], 'owner', '', 'error', '', 'waiting', ARGV[4], 'pending', ARGV[6],
            'parked_ms', now, 'released_by', ARGV[2])
+if ARGV[8] and ARGV[8] ~= '' then
+  redis.call('HSET', KEYS[1], 'waiting_detail', ARGV[8])
+else
+  redis.call('HDEL', KEYS[1], 'waiting_detail')
+end
+if KEYS[5] then
+  redis.call('SADD', KEYS[5], ARGV[3])
+  local ttl = redis.call('TTL', KEYS[1])
+  if ttl > 0 then redis.call('EXPIRE', KEYS[5], ttl, 'GT') ; redis.call('EXPIRE', KEYS[5], ttl, 'NX') end
+end
 redis.call('DEL', KEYS[2])
 redis.call('ZREM', KEYS[4], ARGV[3])
 redis.call('XADD', KEYS[3], 'MAXLEN', '~', @MAXLEN@, '*', 'type', ARGV[5], 'data', ARGV[7])

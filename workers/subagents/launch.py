@@ -17,7 +17,15 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 from pydantic.json_schema import SkipJsonSchema
 
 from workers.base.keys import FORK_ID_RE, HEX_DIGEST_RE
-from workers.base.limits import MAX_LAUNCH_TURNS, MAX_LAUNCH_WALL_S, bad_text, nesting_problem, shown, too_deep
+from workers.base.limits import (
+    MAX_LAUNCH_TURNS,
+    MAX_LAUNCH_WALL_S,
+    MAX_TOKENS,
+    bad_text,
+    nesting_problem,
+    shown,
+    too_deep,
+)
 from workers.errors import InvalidAgentParams
 from workers.history.params import (
     APPROVAL_POLICIES,
@@ -117,6 +125,16 @@ def _max_turns(value: object) -> object:
     return value
 
 
+def _max_tokens(value: object) -> object:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= MAX_TOKENS):
+        raise InvalidAgentParams(
+            f"max_tokens must be a positive whole number of tokens (input plus output, at most {MAX_TOKENS:,}); "
+            f"got {shown(value)}",
+            field="max_tokens",
+        )
+    return value
+
+
 def _workspace(value: object) -> object:
     if value is not None and value not in tuple(WorkspaceMode):
         raise InvalidAgentParams(
@@ -202,6 +220,11 @@ class LaunchOptions(BaseModel):
     max_turns: Annotated[Whole | SkipJsonSchema[None], BeforeValidator(_max_turns)] = Field(
         None, description="Model calls at most (below the workers' own limit)."
     )
+    max_tokens: Annotated[Whole | SkipJsonSchema[None], BeforeValidator(_max_tokens)] = Field(
+        None,
+        description="Tokens at most (input plus output, cached input as the provider bills it); at it the fork "
+        "pauses (`budget_reached`) before its next model call.",
+    )
     workspace: Annotated[WorkspaceMode | SkipJsonSchema[None], BeforeValidator(_workspace)] = Field(
         None,
         description="The fork's files: `snapshot`, its own copy (the default, FORKQ_WORKSPACE), or `shared`, the "
@@ -224,6 +247,7 @@ def record_options(agent: AgentParams, options: LaunchOptions) -> dict[str, Any]
         "output_schema": options.output_schema,
         "max_wall_s": options.max_wall_s,
         "max_turns": options.max_turns,
+        "max_tokens": options.max_tokens,
         "seed_mode": "completed_turns" if options.seed_mode == "completed_turns" else None,
         "persona": True if options.persona is not None else None,
         "tool_filter": None if options.tool_filter is None else list(options.tool_filter),
@@ -241,6 +265,7 @@ def launch_settings(record: BootstrapRecord) -> dict[str, Any]:
         "output_schema": options.output_schema,
         "max_wall_s": options.max_wall_s,
         "max_turns": options.max_turns,
+        "max_tokens": options.max_tokens,
         "fork_tools": options.fork_tools,
         "seed_mode": options.seed_mode or "fork_turns",
         "agent": options.agent,

@@ -3,6 +3,7 @@ import type {
   Cancelled,
   ChangesBody,
   Decided,
+  ForkBudget,
   ForkState,
   Health,
   LaunchRequest,
@@ -11,6 +12,7 @@ import type {
   MessageSent,
   Notification,
   ResultBody,
+  SessionBudget,
   SessionCancel,
   SessionForks,
   Transcript,
@@ -71,6 +73,9 @@ export interface UploadedWorkspace {
 export type LaunchInput = LaunchRequest & {
   /** A folder (the parent's cwd) to upload as the fork's snapshot workspace before the launch (Node.js). */
   workspaceDir?: string;
+  /** The fork's tokens at most (the launch option `max_tokens`: input plus output, cached input as the provider
+   * bills it); at it the fork pauses (`budget_reached`) before its next model call (docs/capacity.md). */
+  maxTokens?: number;
 };
 
 /** What `result` answered: the result of an ended fork, or the state of one that has not ended (yet). */
@@ -123,7 +128,8 @@ export class ForkqClient {
   /** Launch a fork (`POST /v1/forks`); with `idempotencyKey`, at most once per key. With `workspaceDir`, the folder
    * is uploaded first (`uploadWorkspace`) and the fork works on that snapshot (`options.workspace_manifest`). */
   async launch(input: LaunchInput, options: CallOptions & { idempotencyKey?: string } = {}): Promise<Launched> {
-    const { workspaceDir, ...request } = input;
+    const { workspaceDir, maxTokens, ...request } = input;
+    if (maxTokens !== undefined) request.options = { ...request.options, max_tokens: maxTokens };
     if (workspaceDir !== undefined) {
       const { manifest } = await this.uploadWorkspace(workspaceDir, options);
       request.options = { ...request.options, workspace: "snapshot", workspace_manifest: manifest };
@@ -287,6 +293,31 @@ export class ForkqClient {
     const path = `/v1/sessions/${segment(sessionId, "session_id")}/cancel`;
     return (await this.call<SessionCancel>({ what: `cancel of session ${sessionId}`, method: "POST", path }, options))
       .body;
+  }
+
+  /** A parent session's token budget: its limit (`tokens`, null: none), what its forks used, and what is left. */
+  async budget(sessionId: string, options: CallOptions = {}): Promise<SessionBudget> {
+    const path = `/v1/sessions/${segment(sessionId, "session_id")}/budget`;
+    return (await this.call<SessionBudget>({ what: `budget of session ${sessionId}`, method: "GET", path }, options))
+      .body;
+  }
+
+  /** Set a parent session's token budget; raised above what its forks used, the forks it paused resume
+   * (`resumed` lists them). */
+  async setBudget(sessionId: string, tokens: number, options: CallOptions = {}): Promise<SessionBudget> {
+    const req = {
+      what: `budget of session ${sessionId}`,
+      method: "PUT",
+      path: `/v1/sessions/${segment(sessionId, "session_id")}/budget`,
+      body: { tokens },
+    } as const;
+    return (await this.call<SessionBudget>(req, options)).body;
+  }
+
+  /** A fork's budgets: its own `max_tokens` with used and left, and its session's budget. */
+  async forkBudget(forkId: string, options: CallOptions = {}): Promise<ForkBudget> {
+    const req = { what: `budget of fork ${forkId}`, method: "GET", path: `${forkPath(forkId)}/budget` } as const;
+    return (await this.call<ForkBudget>(req, options)).body;
   }
 
   /** The subagent definitions a launch's `subagent_type` can name. */

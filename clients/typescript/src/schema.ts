@@ -47,6 +47,11 @@ export interface Blob {
   data?: string | null;
 }
 
+/** A parent session's token budget to set (`PUT /v1/sessions/{id}/budget`); raised, it resumes what it paused. */
+export interface BudgetRequest {
+  tokens: number;
+}
+
 /** A tool call a model response made. */
 export interface Call {
   call_id: string | null;
@@ -168,6 +173,15 @@ export interface FinishedEvent {
   data: FinishedData;
 }
 
+/** A fork's budgets: its own `max_tokens` (None: none) with used and left, and its session's budget. */
+export interface ForkBudget {
+  fork_id: string;
+  max_tokens: number | null;
+  used: number;
+  left: number | null;
+  session: SessionBudget;
+}
+
 /** One event of a fork: its type's model, tagged by `type`. */
 export type ForkEvent = QueuedEvent | StartedEvent | ModelCallEvent | StepEvent | ToolEvent | FeedbackEvent | MessageEvent | AwaitingApprovalEvent | ApprovedEvent | DeniedEvent | PausedEvent | ResumedEvent | ReleasedEvent | RevivedEvent | ModelWaitEvent | FinishedEvent;
 
@@ -221,6 +235,7 @@ export interface LaunchOptions {
   output_schema?: Record<string, unknown>;
   max_wall_s?: number;
   max_turns?: number;
+  max_tokens?: number;
   workspace?: WorkspaceMode;
   workspace_manifest?: string;
   network?: boolean;
@@ -394,10 +409,11 @@ export interface ResultBody {
   error?: string | null;
 }
 
-/** The fork is paused for `reason` (a tool this worker lacks, ...): once that is fixed, `forkq resume` it. */
+/** The fork is paused for `reason` (a missing tool, `budget_reached`, ...): once fixed, `forkq resume` it. */
 export interface ResumeWait {
   kind: "resume";
   reason: string;
+  detail?: string | null;
 }
 
 /** A paused fork was queued again (no data). */
@@ -438,6 +454,15 @@ export interface SeedSummary {
   approval_mode: string;
   tools: string[];
   settings: Record<string, unknown>;
+}
+
+/** A session's token budget: its limit (None: none set), the tokens its forks used, and what is left. */
+export interface SessionBudget {
+  session: string;
+  tokens: number | null;
+  used: number;
+  left: number | null;
+  resumed: string[];
 }
 
 /** What a session cancel did: the forks it cancelled (ids, oldest first) and how many had already ended. */

@@ -5,7 +5,7 @@ import { readFileSync } from "node:fs";
 import { test } from "node:test";
 import { ForkqApiError } from "../dist/index.js";
 import { generate } from "../scripts/schema.mjs";
-import { AGENT, API_URL, FINAL_TEXT, TOKEN, allEvents, client, parent } from "./live.mjs";
+import { AGENT, API_URL, FINAL_TEXT, TOKEN, allEvents, client, parent, waitStatus } from "./live.mjs";
 
 test("a launched fork streams its events to finished, then gives its result, state and session listing", async () => {
   const api = client();
@@ -47,6 +47,30 @@ test("an invalid launch is a ForkqApiError with the status, the API's message an
   assert.equal(error.status, 422);
   assert.equal(error.field, "fork_turns");
   assert.match(error.message, /fork_turns/);
+});
+
+test("a session budget pauses its fork before a model call, and raising it resumes the fork to its end", async () => {
+  const api = client();
+  const snapshot = parent();
+  await assert.rejects(api.setBudget(snapshot.session_id, -1), { status: 422, field: "tokens" });
+  const none = await api.setBudget(snapshot.session_id, 0);
+  assert.deepEqual([none.tokens, none.used, none.left, none.resumed], [0, 0, 0, []]);
+
+  const launched = await api.launch({ parent: snapshot, agent: AGENT, maxTokens: 1_000_000 });
+  const paused = await waitStatus(api, launched.fork_id, "paused");
+
+  assert.equal(paused.waiting_for.reason, "budget_reached");
+  assert.match(paused.waiting_for.detail, /budget of session/);
+  const budget = await api.forkBudget(launched.fork_id);
+  assert.deepEqual([budget.max_tokens, budget.used, budget.session.tokens], [1_000_000, 0, 0]);
+  const raised = await api.setBudget(snapshot.session_id, 1_000_000);
+  assert.deepEqual(raised.resumed, [launched.fork_id]);
+  const outcome = await api.result(launched.fork_id, { wait: 20 });
+  assert.equal(outcome.ended, true);
+  assert.equal(outcome.result.output, FINAL_TEXT);
+  const read = await api.budget(snapshot.session_id);
+  assert.equal(read.used, (await api.forkBudget(launched.fork_id)).used);
+  assert.ok(read.used > 0 && read.left === 1_000_000 - read.used, JSON.stringify(read));
 });
 
 test("a wrong token is a 401 ForkqApiError, an unknown fork a 404, no server a status 0", async () => {

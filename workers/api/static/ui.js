@@ -330,13 +330,16 @@
   async function refresh(track) {
     const base = "v1/forks/" + enc(track.forkId);
     try {
-      const [state, transcript] = await Promise.all([api(base), api(base + "/transcript?max_chars=" + TRANSCRIPT_CHARS)]);
+      const [state, transcript, budget] = await Promise.all([
+        api(base), api(base + "/transcript?max_chars=" + TRANSCRIPT_CHARS), api(base + "/budget"),
+      ]);
       const result = TERMINAL.has(state.status) ? await api(base + "/result") : null;
       const changes = result ? await api(base + "/changes").catch(() => null) : null;
       if (view.track !== track) return;
       renderState(track, state);
       renderSteps(track, transcript.steps);
       renderUsage(transcript.steps, result);
+      renderBudget(budget);
       renderOutput(result);
       renderChanges(changes);
     } catch (err) {
@@ -377,6 +380,7 @@
     if (wait.kind === "model") {
       return (shown.textContent = "Waiting for model " + wait.model + ": its " + wait.limit + " limit (FORKQ_MODEL_LIMITS).");
     }
+    if (wait.detail) return (shown.textContent = "Paused: " + wait.reason + ": " + wait.detail);
     shown.textContent = "Paused: " + wait.reason + ". Once that is fixed, resume it (forkq resume " + forkId + ").";
   }
 
@@ -533,6 +537,25 @@
       rows.push(term, value);
     }
     $("usage").replaceChildren(...rows);
+  }
+
+  // the fork's own max_tokens and its session's budget (GET /v1/forks/{id}/budget): limit, used, left
+  function renderBudget(budget) {
+    const line = (limit, used, left) =>
+      limit === null ? "no limit; used " + used + " tokens" : "used " + used + " of " + limit + " tokens, " + left + " left";
+    const rows = [];
+    for (const [name, label, text] of [
+      ["max_tokens", "Fork (max_tokens)", line(budget.max_tokens, budget.used, budget.left)],
+      ["session", "Session " + budget.session.session, line(budget.session.tokens, budget.session.used, budget.session.left)],
+    ]) {
+      const term = document.createElement("dt");
+      term.textContent = label;
+      const value = document.createElement("dd");
+      value.textContent = text;
+      value.dataset.budget = name;
+      rows.push(term, value);
+    }
+    $("budget").replaceChildren(...rows);
   }
 
   function renderOutput(result) {
