@@ -280,10 +280,9 @@ class ForkClient:
     ) -> ForkHandle:
         """Validate, build the seed, write the bootstrap record, then enqueue the fork.
 
-        Nothing reaches Redis or the broker when the parameters, the options or the snapshot are invalid.
-        Sibling launches from one `ParentSnapshot` object share its history selection
-        (`workers.records.seeds`); add messages to a snapshot's history list as you like, but never change
-        a Content in place.
+        Nothing reaches Redis or the broker when the parameters, the options or the snapshot are invalid. Sibling
+        launches from one `ParentSnapshot` share its history selection (`workers.records.seeds`); add messages to a
+        snapshot's history list as you like, but never change a Content in place.
 
         Args:
             approval_policy: what a call that needs approval does: `deny` answers it with a denial
@@ -305,7 +304,7 @@ class ForkClient:
             InvalidAgentParams: the Agent call's parameters break the contract, or the launch
                 options are invalid or ask for what the provider lacks (`.field` names which).
             InvalidParentSnapshot: the parent snapshot is malformed.
-            SessionCancelled: the snapshot's session was cancelled moments ago (`cancel_session`); nothing was written.
+            SessionCancelled: the snapshot's session was cancelled moments ago (`cancel_session`); nothing written.
             InvalidAgentDefinition: a file of FORKQ_AGENTS_DIR is malformed.
         """
         from workers.subagents.launch import LaunchOptions  # noqa: PLC0415  (launches only, as below)
