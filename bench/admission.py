@@ -36,6 +36,7 @@ import time
 import urllib.request
 from collections import Counter
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -124,7 +125,15 @@ class Plan:
 
 FULL = Plan()
 QUICK = Plan(
-    storm_forks=200, storm_k=20, latency_s=0.5, a_forks=100, b_forks=5, b_delay_s=2.0, fair_k=10, cost_forks=200
+    storm_forks=200,
+    storm_k=20,
+    latency_s=0.5,
+    a_forks=60,
+    b_forks=5,
+    b_delay_s=2.0,
+    fair_k=10,
+    cost_forks=200,
+    cost_latency_s=1.0,
 )
 
 
@@ -296,7 +305,7 @@ def worker_argv(name: str, slots: int) -> list[str]:
 
 
 class Launcher:
-    """Launches a case's groups: one parent snapshot per session (siblings share its seed)."""
+    """Launches a group's forks: one parent snapshot per session (siblings share its seed)."""
 
     def __init__(self, client: ForkClient, parent: ParentSnapshot) -> None:
         self.client = client
@@ -322,20 +331,26 @@ class Launcher:
         return forks
 
 
-def launch_groups(launcher: Launcher, groups: Sequence[Group]) -> tuple[list[Fork], float]:
-    """Each group at its delay after the first launch (later if the one before took longer); B's actual offset."""
+def launch_groups(redis_url: str, parent: ParentSnapshot, groups: Sequence[Group]) -> tuple[list[Fork], float]:
+    """Each group from its own thread and client, `delay_s` after the first began (whether or not the groups
+    before it are all launched yet); the forks, and when the last delayed group began (s)."""
     began = time.monotonic()
-    forks: list[Fork] = []
-    offset = float("nan")
-    for group in sorted(groups, key=lambda g: g.delay_s):
+    offsets: list[float] = []
+
+    def launch(group: Group) -> list[Fork]:
         wait = began + group.delay_s - time.monotonic()
         if wait > 0:
             time.sleep(wait)  # the scenario's pause between the sessions, not a synchronization
         if group.delay_s:
-            offset = time.monotonic() - began
-        forks += launcher.launch(group)
+            offsets.append(time.monotonic() - began)
+        with ForkClient(Settings(redis_url=redis_url, queue=QUEUE)) as client:
+            forks = Launcher(client, parent).launch(group)
         print(f"  {group.name}: {group.forks} forks launched by {time.monotonic() - began:.1f} s", flush=True)
-    return forks, offset
+        return forks
+
+    with ThreadPoolExecutor(len(groups)) as pool:
+        launched = list(pool.map(launch, groups))
+    return [f for forks in launched for f in forks], max(offsets, default=float("nan"))
 
 
 def wait_all(
@@ -397,10 +412,9 @@ def run_case(case: Case, plan: Plan, parent: ParentSnapshot, tmp: Path) -> Outco
         server, port, group = stack.enter_context(servers(case, plan, logdir))
         r = stack.enter_context(redis.Redis.from_url(server.url))
         client = stack.enter_context(ForkClient(Settings(redis_url=server.url, queue=QUEUE), redis_client=r))
-        launcher = Launcher(client, parent)
         env = case_env(case, server.url, port, slots)
         if case.queued:
-            out.forks, _ = launch_groups(launcher, case.groups)
+            out.forks, _ = launch_groups(server.url, parent, case.groups)
         group.start("sweeper", [sys.executable, "-m", "workers.cli", "sweep"], env)
         before = RedisCounters.read(r)
         workers = [group.start(name, worker_argv(name, slots), env) for name in WORKERS]
@@ -409,7 +423,7 @@ def run_case(case: Case, plan: Plan, parent: ParentSnapshot, tmp: Path) -> Outco
             sampler.start()
         if not case.queued:
             wait_ready(make_app(Settings(redis_url=server.url, queue=QUEUE)), workers)
-            out.forks, out.b_offset_s = launch_groups(launcher, case.groups)
+            out.forks, out.b_offset_s = launch_groups(server.url, parent, case.groups)
         out.note = wait_all(client, r, out.forks, workers, 180 + 10 * case.ideal_s)
         after = RedisCounters.read(r)
         for sampler in samplers:
