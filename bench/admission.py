@@ -13,10 +13,15 @@ limits in the same run:
 2. fairness: workers running, session A launches 500 forks, B launches 10 five seconds after A began.
    B's median time to finish (its launch → its `finished`) against what its fair share predicts: with two
    sessions active B may hold min(n_B, K / 2) slots, so its forks finish in 3 × L × ⌈n_B / that⌉. Target
-   with fair share: ≤ 1.5×. The same with limits but without fair share, and without limits.
+   with fair share: ≤ 1.5×. The same without fair share (no setting turns it off: every fork of A and B
+   gets a parent session of its own, so the fair queue takes turns per fork, not per session), and
+   without limits. Where the time went: each group's median launch → started → first model call, the
+   time inside its model calls (admission wait + the call) and the forks that had a call queued.
 3. cost: N forks on an endpoint with room for all (no 429, no wait), limits set far above the demand against
    none: what admission adds per model call in Redis commands (INFO commandstats deltas, commands inside
-   Lua scripts included, by name) and in worker CPU (both workers, first `started` → last `finished`).
+   Lua scripts included, by name; EVALSHA/EVAL are the added round trips) and in worker CPU (both workers,
+   first `started` → last `finished`). Every case also prints the stub's busy share of K and its Redis
+   commands per model call.
 
 Which tree is measured: the one this script is in. "With limits" needs `FORKQ_MODEL_LIMITS`
 (`Settings.model_limits`); a tree without it runs only the cases without limits and says so.
@@ -142,11 +147,6 @@ def limits_supported() -> bool:
     return "model_limits" in Settings.model_fields
 
 
-def fair_share_off() -> tuple[tuple[str, str], ...] | None:
-    """The setting that turns fair share off, if this tree has one (else None: each fork gets its own session)."""
-    return None
-
-
 def cases(plan: Plan, parts: Sequence[str]) -> list[Case]:
     """Every case of the chosen parts, with limits and without."""
     limited = limits_supported()
@@ -163,12 +163,9 @@ def cases(plan: Plan, parts: Sequence[str]) -> list[Case]:
         fair = Case("fairness", "fair share", (a, b), plan.fair_k, plan.latency_s, cap, queued=False)
         if limited:
             out.append(fair)
-            off = fair_share_off()
-            if off is not None:
-                out.append(replace(fair, label="limits, fair share off", env=off))
-            else:
-                solo = (replace(a, session=PER_FORK), replace(b, session=PER_FORK))
-                out.append(replace(fair, label="limits, a session per fork", groups=solo))
+            # no setting turns fair share off: with a session of its own, every fork gets one turn, as in FIFO
+            solo = (replace(a, session=PER_FORK), replace(b, session=PER_FORK))
+            out.append(replace(fair, label="limits, a session per fork", groups=solo))
         out.append(replace(fair, label="no limits", limits=None))
     if "cost" in parts:
         many = plan.cost_forks * 10  # room for every request at once: no 429, no wait
@@ -193,6 +190,9 @@ class Fork:
     finished_ms: float | None = None
     status: str = ""
     error: str = ""
+    first_call_ms: float | None = None  # its first `model_call` event
+    in_calls_s: float = 0.0  # `model_call` → its `step`, summed: admission wait + the call
+    waits: int = 0  # `model_wait` events: calls that were queued
 
 
 @dataclass
@@ -389,6 +389,15 @@ def read_forks(client: ForkClient, forks: Sequence[Fork]) -> None:
         ends = [e.at_ms for e in events if e.type == "finished"]
         fork.started_ms = min(starts) if starts else None
         fork.finished_ms = max(ends) if ends else None
+        call_at: float | None = None
+        for event in events:
+            if event.type == "model_call":
+                call_at = event.at_ms
+                fork.first_call_ms = fork.first_call_ms or event.at_ms
+            elif event.type == "step" and call_at is not None:
+                fork.in_calls_s += (event.at_ms - call_at) / 1000
+                call_at = None
+            fork.waits += event.type == "model_wait"
 
 
 @contextmanager
@@ -515,6 +524,25 @@ def print_cost(rows: Sequence[Outcome]) -> None:
         print(f"limits − no limits, Redis commands per model call by name (|Δ| ≥ 0.05): {shown or 'none'}")
 
 
+def phases(o: Outcome, group: str) -> str:
+    """Where a group's forks spent their time, medians: launch → started → first model call, inside the model
+    calls (admission wait + the call; the stub's latency alone is 3 × L), and the rest (tools, records)."""
+    forks = [f for f in o.forks if f.group == group and f.started_ms and f.finished_ms and f.first_call_ms]
+    if not forks:
+        return f"{group}: no fork finished"
+    med = statistics.median
+    dispatch = med([(f.started_ms or 0) - f.launched_ms for f in forks]) / 1000
+    setup = med([(f.first_call_ms or 0) - (f.started_ms or 0) for f in forks]) / 1000
+    calls = med([f.in_calls_s for f in forks])
+    total = med([((f.finished_ms or 0) - f.launched_ms) / 1000 for f in forks])
+    waited = sum(f.waits > 0 for f in forks)
+    return (
+        f"{group}: median launch → finished {total:.2f} s = launch → started {dispatch:.2f} s, started → first "
+        f"model call {setup:.2f} s, in the {CALLS} model calls {calls:.2f} s ({CALLS} × L = "
+        f"{CALLS * o.case.latency_s:g} s), rest; {waited}/{len(forks)} forks had a call queued"
+    )
+
+
 def print_details(rows: Sequence[Outcome]) -> None:
     """Errors, the stub's connections, notes."""
     print()
@@ -525,6 +553,21 @@ def print_details(rows: Sequence[Outcome]) -> None:
         print(line + (f"; NOTE {o.note}" if o.note else ""))
         for error, n in errors.most_common(3):
             print(f"  {n} × {error}")
+        throttled = {k: v["throttled"] for k, v in o.stub.get("by_key", {}).items() if v.get("throttled")}
+        if throttled and len(throttled) <= 5:
+            print(f"  429s by parent session: {throttled}")
+        served, first, last = o.served, o.stub.get("first_request_at"), o.stub.get("last_answer_at")
+        if served and first and last and last > first:
+            busy = served * o.case.latency_s / (last - first)
+            print(
+                f"  the stub: first request → last answer {last - first:.1f} s, {busy:.1f} requests in service on "
+                f"average = {busy / o.case.k:.0%} of K"
+            )
+        top = ", ".join(f"{n} {c / max(served, 1):.1f}" for n, c in o.redis_calls.most_common(6))
+        print(f"  Redis per model call: {sum(o.redis_calls.values()) / max(served, 1):.1f} commands ({top}), "
+              f"{o.redis_cpu_s * 1e6 / max(served, 1):.0f} µs CPU")  # fmt: skip
+        for group in o.case.groups:
+            print("  " + phases(o, group.name))
 
 
 def run(plan: Plan, parts: Sequence[str]) -> list[Outcome]:
