@@ -596,12 +596,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller parts: a smoke run of about 2 minutes")
     parser.add_argument("--parts", default="storm,fairness,cost", help="comma-separated (default all three)")
+    parser.add_argument("--latency-s", type=float, default=None, help="L of the storm and fairness parts (default 1 s)")
     args = parser.parse_args()
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     unknown = set(parts) - {"storm", "fairness", "cost"}
     if unknown:
         parser.error(f"unknown part(s) {sorted(unknown)}; choose from storm, fairness, cost")
     plan = QUICK if args.quick else FULL
+    if args.latency_s is not None:
+        if not args.latency_s > 0:
+            parser.error(f"--latency-s must be a positive number of seconds, got {args.latency_s}")
+        plan = replace(plan, latency_s=args.latency_s)
     began = time.monotonic()
     print(
         f"forkq admission: {os.cpu_count()} CPUs, Python {platform.python_version()}, Celery {celery.__version__}, "
