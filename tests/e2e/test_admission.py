@@ -275,12 +275,17 @@ def test_a_session_with_few_forks_is_not_starved_by_one_with_many(rig: Callable[
 
 
 def test_time_waiting_for_admission_does_not_count_against_max_wall_s(rig: Callable[..., Rig]) -> None:
-    # Given a model limited to one call at once, held 3 s by another fork's call
+    # Given a model limited to one call at once, held by another fork's call until 2.5 s after the fork under test
+    # began to wait (however long its launch took on a busy machine)
+    waiting = threading.Event()
+
     def answer(received: Received, index: int) -> Reply | None:
         task = task_of(received)
         if task == "TASK-hold":
-            time.sleep(3.0)  # the model's time: the slot is held meanwhile
+            waiting.wait(READY_S)
+            time.sleep(2.5)  # the model's time: the slot is held meanwhile
         elif received.json["messages"][-1]["role"] == "tool":  # the fork's tool result: its last call
+            time.sleep(1.0)  # the fork runs on a while its wait, written by the coordinator after its call, lands
             return Reply(200, completion({"content": "read it"}))
         elif task == "TASK-wall":
             read = tool_call("call_1", "read_file", json.dumps({"path": "notes.txt"}))
@@ -294,6 +299,9 @@ def test_time_waiting_for_admission_does_not_count_against_max_wall_s(rig: Calla
 
     # When a fork limited to 2 s of wall clock waits about 3 s for the slot, then calls the model twice
     fid = setup.launch("s-two", "TASK-wall.", max_wall_s=2)
+    state_key = Keys(TEST_NAMESPACE).state(fid)
+    wait_until(lambda: bool(setup.redis.hget(state_key, "model_wait")), READY_S, "the fork to wait for the slot")
+    waiting.set()
     result = setup.result(fid)
 
     # Then it succeeds (its deadline moved on by its wait), and its first start moved on by the wait too, so a
@@ -301,7 +309,7 @@ def test_time_waiting_for_admission_does_not_count_against_max_wall_s(rig: Calla
     assert setup.result(holder).status is Status.SUCCEEDED
     assert result.status is Status.SUCCEEDED, result.error
     assert result.usage.model_calls == 2
-    state = setup.redis.hgetall(Keys(TEST_NAMESPACE).state(fid))
+    state = setup.redis.hgetall(state_key)
     assert int(state[b"first_started_ms"]) - int(state[b"started_ms"]) >= 2000
 
 
