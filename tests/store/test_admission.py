@@ -227,3 +227,35 @@ def test_a_forks_wait_shows_in_its_state_and_its_admitted_wait_moves_its_first_s
 
     assert fork_store.state("f-wait").waiting_for is None
     assert int(redis_client.hget(KEYS.state("f-wait"), "first_started_ms") or 0) == first + 4000
+
+
+def test_the_session_tags_stay_bounded_while_many_sessions_pass_through_a_queue_that_never_empties(
+    redis_client: redis.Redis,
+) -> None:
+    admission, capacity = store(redis_client), Capacity(concurrency=1)
+    held = ask(admission, "s-holder")
+    admission.acquire(MODEL, capacity, held)
+    admission.acquire(MODEL, capacity, ask(admission, "s-first"))
+    for i in range(400):  # one session after another queues one call; the head is granted as each hold ends
+        admission.acquire(MODEL, capacity, ask(admission, f"s-{i}"))
+        (held_id,) = admission.holds(MODEL)
+        admission.release(MODEL, capacity, held_id)
+
+    assert len(admission.queued(MODEL)) == 1
+    assert redis_client.hlen(KEYS.admission(MODEL)[3]) <= 2 + 64
+
+
+def test_a_hold_past_its_expiry_is_not_brought_back_by_a_late_renewal(redis_client: redis.Redis) -> None:
+    admission, capacity = store(redis_client, hold_ttl_ms=50), Capacity(concurrency=1)
+    held = ask(admission)
+    admission.acquire(MODEL, capacity, held)
+    holds_key = KEYS.admission(MODEL)[0]
+    expiry = redis_client.zscore(holds_key, held.waiter)
+    assert expiry is not None
+    while redis_client.time()[0] * 1000 + redis_client.time()[1] // 1000 <= expiry:  # Redis's clock passes it
+        time.sleep(0.01)
+
+    admission.renew({MODEL: [held.waiter]})  # a process that was silent longer than its holds' TTL
+
+    assert redis_client.zscore(holds_key, held.waiter) == expiry
+    assert admission.acquire(MODEL, capacity, ask(admission)).granted  # the slot is free

@@ -21,6 +21,7 @@ from workers.store.script_parts import NOW, lua_script
 
 WINDOW_MS: Final = 60_000  # rpm and tpm count what was admitted in the last minute (a sliding window)
 MAX_GRANTS: Final = 256  # grants of one script call: a script's time stays bounded
+TAGS_SLACK: Final = 64  # session tags kept beyond twice the queue's length before the stale ones are pruned
 
 _HEADER = """
 local holds, queue, waiters, tags, log, tokens, cooldown, granted = unpack(KEYS, 1, 8)
@@ -45,7 +46,8 @@ end
 
 # what keeps a call of `est` tokens to `endpoint` out now (a limit's word), or nil; a call estimated above the
 # whole tpm goes out alone in an empty window rather than never
-_BLOCKED = """
+_BLOCKED = f"""
+local TAGS_SLACK = {TAGS_SLACK}
 local function blocked(endpoint, est)
   if tonumber(redis.call('HGET', cooldown, endpoint) or '0') > now then return COOLDOWN end
   if conc > 0 and redis.call('ZCARD', holds) >= conc then return CONCURRENCY end
@@ -64,6 +66,19 @@ local function admit(id, est)
 end
 
 local function owner_of(id) return string.match(id, '^([^|]*)|') end
+
+-- the hash is deleted only when the queue empties: while it never does, sessions passing through would pile up
+-- in it. Past twice the queue's length (and a slack), the sessions with nothing queued go: each may then start
+-- at the clock at most one turn early, and the hash stays about the size of the queue (amortized O(1) a call).
+local function prune_tags()
+  if redis.call('HLEN', tags) <= 2 * redis.call('ZCARD', queue) + TAGS_SLACK then return end
+  local busy, entries, old = {{}}, redis.call('HGETALL', tags), {{}}
+  for _, data in ipairs(redis.call('HVALS', waiters)) do busy['s:' .. cjson.decode(data).s] = true end
+  for i = 1, #entries, 2 do
+    if entries[i] ~= '_v' and not busy[entries[i]] then old[#old + 1] = entries[i] end
+  end
+  for i = 1, #old, 500 do redis.call('HDEL', tags, unpack(old, i, math.min(i + 499, #old))) end
+end
 """
 
 _GRANT = f"""
@@ -123,6 +138,7 @@ if redis.call('HEXISTS', waiters, id) == 0 and not redis.call('ZSCORE', holds, i
   redis.call('HSET', tags, 's:' .. session, start + 1 / weight)
   redis.call('ZADD', queue, start, id)
   redis.call('HSET', waiters, id, cjson.encode({s = session, t = est, e = endpoint}))
+  prune_tags()
 end
 local why = grant() or ''
 local granted_now = mine()
@@ -186,7 +202,10 @@ RENEW: Final = lua_script(
 local ttl, at = tonumber(ARGV[1]), 2
 for k = 1, #KEYS do
   local n = tonumber(ARGV[at])
-  for i = at + 1, at + n do redis.call('ZADD', KEYS[k], 'XX', now + ttl, ARGV[i]) end
+  for i = at + 1, at + n do  -- a hold past its expiry is gone even before a script removes it: not brought back
+    local expiry = tonumber(redis.call('ZSCORE', KEYS[k], ARGV[i]) or '0')
+    if expiry > now then redis.call('ZADD', KEYS[k], now + ttl, ARGV[i]) end
+  end
   at = at + n + 1
 end
 return 1
