@@ -259,3 +259,29 @@ def test_a_hold_past_its_expiry_is_not_brought_back_by_a_late_renewal(redis_clie
 
     assert redis_client.zscore(holds_key, held.waiter) == expiry
     assert admission.acquire(MODEL, capacity, ask(admission)).granted  # the slot is free
+
+
+def test_the_rate_window_of_a_model_no_longer_called_expires_on_its_own(redis_client: redis.Redis) -> None:
+    admission, capacity = store(redis_client), Capacity(rpm=10, tpm=1000)
+    held = ask(admission)
+    admission.acquire(MODEL, capacity, held)
+    admission.release(MODEL, capacity, held.waiter, 20)
+
+    _, _, _, _, log, tokens, *_ = KEYS.admission(MODEL)
+    assert 60_000 < redis_client.pttl(log) <= 70_000 and 60_000 < redis_client.pttl(tokens) <= 70_000
+
+
+def test_freeing_a_dead_process_forgets_the_models_with_nothing_in_flight_or_queued(redis_client: redis.Redis) -> None:
+    dead, alive, capacity = store(redis_client, "host:1:dead"), store(redis_client, "host:2:aaaa"), Capacity(1)
+    for i in range(20):  # calls of models named by launches, long over
+        done = ask(alive)
+        alive.acquire(f"gpt-x-{i}", capacity, done)
+        alive.release(f"gpt-x-{i}", capacity, done.waiter)
+    dead.acquire(MODEL, capacity, ask(dead))
+    alive.acquire("gpt-in-use", capacity, ask(alive))
+
+    assert dead.release_owner(dead.token) == 1
+
+    assert redis_client.smembers(KEYS.admission_models) == {b"gpt-in-use"}
+    assert alive.acquire(MODEL, capacity, ask(alive)).granted
+    assert MODEL.encode() in redis_client.smembers(KEYS.admission_models)

@@ -186,12 +186,15 @@ class AdmissionStore:
         self._renew(keys=[self.keys.admission(model)[0] for model in models], args=args)
 
     def release_owner(self, token: str) -> int:
-        """Free every hold and queued call of a dead process (two round trips); how many holds were freed."""
+        """Free every hold and queued call of a dead process, and forget the models with nothing in flight or queued
+        (two round trips); how many holds were freed."""
         keys: list[str] = []
-        for model in sorted(_texts(list(self.client.smembers(self.keys.admission_models)))):
+        models = sorted(_texts(list(self.client.smembers(self.keys.admission_models))))
+        for model in models:
             holds, queue, waiters, *_, granted = self.keys.admission(model)
             keys += [holds, queue, waiters, granted]
-        return int(self._release_owner(keys=[*keys, self.keys.admission_alive], args=[token]))
+        keys += [self.keys.admission_alive, self.keys.admission_models]
+        return int(self._release_owner(keys=keys, args=[token, *models]))
 
     def cooldown(self, model: str, endpoint: str, for_ms: int = 0) -> tuple[int, int]:
         """Start (or lengthen) the cooldown of `endpoint` for `model` by `for_ms`; (its end or 0, Redis's now)."""

@@ -47,7 +47,7 @@ end
 # what keeps a call of `est` tokens to `endpoint` out now (a limit's word), or nil; a call estimated above the
 # whole tpm goes out alone in an empty window rather than never
 _BLOCKED = f"""
-local TAGS_SLACK = {TAGS_SLACK}
+local TAGS_SLACK, WINDOW_MS = {TAGS_SLACK}, {WINDOW_MS}
 local function blocked(endpoint, est)
   if tonumber(redis.call('HGET', cooldown, endpoint) or '0') > now then return COOLDOWN end
   if conc > 0 and redis.call('ZCARD', holds) >= conc then return CONCURRENCY end
@@ -62,6 +62,9 @@ local function admit(id, est)
     redis.call('ZADD', log, now, id)
     redis.call('HSET', tokens, id, est)
     redis.call('HINCRBY', tokens, '_sum', est)
+    -- a model no longer called runs no script to tidy its window: the window goes on its own a minute later
+    redis.call('PEXPIRE', log, WINDOW_MS + hold_ttl)
+    redis.call('PEXPIRE', tokens, WINDOW_MS + hold_ttl)
   end
 end
 
@@ -212,13 +215,15 @@ return 1
 """,
 )
 
-# KEYS: each model's holds, queue, waiters and granted (four per model), then the liveness hash. ARGV: a dead
-# process's presence token. The sweeper, for a worker whose connection is gone: its holds and queued calls go at
-# once (its forks are revived as fast). Reply: the holds freed.
+# KEYS: each model's holds, queue, waiters and granted (four per model), then the liveness hash, then the models
+# set. ARGV: a dead process's presence token, then the models in KEYS' order. The sweeper, for a worker whose
+# connection is gone: its holds and queued calls go at once (its forks are revived as fast), and a model with no
+# call in flight or queued leaves the models set (its next call adds it again), so the set, and this script, stay
+# as large as the models in use, whatever model names launches bring. Reply: the holds freed.
 RELEASE_OWNER: Final = lua_script(
     """
 local prefix, freed = ARGV[1] .. '|', 0
-for k = 1, #KEYS - 1, 4 do
+for k = 1, #KEYS - 2, 4 do
   for _, id in ipairs(redis.call('ZRANGE', KEYS[k], 0, -1)) do
     if string.sub(id, 1, #prefix) == prefix then redis.call('ZREM', KEYS[k], id); freed = freed + 1 end
   end
@@ -228,8 +233,9 @@ for k = 1, #KEYS - 1, 4 do
     end
   end
   redis.call('HDEL', KEYS[k + 3], ARGV[1])
+  if redis.call('EXISTS', KEYS[k], KEYS[k + 1]) == 0 then redis.call('SREM', KEYS[#KEYS], ARGV[2 + (k - 1) / 4]) end
 end
-redis.call('HDEL', KEYS[#KEYS], ARGV[1])
+redis.call('HDEL', KEYS[#KEYS - 1], ARGV[1])
 return freed
 """,
 )
