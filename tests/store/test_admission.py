@@ -285,3 +285,23 @@ def test_freeing_a_dead_process_forgets_the_models_with_nothing_in_flight_or_que
     assert redis_client.smembers(KEYS.admission_models) == {b"gpt-in-use"}
     assert alive.acquire(MODEL, capacity, ask(alive)).granted
     assert MODEL.encode() in redis_client.smembers(KEYS.admission_models)
+
+
+def test_processes_whose_waiters_lapsed_are_forgotten_and_the_live_ones_not_scanned_at_every_look(
+    redis_client: redis.Redis,
+) -> None:
+    admission, capacity = store(redis_client), Capacity(concurrency=1)
+    now_ms = int(time.time() * 1000)
+    redis_client.hset(KEYS.admission_alive, mapping={f"host:{i}:gone": now_ms - 60_000 for i in range(300)})
+
+    admission.poll({MODEL: capacity}, {})
+
+    assert set(redis_client.hkeys(KEYS.admission_alive)) == {admission.token.encode(), b"_pruned"}
+    # a large live cluster: its entries are scanned once, not at every look
+    redis_client.hset(KEYS.admission_alive, mapping={f"host:{i}:live": now_ms + 600_000 for i in range(300)})
+    before = redis_client.info("commandstats").get("cmdstat_hgetall", {}).get("calls", 0)
+    for _ in range(20):
+        admission.poll({MODEL: capacity}, {})
+    scans = redis_client.info("commandstats").get("cmdstat_hgetall", {}).get("calls", 0) - before
+
+    assert scans <= 1

@@ -100,7 +100,8 @@ Each key: type; content; TTL; writer → readers.
     out (set from a 429 or 503 with `Retry-After`).
   - `…:granted`: hash; presence token → newline-separated waiter ids of that process granted since its last look.
 - `{ns}:admission:alive`: hash; presence token → Redis ms until which its process's waiters count as alive
-  (renewed by each of its coordinator's looks); none; worker → worker (a waiter of a lapsed process is dropped).
+  (renewed by each of its coordinator's looks), `_pruned` its size after the last pruning; none: lapsed entries
+  are pruned each time it doubles (past 256); worker → worker (a waiter of a lapsed process is dropped).
 - `{ns}:admission:models`: set; models whose admission keys exist (so the sweeper finds a dead process's holds);
   none: a model with no call in flight or queued is removed when the sweeper frees a dead process's holds (its
   next call adds it again); worker → sweeper.

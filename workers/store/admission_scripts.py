@@ -21,6 +21,7 @@ from workers.store.script_parts import NOW, lua_script
 
 WINDOW_MS: Final = 60_000  # rpm and tpm count what was admitted in the last minute (a sliding window)
 MAX_GRANTS: Final = 256  # grants of one script call: a script's time stays bounded
+ALIVE_KEPT: Final = 256  # processes in the liveness hash before the lapsed ones are pruned
 TAGS_SLACK: Final = 64  # session tags kept beyond twice the queue's length before the stale ones are pruned
 
 _HEADER = """
@@ -156,13 +157,20 @@ return {LATER, now, why, granted_now}
 # the limit that holds the queue}.
 POLL: Final = lua_script(
     *_PARTS,
+    f"local ALIVE_KEPT = {ALIVE_KEPT}\n",
     """
 redis.call('HSET', alive, me, now + alive_ttl)
-if redis.call('HLEN', alive) > 256 then  -- processes that stopped long ago (shut down cleanly) are forgotten
-  local entries = redis.call('HGETALL', alive)
+-- processes whose waiters lapsed (stopped, shut down cleanly) are forgotten: a lapsed entry and none mean the same.
+-- Only once the hash has doubled since the last pruning (`_pruned`: its size then), so a large cluster does not
+-- scan it at every look (amortized O(1) a look)
+local size = redis.call('HLEN', alive)
+if size > math.max(ALIVE_KEPT, 2 * tonumber(redis.call('HGET', alive, '_pruned') or '0')) then
+  local entries, old = redis.call('HGETALL', alive), {}
   for i = 1, #entries, 2 do
-    if tonumber(entries[i + 1]) < now - 86400000 then redis.call('HDEL', alive, entries[i]) end
+    if entries[i] ~= '_pruned' and tonumber(entries[i + 1]) < now then old[#old + 1] = entries[i] end
   end
+  for i = 1, #old, 500 do redis.call('HDEL', alive, unpack(old, i, math.min(i + 499, #old))) end
+  redis.call('HSET', alive, '_pruned', size - #old)
 end
 tidy()
 local why = grant() or ''
