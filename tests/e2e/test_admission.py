@@ -222,13 +222,14 @@ def test_the_slots_of_a_sigkilled_worker_come_back_as_its_forks_are_revived(
     assert setup.admission.holds(MODEL) == []
 
 
-def test_a_429_with_retry_after_pauses_every_workers_calls_to_that_model_until_it_passes(
-    rig: Callable[..., Rig],
+@pytest.mark.parametrize(("status", "retry_after"), [(429, 4), (503, 3)])
+def test_a_429_or_503_with_retry_after_pauses_every_workers_calls_to_that_model_until_it_passes(
+    rig: Callable[..., Rig], status: int, retry_after: int
 ) -> None:
-    # Given two workers and a server that answers the first request 429 with Retry-After: 4
+    # Given two workers and a server that answers the first request 429 (or 503) with Retry-After
     def first_is_limited(received: Received, index: int) -> Reply | None:
         if index == 0:
-            return Reply(429, error_body("Rate limit reached for requests"), {"Retry-After": "4"})
+            return Reply(status, error_body("Rate limit reached for requests"), {"Retry-After": str(retry_after)})
         return None
 
     stub = Stub(latency_s=0.05, answer=first_is_limited)
@@ -246,7 +247,7 @@ def test_a_429_with_retry_after_pauses_every_workers_calls_to_that_model_until_i
     # Then no request reached the server before the cooldown ended, the retry included, and all succeeded
     assert [r.status for r in results] == [Status.SUCCEEDED] * 5, [r.error for r in results]
     later = [at - limited_at for at, _ in stub.arrivals[1:]]
-    assert len(later) == 5 and min(later) >= 4.0, later
+    assert len(later) == 5 and min(later) >= retry_after, later
     limits = {e.wire_data()["limit"] for fid in others for e in setup.client.events(fid) if e.type == "model_wait"}
     assert limits == {"cooldown"}
 
@@ -272,6 +273,29 @@ def test_a_session_with_few_forks_is_not_starved_by_one_with_many(rig: Callable[
     many_before = sum(task.startswith("TASK-many") for task in order[:last_few])
     assert granted_before + 2 < 8
     assert many_before <= granted_before + 2, (granted_before, order)
+
+
+def test_a_session_with_weight_three_takes_three_turns_to_one(rig: Callable[..., Rig]) -> None:
+    # Given one worker, a model limited to one call at once, FORKQ_SESSION_WEIGHTS giving s-heavy 3, and session
+    # s-light with eight forks queued
+    setup = rig(Stub(latency_s=0.25), {MODEL: {"concurrency": 1}})
+    setup.worker(concurrency=16, FORKQ_SESSION_WEIGHTS=json.dumps({"s-heavy": 3}))
+    light = [setup.launch("s-light", f"TASK-light-{i}.") for i in range(8)]
+    wait_until(lambda: sum(setup.waiting(fid) is not None for fid in light) >= 6, READY_S, "s-light's queue")
+
+    # When s-heavy launches six forks after them
+    heavy = [setup.launch("s-heavy", f"TASK-heavy-{i}.") for i in range(6)]
+    wait_until(lambda: setup.waiting(heavy[0]) is not None, READY_S, "s-heavy's first fork to queue")
+    granted_before = sum(setup.waiting(fid) is None for fid in light)
+    results = [setup.result(fid) for fid in light + heavy]
+
+    # Then s-heavy's six calls went out while s-light's took about two turns (equal weights: about six)
+    assert [r.status for r in results] == [Status.SUCCEEDED] * 14
+    order = [task for _, task in setup.stub.arrivals]
+    last_heavy = max(i for i, task in enumerate(order) if task.startswith("TASK-heavy"))
+    light_before = sum(task.startswith("TASK-light") for task in order[:last_heavy])
+    assert granted_before + 3 < 8
+    assert light_before <= granted_before + 3, (granted_before, order)
 
 
 def test_time_waiting_for_admission_does_not_count_against_max_wall_s(rig: Callable[..., Rig]) -> None:

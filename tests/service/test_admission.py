@@ -93,7 +93,7 @@ def test_forty_waiting_threads_of_one_process_are_woken_in_turn_and_never_exceed
     most = run_calls([admission], calls=40, hold_s=0.02)
 
     assert most == 3
-    assert admission.store.holds(MODEL) == [] and admission.store.queued(MODEL) == []
+    wait_until(lambda: admission.store.holds(MODEL) == [] == admission.store.queued(MODEL), 5, "the last releases")
     registry = admission.metrics.registry
     assert registry.get_sample_value("forkq_model_wait_seconds_count", {"model": MODEL}) == 40
     assert registry.get_sample_value("forkq_model_waiting", {"model": MODEL}) == 0
@@ -138,9 +138,9 @@ def test_a_waiting_fork_that_must_stop_gives_its_place_up(make_admission: Callab
     thread.join(timeout=5)
 
     assert [s.reason for s in outcome] == [StopReason.CANCELLED]
-    assert admission.store.queued(MODEL) == []
+    wait_until(lambda: admission.store.queued(MODEL) == [], 5, "the stopped call to leave the queue")
     holder.leave(request("f-holder"), None)
-    assert admission.store.holds(MODEL) == []
+    wait_until(lambda: admission.store.holds(MODEL) == [], 5, "the holder's release")
 
 
 def test_the_estimate_is_a_quarter_of_the_requests_characters_and_its_max_output_tokens() -> None:
@@ -164,3 +164,32 @@ def test_a_429_reported_by_one_process_holds_the_retries_of_another(make_admissi
     assert 0.35 <= waited <= 2.0
     other.wait("https://elsewhere/v1", MODEL, attempt=2)  # another endpoint is not cooling
     assert time.monotonic() - started - waited < 0.1
+
+
+def test_a_calls_release_costs_its_forks_thread_no_round_trip_and_is_sent_soon_after(
+    make_admission: Callable[..., Admission], redis_client: redis.Redis
+) -> None:
+    admission = make_admission("host:1:aaaa", {MODEL: {"concurrency": 1, "tpm": 100_000}})
+    holder, made = guard(admission, "f-1"), request("f-1")
+    holder.enter(made)
+    redis_client.client_pause(1000, all=False)  # writes (scripts) wait a second: a release sent here would too
+
+    started = time.monotonic()
+    holder.leave(made, TokenUsage(input_tokens=7, output_tokens=3))
+    left = time.monotonic() - started
+
+    assert left < 0.2
+    wait_until(lambda: admission.store.holds(MODEL) == [], 5, "the release, sent by the coordinator")
+    tokens = redis_client.hgetall(Keys(TEST_NAMESPACE).admission(MODEL)[5])
+    assert tokens[b"_sum"] == b"10"  # settled with the reported usage
+
+
+def test_a_release_after_close_is_sent_by_its_own_thread(make_admission: Callable[..., Admission]) -> None:
+    admission = make_admission("host:1:aaaa", {MODEL: {"concurrency": 1}})
+    holder, made = guard(admission, "f-1"), request("f-1")
+    holder.enter(made)
+    admission.close()
+
+    holder.leave(made, None)
+
+    assert admission.store.holds(MODEL) == []

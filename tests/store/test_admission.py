@@ -227,3 +227,81 @@ def test_a_forks_wait_shows_in_its_state_and_its_admitted_wait_moves_its_first_s
 
     assert fork_store.state("f-wait").waiting_for is None
     assert int(redis_client.hget(KEYS.state("f-wait"), "first_started_ms") or 0) == first + 4000
+
+
+def test_the_session_tags_stay_bounded_while_many_sessions_pass_through_a_queue_that_never_empties(
+    redis_client: redis.Redis,
+) -> None:
+    admission, capacity = store(redis_client), Capacity(concurrency=1)
+    held = ask(admission, "s-holder")
+    admission.acquire(MODEL, capacity, held)
+    admission.acquire(MODEL, capacity, ask(admission, "s-first"))
+    for i in range(400):  # one session after another queues one call; the head is granted as each hold ends
+        admission.acquire(MODEL, capacity, ask(admission, f"s-{i}"))
+        (held_id,) = admission.holds(MODEL)
+        admission.release(MODEL, capacity, held_id)
+
+    assert len(admission.queued(MODEL)) == 1
+    assert redis_client.hlen(KEYS.admission(MODEL)[3]) <= 2 + 64
+
+
+def test_a_hold_past_its_expiry_is_not_brought_back_by_a_late_renewal(redis_client: redis.Redis) -> None:
+    admission, capacity = store(redis_client, hold_ttl_ms=50), Capacity(concurrency=1)
+    held = ask(admission)
+    admission.acquire(MODEL, capacity, held)
+    holds_key = KEYS.admission(MODEL)[0]
+    expiry = redis_client.zscore(holds_key, held.waiter)
+    assert expiry is not None
+    while redis_client.time()[0] * 1000 + redis_client.time()[1] // 1000 <= expiry:  # Redis's clock passes it
+        time.sleep(0.01)
+
+    admission.renew({MODEL: [held.waiter]})  # a process that was silent longer than its holds' TTL
+
+    assert redis_client.zscore(holds_key, held.waiter) == expiry
+    assert admission.acquire(MODEL, capacity, ask(admission)).granted  # the slot is free
+
+
+def test_the_rate_window_of_a_model_no_longer_called_expires_on_its_own(redis_client: redis.Redis) -> None:
+    admission, capacity = store(redis_client), Capacity(rpm=10, tpm=1000)
+    held = ask(admission)
+    admission.acquire(MODEL, capacity, held)
+    admission.release(MODEL, capacity, held.waiter, 20)
+
+    _, _, _, _, log, tokens, *_ = KEYS.admission(MODEL)
+    assert 60_000 < redis_client.pttl(log) <= 70_000 and 60_000 < redis_client.pttl(tokens) <= 70_000
+
+
+def test_freeing_a_dead_process_forgets_the_models_with_nothing_in_flight_or_queued(redis_client: redis.Redis) -> None:
+    dead, alive, capacity = store(redis_client, "host:1:dead"), store(redis_client, "host:2:aaaa"), Capacity(1)
+    for i in range(20):  # calls of models named by launches, long over
+        done = ask(alive)
+        alive.acquire(f"gpt-x-{i}", capacity, done)
+        alive.release(f"gpt-x-{i}", capacity, done.waiter)
+    dead.acquire(MODEL, capacity, ask(dead))
+    alive.acquire("gpt-in-use", capacity, ask(alive))
+
+    assert dead.release_owner(dead.token) == 1
+
+    assert redis_client.smembers(KEYS.admission_models) == {b"gpt-in-use"}
+    assert alive.acquire(MODEL, capacity, ask(alive)).granted
+    assert MODEL.encode() in redis_client.smembers(KEYS.admission_models)
+
+
+def test_processes_whose_waiters_lapsed_are_forgotten_and_the_live_ones_not_scanned_at_every_look(
+    redis_client: redis.Redis,
+) -> None:
+    admission, capacity = store(redis_client), Capacity(concurrency=1)
+    now_ms = int(time.time() * 1000)
+    redis_client.hset(KEYS.admission_alive, mapping={f"host:{i}:gone": now_ms - 60_000 for i in range(300)})
+
+    admission.poll({MODEL: capacity}, {})
+
+    assert set(redis_client.hkeys(KEYS.admission_alive)) == {admission.token.encode(), b"_pruned"}
+    # a large live cluster: its entries are scanned once, not at every look
+    redis_client.hset(KEYS.admission_alive, mapping={f"host:{i}:live": now_ms + 600_000 for i in range(300)})
+    before = redis_client.info("commandstats").get("cmdstat_hgetall", {}).get("calls", 0)
+    for _ in range(20):
+        admission.poll({MODEL: capacity}, {})
+    scans = redis_client.info("commandstats").get("cmdstat_hgetall", {}).get("calls", 0) - before
+
+    assert scans <= 1

@@ -90,8 +90,9 @@ Each key: type; content; TTL; writer → readers.
   digest per file), named by its SHA-256 and named in turn by a snapshot fork's bootstrap record; retention as
   blobs; launch, `forkq serve` → worker, changes, apply, inspect.
 - `{ns}:{adm:<model>}:…`: model admission (`workers.store.admission`, docs/capacity.md), per model name (one
-  with braces, spaces, `|` or over 200 characters goes by `h-` and the BLAKE2b-64 hex of its name); no TTL: each
-  key empties (and so vanishes) once its model's calls are over, but `…:cooldown`, which expires with its latest
+  with braces, spaces, `|` or over 200 characters goes by `h-` and the BLAKE2b-64 hex of its name); each key
+  empties (and so vanishes) once its model's calls are over, but `…:log` and `…:tokens`, which expire a minute
+  (and a hold TTL) after the model's last admitted call, and `…:cooldown`, which expires with its latest
   cooldown; worker → worker:
   - `…:holds`: sorted set; one member per admitted call in flight (`<presence token>|<fork id>|<n>`, its waiter
     id), scored by its expiry (Redis ms, the lease TTL ahead), renewed by its process's coordinator every
@@ -110,9 +111,11 @@ Each key: type; content; TTL; writer → readers.
     out (set from a 429 or 503 with `Retry-After`).
   - `…:granted`: hash; presence token → newline-separated waiter ids of that process granted since its last look.
 - `{ns}:admission:alive`: hash; presence token → Redis ms until which its process's waiters count as alive
-  (renewed by each of its coordinator's looks); none; worker → worker (a waiter of a lapsed process is dropped).
+  (renewed by each of its coordinator's looks), `_pruned` its size after the last pruning; none: lapsed entries
+  are pruned each time it doubles (past 256); worker → worker (a waiter of a lapsed process is dropped).
 - `{ns}:admission:models`: set; models whose admission keys exist (so the sweeper finds a dead process's holds);
-  none; worker → sweeper.
+  none: a model with no call in flight or queued is removed when the sweeper frees a dead process's holds (its
+  next call adds it again); worker → sweeper.
 
 `retention` is `FORKQ_RECORD_TTL_S`, set at launch and renewed when a fork finishes.
 """

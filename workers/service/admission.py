@@ -4,18 +4,22 @@ guard per fork, and the providers' shared cooldown.
 A fork's `AdmissionGuard.enter` asks Redis once (`AdmissionStore.acquire`); when the call is admitted at once
 that is all. Otherwise the fork's thread blocks on an event, and the process's `Admission` coordinator, one
 thread, looks every `TICK_S` for all of the process's waiters at once (one script per model, pipelined) and
-wakes those granted. A release hands the freed capacity on in the same script and wakes this process's
-waiters it granted at once, so a slot passes between two forks of one process without a tick. The same thread
-renews the process's holds every heartbeat (one round trip).
+wakes those granted. The same thread renews the process's holds every heartbeat (one round trip).
 
-While a call waits, its fork's state shows `waiting_for` (kind `model`) and its stream gets one `model_wait`
-event; the time waited moves the fork's wall-clock deadline on (the guard returns it) and its first start in
-the state (so a revival does not count it either). The coordinator writes these with its next look (one round
-trip for all of them), so neither a wait nor an admitted call pays a round trip of its own for them.
+A call's release (its hold freed, its tokens settled with the reported usage) costs its fork's thread no round
+trip either: the fork hands it to the coordinator, which wakes at once and sends every release of the process
+waiting to go in one pipelined round trip (releases that come while one is in flight go together in the next:
+under load many calls share one); a call's acquire takes those still waiting along in its own round trip. The
+script hands the freed capacity on and the coordinator wakes this process's waiters it granted, so a slot passes
+between two forks of one process without a tick, and to another process's waiter within that process's next
+tick. A release not yet sent when the worker dies is freed as its other holds are (the hold is no longer
+renewed, and the sweeper frees a dead process's holds); `close` sends the rest, and a release after `close` is
+sent by its own thread.
 """
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import logging
 import threading
@@ -30,7 +34,16 @@ from broker_config.settings import ModelLimit, Settings, model_limit
 from workers.providers import ModelRequest, TokenUsage
 from workers.records.parked import AdmissionLimit, ModelWait
 from workers.service.metrics import Metrics
-from workers.store.admission import KEEP_ESTIMATE, AdmissionStore, Ask, Capacity, WaitWrite, wait_over, wait_shown
+from workers.store.admission import (
+    KEEP_ESTIMATE,
+    AdmissionStore,
+    Ask,
+    Capacity,
+    Release,
+    WaitWrite,
+    wait_over,
+    wait_shown,
+)
 
 log = logging.getLogger("forkq.admission")
 
@@ -42,6 +55,8 @@ STOP_CHECK_S: Final = 0.5
 CHARS_PER_TOKEN: Final = 4  # the estimate of a request's input tokens: its JSON's characters / 4
 DEFAULT_OUTPUT_TOKENS: Final = 1024  # the output estimate of a request without a max output tokens setting
 OUTPUT_KEYS: Final = ("max_output_tokens", "maxOutputTokens", "max_tokens")
+# releases kept for another try while Redis does not answer; beyond, the oldest are left to their holds' TTL
+RELEASES_KEPT: Final = 100_000
 
 
 def capacity(limit: ModelLimit) -> Capacity:
@@ -81,7 +96,9 @@ class Admission:
     _holds: dict[str, set[str]] = field(default_factory=dict)  # model → hold ids of this process
     _counter: itertools.count[int] = field(default_factory=itertools.count)
     _writes: list[WaitWrite] = field(default_factory=list)  # forks' waits for their states, written by the next look
-    _wakeup: threading.Event = field(default_factory=threading.Event)
+    _releases: list[Release] = field(default_factory=list)  # calls ended, sent by the coordinator's next round trip
+    _wakeup: threading.Event = field(default_factory=threading.Event)  # something to do for an idle coordinator
+    _released: threading.Event = field(default_factory=threading.Event)  # releases to send, between two ticks
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
 
@@ -103,13 +120,16 @@ class Admission:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="forkq-admission", daemon=True)
                 self._thread.start()
+                atexit.register(self.close)  # after the forks' threads: the releases not sent yet go
 
     def close(self) -> None:
-        """Stop the coordinator."""
+        """Stop the coordinator, sending the releases not sent yet (later ones are sent by their own threads)."""
         self._stop.set()
         self._wakeup.set()
+        self._released.set()
         if self._thread is not None:
             self._thread.join(timeout=2)
+        self._send_releases()
 
     # ── a call's way through ──────────────────────────────────────────────────────────────────
 
@@ -121,12 +141,17 @@ class Admission:
         waiter = Waiter(model, ask)
         with self._lock:  # known before Redis may grant it, so a look that collects the grant wakes it
             self._waiters[ask.waiter] = waiter
+        with self._lock:  # releases waiting for the coordinator ride along with this round trip
+            releases, self._releases = self._releases, []
         try:
-            answer = self.store.acquire(model, capacity(limit), ask)
+            answer, freed = self.store.release_and_acquire(releases, model, capacity(limit), ask)
         except BaseException:
             with self._lock:
                 self._waiters.pop(ask.waiter, None)
+                self._keep_releases(releases)
             raise
+        for released_model, mine in freed:
+            self._wake(released_model, mine)
         if answer.granted:
             self._granted(model, ask.waiter)
         self._wake(model, [other for other in answer.mine if other != ask.waiter])
@@ -142,18 +167,46 @@ class Admission:
             self._holds.setdefault(model, set()).add(waiter)
 
     def release(self, model: str, waiter: str, usage: TokenUsage | None) -> None:
-        """The call ended (or stopped waiting): free its hold, settle its tokens, wake what it granted here."""
+        """The call ended (or stopped waiting): its hold is no longer renewed, and the coordinator frees it, settles
+        its tokens and wakes what it granted here with its next round trip (sent at once; none of this thread's)."""
+        limit = self.limit_of(model)
+        tokens = KEEP_ESTIMATE if usage is None else usage.input_tokens + usage.output_tokens
         with self._lock:
             self._waiters.pop(waiter, None)
             self._holds.get(model, set()).discard(waiter)
-        limit = self.limit_of(model)
-        tokens = KEEP_ESTIMATE if usage is None else usage.input_tokens + usage.output_tokens
-        try:
-            mine = self.store.release(model, capacity(limit or ModelLimit()), waiter, tokens)
-        except redis.RedisError as exc:  # the hold expires with its TTL (it is no longer renewed)
-            log.warning("admission: the hold of %s was not released (%s); it expires on its own", waiter, exc)
+            self._releases.append(Release(model, capacity(limit or ModelLimit()), waiter, tokens))
+            closed = self._stop.is_set()
+        if closed:  # no coordinator any more (worker shutdown)
+            self._send_releases()
             return
-        self._wake(model, mine)
+        self._released.set()
+        self._wakeup.set()
+
+    def _send_releases(self) -> bool:
+        """Send the releases waiting (one round trip) and wake what they granted here; False when Redis did not
+        answer (they are kept for another try; a hold not released meanwhile expires with its TTL)."""
+        with self._lock:
+            releases, self._releases = self._releases, []
+        if not releases:
+            return True
+        try:
+            sent = self.store.release_many(releases)
+        except redis.RedisError as exc:
+            with self._lock:
+                self._keep_releases(releases)
+            log.warning("admission: %d holds were not released yet (%s); trying again", len(releases), exc)
+            return False
+        for model, mine in sent:
+            self._wake(model, mine)
+        return True
+
+    def _keep_releases(self, releases: list[Release]) -> None:
+        """Keep releases Redis did not take for the next try, the oldest first (under the lock); past RELEASES_KEPT
+        the oldest are left to their holds' TTL."""
+        if releases:
+            self._releases[:0] = releases
+            del self._releases[:-RELEASES_KEPT]
+            self._released.set()
 
     def _granted(self, model: str, waiter_id: str) -> bool:
         """Wake the waiter of a grant (its call now holds a slot); False when nobody here waits for it."""
@@ -180,29 +233,44 @@ class Admission:
     # ── the coordinator ───────────────────────────────────────────────────────────────────────
 
     def _run(self) -> None:
-        renew_at = census_at = 0.0
+        renew_at = census_at = tick_at = 0.0
         while not self._stop.is_set():
+            sent = self._send_releases()
             now = time.monotonic()
-            try:
-                if now >= renew_at:
-                    renew_at = now + self.settings.heartbeat_s
-                    with self._lock:
-                        holds = {model: sorted(ids) for model, ids in self._holds.items() if ids}
-                    self.store.renew(holds)
-                census = now >= census_at
-                if census:
-                    census_at = now + CENSUS_S
-                self._look(census)
-            except redis.RedisError as exc:
-                log.warning("admission: a look failed (%s); retrying", exc)
-            self._write_waits()
-            with self._lock:
-                idle = not self._waiters and not self._writes
-            if idle:
-                self._wakeup.wait(max(0.0, renew_at - time.monotonic()))
-                self._wakeup.clear()
-            else:
+            if now >= tick_at:  # not when woken between two ticks for releases only
+                tick_at = now + TICK_S
+                try:
+                    if now >= renew_at:
+                        renew_at = now + self.settings.heartbeat_s
+                        with self._lock:
+                            holds = {model: sorted(ids) for model, ids in self._holds.items() if ids}
+                        self.store.renew(holds)
+                    census = now >= census_at
+                    if census:
+                        census_at = now + CENSUS_S
+                    self._look(census)
+                except redis.RedisError as exc:
+                    log.warning("admission: a look failed (%s); retrying", exc)
+                self._write_waits()
+            self._pause(tick_at, renew_at, sent)
+        self._send_releases()
+        self._write_waits()
+
+    def _pause(self, tick_at: float, renew_at: float, sent: bool) -> None:
+        """Wait for the next thing to do: releases at once (those that came during the last send go now), waiters
+        and waits to write at the next tick, else the next heartbeat or a call's ask."""
+        self._released.clear()  # before looking, so what comes after the look wakes the wait below
+        self._wakeup.clear()
+        with self._lock:
+            releases, busy = bool(self._releases), bool(self._waiters or self._writes)
+        if releases:
+            if not sent:  # Redis did not answer: try again at the next tick, not in a tight loop
                 self._stop.wait(TICK_S)
+            return
+        if busy:
+            self._released.wait(max(0.0, tick_at - time.monotonic()))
+        else:
+            self._wakeup.wait(max(0.0, renew_at - time.monotonic()))
 
     def _write_waits(self) -> None:
         """Write the waits shown and ended since the last look (one round trip); a failed write is dropped (the

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 import redis
+from redis.commands.core import Script
+from redis.exceptions import NoScriptError
 
 from workers.base.keys import Keys
 from workers.records.events import ModelWaitData
@@ -48,6 +50,16 @@ class Ask:
     estimate: int  # tokens reserved against tpm until the call's usage settles them
     endpoint: str  # the provider's base URL (the cooldown's scope with the model)
     weight: float = 1.0  # the session's share (FORKQ_SESSION_WEIGHTS)
+
+
+@dataclass(frozen=True)
+class Release:
+    """A call's release, as `release_many` sends it: its model, its limits, its hold, its tokens (`KEEP_ESTIMATE`)."""
+
+    model: str
+    capacity: Capacity
+    waiter: str
+    tokens: int
 
 
 @dataclass(frozen=True)
@@ -102,21 +114,52 @@ class AdmissionStore:
         limits = (capacity.concurrency, capacity.rpm, capacity.tpm)
         return [model, *limits, self.hold_ttl_ms, self.alive_ttl_ms, self.token]
 
+    def _scripts(self, calls: Sequence[tuple[Script, list[str], list[Any]]]) -> list[Any]:
+        """Run (script, keys, args) calls in one round trip. redis-py's scripted pipeline asks SCRIPT EXISTS first
+        (a second round trip every time); here only a script Redis lost (a restart, SCRIPT FLUSH) is loaded, and
+        only the calls it refused run again, so none runs twice."""
+        pipe = self.client.pipeline(transaction=False)
+        for script, keys, args in calls:
+            pipe.evalsha(script.sha, len(keys), *keys, *args)
+        replies: list[Any] = pipe.execute(raise_on_error=False)
+        again = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
+        if again:
+            for script in {calls[i][0].sha: calls[i][0] for i in again}.values():
+                script.sha = self.client.script_load(script.script)
+            for i, reply in zip(again, self._scripts([calls[i] for i in again]), strict=True):
+                replies[i] = reply
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
+        return replies
+
+    def _release_call(self, one: Release) -> tuple[Script, list[str], list[Any]]:
+        return self._release, self._keys(one.model), [*self._header(one.model, one.capacity), one.waiter, one.tokens]
+
     def acquire(self, model: str, capacity: Capacity, ask: Ask) -> Answer:
         """Admit the call now, or queue it fairly (one round trip)."""
+        return self.release_and_acquire((), model, capacity, ask)[0]
+
+    def release_and_acquire(
+        self, releases: Sequence[Release], model: str, capacity: Capacity, ask: Ask
+    ) -> tuple[Answer, list[tuple[str, list[str]]]]:
+        """`release_many(releases)`, then `acquire`: one round trip for all; the answer, and the releases' grants."""
         args = [*self._header(model, capacity), ask.waiter, ask.session, max(0, ask.estimate), ask.endpoint]
-        word, now, limit, mine = self._acquire(keys=self._keys(model), args=[*args, repr(float(ask.weight))])
+        calls = [self._release_call(one) for one in releases]
+        calls.append((self._acquire, self._keys(model), [*args, repr(float(ask.weight))]))
+        *released, (word, now, limit, mine) = self._scripts(calls)
         granted = word_of(Admitted, word, script="admission acquire", fork_id="-") is Admitted.GRANTED
-        return Answer(granted, int(now), _limit(limit), _texts(mine))
+        freed = [(one.model, _texts(grants)) for one, grants in zip(releases, released, strict=True)]
+        return Answer(granted, int(now), _limit(limit), _texts(mine)), freed
 
     def poll(self, capacities: Mapping[str, Capacity], census: Mapping[str, Sequence[str]]) -> dict[str, Polled]:
         """One look at every model with waiters (one round trip): grants, and `census` ids no longer queued."""
-        pipe = self.client.pipeline(transaction=False)
         models = list(capacities)
-        for model in models:
-            args = [*self._header(model, capacities[model]), *census.get(model, ())]
-            self._poll(keys=self._keys(model), args=args, client=pipe)
-        replies = pipe.execute()
+        calls = [
+            (self._poll, self._keys(model), [*self._header(model, capacities[model]), *census.get(model, ())])
+            for model in models
+        ]
+        replies = self._scripts(calls)
         return {
             model: Polled(_texts(mine), _texts(lost), _limit(limit))
             for model, (mine, lost, limit) in zip(models, replies, strict=True)
@@ -126,6 +169,11 @@ class AdmissionStore:
         """The call ended, or its fork stopped waiting: free its hold, settle its tokens; the process's grants."""
         args = [*self._header(model, capacity), waiter, tokens]
         return _texts(self._release(keys=self._keys(model), args=args))
+
+    def release_many(self, releases: Sequence[Release]) -> list[tuple[str, list[str]]]:
+        """Several `release`s in one round trip: each one's model and the process's grants it made."""
+        replies = self._scripts([self._release_call(one) for one in releases])
+        return [(one.model, _texts(mine)) for one, mine in zip(releases, replies, strict=True)]
 
     def renew(self, holds: Mapping[str, Sequence[str]]) -> None:
         """Move every hold of this process `hold_ttl_ms` ahead (one round trip; expired ones stay gone)."""
@@ -138,12 +186,15 @@ class AdmissionStore:
         self._renew(keys=[self.keys.admission(model)[0] for model in models], args=args)
 
     def release_owner(self, token: str) -> int:
-        """Free every hold and queued call of a dead process (two round trips); how many holds were freed."""
+        """Free every hold and queued call of a dead process, and forget the models with nothing in flight or queued
+        (two round trips); how many holds were freed."""
         keys: list[str] = []
-        for model in sorted(_texts(list(self.client.smembers(self.keys.admission_models)))):
+        models = sorted(_texts(list(self.client.smembers(self.keys.admission_models))))
+        for model in models:
             holds, queue, waiters, *_, granted = self.keys.admission(model)
             keys += [holds, queue, waiters, granted]
-        return int(self._release_owner(keys=[*keys, self.keys.admission_alive], args=[token]))
+        keys += [self.keys.admission_alive, self.keys.admission_models]
+        return int(self._release_owner(keys=keys, args=[token, *models]))
 
     def cooldown(self, model: str, endpoint: str, for_ms: int = 0) -> tuple[int, int]:
         """Start (or lengthen) the cooldown of `endpoint` for `model` by `for_ms`; (its end or 0, Redis's now)."""
@@ -169,12 +220,15 @@ class AdmissionStore:
 
     def write_waits(self, writes: Sequence[WaitWrite]) -> None:
         """Write forks' waits to their states and streams, in order (one round trip for all)."""
-        pipe = self.client.pipeline(transaction=False)
-        for write in writes:
-            keys = [self.keys.state(write.fork_id), self.keys.events(write.fork_id)]
-            args: list[str | int] = [write.epoch, write.owner, write.wait, write.event, write.waited_ms]
-            self._model_wait(keys=keys, args=args, client=pipe)
-        pipe.execute()
+        calls = [
+            (
+                self._model_wait,
+                [self.keys.state(write.fork_id), self.keys.events(write.fork_id)],
+                [write.epoch, write.owner, write.wait, write.event, write.waited_ms],
+            )
+            for write in writes
+        ]
+        self._scripts(calls)
 
 
 @dataclass(frozen=True)

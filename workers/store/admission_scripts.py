@@ -21,6 +21,8 @@ from workers.store.script_parts import NOW, lua_script
 
 WINDOW_MS: Final = 60_000  # rpm and tpm count what was admitted in the last minute (a sliding window)
 MAX_GRANTS: Final = 256  # grants of one script call: a script's time stays bounded
+ALIVE_KEPT: Final = 256  # processes in the liveness hash before the lapsed ones are pruned
+TAGS_SLACK: Final = 64  # session tags kept beyond twice the queue's length before the stale ones are pruned
 
 _HEADER = """
 local holds, queue, waiters, tags, log, tokens, cooldown, granted = unpack(KEYS, 1, 8)
@@ -45,7 +47,8 @@ end
 
 # what keeps a call of `est` tokens to `endpoint` out now (a limit's word), or nil; a call estimated above the
 # whole tpm goes out alone in an empty window rather than never
-_BLOCKED = """
+_BLOCKED = f"""
+local TAGS_SLACK, WINDOW_MS = {TAGS_SLACK}, {WINDOW_MS}
 local function blocked(endpoint, est)
   if tonumber(redis.call('HGET', cooldown, endpoint) or '0') > now then return COOLDOWN end
   if conc > 0 and redis.call('ZCARD', holds) >= conc then return CONCURRENCY end
@@ -60,10 +63,26 @@ local function admit(id, est)
     redis.call('ZADD', log, now, id)
     redis.call('HSET', tokens, id, est)
     redis.call('HINCRBY', tokens, '_sum', est)
+    -- a model no longer called runs no script to tidy its window: the window goes on its own a minute later
+    redis.call('PEXPIRE', log, WINDOW_MS + hold_ttl)
+    redis.call('PEXPIRE', tokens, WINDOW_MS + hold_ttl)
   end
 end
 
 local function owner_of(id) return string.match(id, '^([^|]*)|') end
+
+-- the hash is deleted only when the queue empties: while it never does, sessions passing through would pile up
+-- in it. Past twice the queue's length (and a slack), the sessions with nothing queued go: each may then start
+-- at the clock at most one turn early, and the hash stays about the size of the queue (amortized O(1) a call).
+local function prune_tags()
+  if redis.call('HLEN', tags) <= 2 * redis.call('ZCARD', queue) + TAGS_SLACK then return end
+  local busy, entries, old = {{}}, redis.call('HGETALL', tags), {{}}
+  for _, data in ipairs(redis.call('HVALS', waiters)) do busy['s:' .. cjson.decode(data).s] = true end
+  for i = 1, #entries, 2 do
+    if entries[i] ~= '_v' and not busy[entries[i]] then old[#old + 1] = entries[i] end
+  end
+  for i = 1, #old, 500 do redis.call('HDEL', tags, unpack(old, i, math.min(i + 499, #old))) end
+end
 """
 
 _GRANT = f"""
@@ -123,6 +142,7 @@ if redis.call('HEXISTS', waiters, id) == 0 and not redis.call('ZSCORE', holds, i
   redis.call('HSET', tags, 's:' .. session, start + 1 / weight)
   redis.call('ZADD', queue, start, id)
   redis.call('HSET', waiters, id, cjson.encode({s = session, t = est, e = endpoint}))
+  prune_tags()
 end
 local why = grant() or ''
 local granted_now = mine()
@@ -137,13 +157,20 @@ return {LATER, now, why, granted_now}
 # the limit that holds the queue}.
 POLL: Final = lua_script(
     *_PARTS,
+    f"local ALIVE_KEPT = {ALIVE_KEPT}\n",
     """
 redis.call('HSET', alive, me, now + alive_ttl)
-if redis.call('HLEN', alive) > 256 then  -- processes that stopped long ago (shut down cleanly) are forgotten
-  local entries = redis.call('HGETALL', alive)
+-- processes whose waiters lapsed (stopped, shut down cleanly) are forgotten: a lapsed entry and none mean the same.
+-- Only once the hash has doubled since the last pruning (`_pruned`: its size then), so a large cluster does not
+-- scan it at every look (amortized O(1) a look)
+local size = redis.call('HLEN', alive)
+if size > math.max(ALIVE_KEPT, 2 * tonumber(redis.call('HGET', alive, '_pruned') or '0')) then
+  local entries, old = redis.call('HGETALL', alive), {}
   for i = 1, #entries, 2 do
-    if tonumber(entries[i + 1]) < now - 86400000 then redis.call('HDEL', alive, entries[i]) end
+    if entries[i] ~= '_pruned' and tonumber(entries[i + 1]) < now then old[#old + 1] = entries[i] end
   end
+  for i = 1, #old, 500 do redis.call('HDEL', alive, unpack(old, i, math.min(i + 499, #old))) end
+  redis.call('HSET', alive, '_pruned', size - #old)
 end
 tidy()
 local why = grant() or ''
@@ -186,20 +213,25 @@ RENEW: Final = lua_script(
 local ttl, at = tonumber(ARGV[1]), 2
 for k = 1, #KEYS do
   local n = tonumber(ARGV[at])
-  for i = at + 1, at + n do redis.call('ZADD', KEYS[k], 'XX', now + ttl, ARGV[i]) end
+  for i = at + 1, at + n do  -- a hold past its expiry is gone even before a script removes it: not brought back
+    local expiry = tonumber(redis.call('ZSCORE', KEYS[k], ARGV[i]) or '0')
+    if expiry > now then redis.call('ZADD', KEYS[k], now + ttl, ARGV[i]) end
+  end
   at = at + n + 1
 end
 return 1
 """,
 )
 
-# KEYS: each model's holds, queue, waiters and granted (four per model), then the liveness hash. ARGV: a dead
-# process's presence token. The sweeper, for a worker whose connection is gone: its holds and queued calls go at
-# once (its forks are revived as fast). Reply: the holds freed.
+# KEYS: each model's holds, queue, waiters and granted (four per model), then the liveness hash, then the models
+# set. ARGV: a dead process's presence token, then the models in KEYS' order. The sweeper, for a worker whose
+# connection is gone: its holds and queued calls go at once (its forks are revived as fast), and a model with no
+# call in flight or queued leaves the models set (its next call adds it again), so the set, and this script, stay
+# as large as the models in use, whatever model names launches bring. Reply: the holds freed.
 RELEASE_OWNER: Final = lua_script(
     """
 local prefix, freed = ARGV[1] .. '|', 0
-for k = 1, #KEYS - 1, 4 do
+for k = 1, #KEYS - 2, 4 do
   for _, id in ipairs(redis.call('ZRANGE', KEYS[k], 0, -1)) do
     if string.sub(id, 1, #prefix) == prefix then redis.call('ZREM', KEYS[k], id); freed = freed + 1 end
   end
@@ -209,8 +241,9 @@ for k = 1, #KEYS - 1, 4 do
     end
   end
   redis.call('HDEL', KEYS[k + 3], ARGV[1])
+  if redis.call('EXISTS', KEYS[k], KEYS[k + 1]) == 0 then redis.call('SREM', KEYS[#KEYS], ARGV[2 + (k - 1) / 4]) end
 end
-redis.call('HDEL', KEYS[#KEYS], ARGV[1])
+redis.call('HDEL', KEYS[#KEYS - 1], ARGV[1])
 return freed
 """,
 )
