@@ -264,10 +264,11 @@ class Settings(BaseSettings):
         if not isinstance(value, dict):
             return value  # pydantic says what it expected
         for session, weight in value.items():
-            if isinstance(weight, bool) or not isinstance(weight, int | float) or not 0 < weight < float("inf"):
+            # bounded: a session's turns advance by 1/weight, which a weight near 0 would make infinite
+            if isinstance(weight, bool) or not isinstance(weight, int | float) or not 0.001 <= weight <= 1000:
                 raise ValueError(
-                    f"session {session!r} has weight {weight!r}; a weight is a positive number (its share of a "
-                    'short model capacity; default 1), e.g. {"s-important": 3}'
+                    f"session {session!r} has weight {weight!r}; a weight is a number from 0.001 to 1000 (its share "
+                    'of a short model capacity; default 1), e.g. {"s-important": 3}'
                 )
         return value
 

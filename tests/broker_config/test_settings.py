@@ -348,10 +348,12 @@ def test_a_bad_model_limit_names_the_glob_the_key_and_the_fix(value: str, named:
     )
 
 
-def test_a_session_weight_must_be_a_positive_number() -> None:
-    error = configuration_error(FORKQ_SESSION_WEIGHTS='{"s-1": 0}')
+@pytest.mark.parametrize("weight", ["0", "-1", "5e-324", "1e300", "true", '"3"'])
+def test_a_session_weight_must_be_a_number_from_a_thousandth_to_a_thousand(weight: str) -> None:
+    error = configuration_error(FORKQ_SESSION_WEIGHTS=f'{{"s-1": {weight}}}')
 
-    assert error.field == "FORKQ_SESSION_WEIGHTS" and "session 's-1' has weight 0" in str(error)
+    assert error.field == "FORKQ_SESSION_WEIGHTS" and "session 's-1' has weight" in str(error)
+    assert "a number from 0.001 to 1000" in str(error)
 
 
 @pytest.mark.parametrize("name", ["FORKQ_MODEL_LIMITS", "FORKQ_SESSION_WEIGHTS", "FORKQ_PROVIDER_ROUTES"])

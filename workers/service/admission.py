@@ -48,6 +48,7 @@ from workers.store.admission import (
 log = logging.getLogger("forkq.admission")
 
 TICK_S: Final = 0.025  # how often a process with waiters looks for their grants
+COMPLAINT_S: Final = 10.0  # a failed look is logged at most this often (an outage fails every look)
 CENSUS_S: Final = 1.0  # how often a look also checks that every waiter is still queued (one dropped: asked again)
 # how often a waiting fork checks whether it must stop (a cancel or a lost lease is known from the heartbeat, a
 # shutdown at once): a thousand waiting threads wake twice a second, not in a tight loop
@@ -100,6 +101,7 @@ class Admission:
     _wakeup: threading.Event = field(default_factory=threading.Event)  # something to do for an idle coordinator
     _released: threading.Event = field(default_factory=threading.Event)  # releases to send, between two ticks
     _stop: threading.Event = field(default_factory=threading.Event)
+    _complained_at: float = -1e9  # monotonic time of the last logged failed look
     _thread: threading.Thread | None = None
 
     def limit_of(self, model: str | None) -> ModelLimit | None:
@@ -194,7 +196,7 @@ class Admission:
         except redis.RedisError as exc:
             with self._lock:
                 self._keep_releases(releases)
-            log.warning("admission: %d holds were not released yet (%s); trying again", len(releases), exc)
+            self._complain("%d holds were not released yet (%s); trying again every tick", len(releases), exc)
             return False
         for model, mine in sent:
             self._wake(model, mine)
@@ -250,11 +252,20 @@ class Admission:
                         census_at = now + CENSUS_S
                     self._look(census)
                 except redis.RedisError as exc:
-                    log.warning("admission: a look failed (%s); retrying", exc)
+                    self._complain("a look failed (%s); retrying every tick", exc)
+                except Exception:  # a bug must not leave this process's waiting forks waiting for good
+                    log.exception("admission: a look failed unexpectedly; retrying at the next tick")
                 self._write_waits()
             self._pause(tick_at, renew_at, sent)
         self._send_releases()
         self._write_waits()
+
+    def _complain(self, message: str, *args: object) -> None:
+        """Log a failed look once per COMPLAINT_S: a Redis outage fails every 25 ms look, and says so once."""
+        now = time.monotonic()
+        if now >= self._complained_at + COMPLAINT_S:
+            self._complained_at = now
+            log.warning("admission: " + message, *args)
 
     def _pause(self, tick_at: float, renew_at: float, sent: bool) -> None:
         """Wait for the next thing to do: releases at once (those that came during the last send go now), waiters
@@ -281,7 +292,7 @@ class Admission:
             try:
                 self.store.write_waits(writes)
             except redis.RedisError as exc:
-                log.warning("admission: %d forks' waits were not written to their states (%s)", len(writes), exc)
+                self._complain("%d forks' waits were not written to their states (%s)", len(writes), exc)
 
     def _look(self, census: bool) -> None:
         """One look for every model with waiters: wake the granted, ask again for those dropped."""
