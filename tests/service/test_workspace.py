@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import subprocess
 import sys
@@ -155,3 +156,28 @@ def test_the_worker_metrics_report_the_workspace_cache_and_its_bound(
     assert metrics.get_sample_value("forkq_workspace_cache_limit_bytes") == 7 * 1024 * 1024
     assert (metrics.get_sample_value("forkq_workspace_cache_bytes") or 0) >= len("the limiter uses INCR then EXPIRE\n")
     assert metrics.get_sample_value("forkq_workspace_runs") == 0  # its folder went with its run
+
+
+def test_workers_starting_together_sweep_the_same_gone_folders_without_an_error_and_remove_each_once(
+    make_settings: Callable[..., Settings], tmp_path: Path
+) -> None:
+    # Given 40 run folders of a gone worker, each with a few files, and a folder a sweeper died removing
+    settings = make_settings(workspace_dir=tmp_path / "ws")
+    runs = workspaces_dir(settings) / RUNS
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, check=True)
+    pid = gone.stdout.decode().strip()
+    for index in range(40):
+        folder = runs / f"{pid}.f-{index}.1" / "tree" / "deep" / "er"
+        folder.mkdir(parents=True)
+        for n in range(20):
+            (folder / f"file-{n}").write_text("x")
+    left = runs / f".removing.{pid}.f-half.1" / "tree"
+    left.mkdir(parents=True)
+
+    # When four sweeps run at once (as four workers starting on one machine do)
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        counts = list(pool.map(lambda _: sweep_stale_runs(settings), range(4)))
+
+    # Then every folder is gone, each counted by exactly one sweep, and none raised
+    assert os.listdir(runs) == []
+    assert sum(counts) == 41

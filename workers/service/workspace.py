@@ -35,6 +35,7 @@ from workers.workspace.tracker import Tracker
 log = logging.getLogger("forkq.workspace")
 
 RUNS: Final = "runs"
+REMOVING: Final = ".removing."  # a gone worker's run folder, renamed by the worker that removes it
 READY_WAIT_S: Final = 900.0  # a tool call's wait for its tree: past git's own time limits for the base commit
 CACHE: Final = "cache"
 
@@ -58,9 +59,21 @@ def sweep_stale_runs(settings: Settings) -> int:
     except FileNotFoundError:
         return 0
     for name in names:
-        pid = name.split(".", 1)[0]
+        # `<pid>.<fork>.<epoch>`, or `.removing.<pid>.<that>` while the worker <pid> removes it
+        run = name.removeprefix(REMOVING).split(".", 1)[1] if name.startswith(REMOVING) else name
+        pid = name.removeprefix(REMOVING).split(".", 1)[0]
         if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
-            remove_tree(runs / name)
+            # workers starting together on one machine sweep the same folders: the one whose rename wins removes
+            # it, the others find it gone
+            claimed = runs / f"{REMOVING}{os.getpid()}.{run}"
+            try:
+                os.rename(runs / name, claimed)
+                remove_tree(claimed)
+            except FileNotFoundError:
+                continue
+            except (OSError, WorkspaceError) as exc:  # a folder left behind must not stop the worker starting
+                log.warning("workspace run folder %s of a gone worker not removed: %s", name, exc)
+                continue
             removed += 1
     return removed
 
