@@ -47,8 +47,10 @@ ts-schema: setup
 		| node $(TS_CLIENT)/scripts/schema.mjs > $(TS_CLIENT)/src/schema.ts.new
 	mv $(TS_CLIENT)/src/schema.ts.new $(TS_CLIENT)/src/schema.ts
 
+# the suite in PYTEST_WORKERS processes, a test file to each at a time (its fixtures and servers stay its own)
+PYTEST_WORKERS ?= 2
 unit: setup ts-deps
-	$(BIN)/pytest
+	$(BIN)/pytest -n $(PYTEST_WORKERS) --dist loadfile
 
 test: check unit
 
