@@ -21,6 +21,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Final, Self
@@ -118,28 +119,44 @@ class BlobStore:
             pipe.execute()
 
     def get(self, digests: Iterable[str]) -> Iterator[tuple[str, bytes]]:
-        """`(digest, bytes)` of each digest, verified, in batches.
+        """`(digest, bytes)` of each digest, verified, in batches: while the caller handles one batch (a build writes
+        its files), a thread fetches and verifies the next.
 
         Raises:
             WorkspaceError: a blob is gone (expired with its forks' records).
             RecordIntegrityError: a stored blob's bytes do not have its digest.
         """
-        wanted = list(dict.fromkeys(digests))
-        for batch in _batches(wanted, BATCH_KEYS):
-            values = self.client.mget([self._blob(d) for d in batch])
-            for digest, data in zip(batch, values, strict=True):
-                if not isinstance(data, bytes):
-                    raise WorkspaceError(
-                        f"workspace blob {digest} is not in Redis (scope {self.scope!r}): it expired with its "
-                        "forks' records, or was never uploaded; launch the fork again"
-                    )
-                if blob_digest(data) != digest:
-                    raise RecordIntegrityError(
-                        f"workspace blob {digest}: the stored bytes have digest {blob_digest(data)}; the blob was "
-                        "modified in Redis",
-                        key=self._blob(digest),
-                    )
-                yield digest, data
+        batches = list(_batches(list(dict.fromkeys(digests)), BATCH_KEYS))
+        if len(batches) < 2:
+            for batch in batches:
+                yield from self._fetch(batch)
+            return
+        with ThreadPoolExecutor(1, thread_name_prefix="forkq-blob-fetch") as pool:
+            ahead = pool.submit(self._fetch, batches[0])
+            for following in [*batches[1:], None]:
+                fetched = ahead.result()
+                if following is not None:
+                    ahead = pool.submit(self._fetch, following)
+                yield from fetched
+
+    def _fetch(self, batch: Sequence[str]) -> list[tuple[str, bytes]]:
+        """One MGET of `batch`, each blob verified."""
+        values = self.client.mget([self._blob(d) for d in batch])
+        found: list[tuple[str, bytes]] = []
+        for digest, data in zip(batch, values, strict=True):
+            if not isinstance(data, bytes):
+                raise WorkspaceError(
+                    f"workspace blob {digest} is not in Redis (scope {self.scope!r}): it expired with its "
+                    "forks' records, or was never uploaded; launch the fork again"
+                )
+            if blob_digest(data) != digest:
+                raise RecordIntegrityError(
+                    f"workspace blob {digest}: the stored bytes have digest {blob_digest(data)}; the blob was "
+                    "modified in Redis",
+                    key=self._blob(digest),
+                )
+            found.append((digest, data))
+        return found
 
     def put_manifest(self, manifest: Manifest, encoded: bytes | None = None) -> str:
         """Store a manifest whose blobs are all stored (`encoded`: its bytes, when the caller has them); its digest.
