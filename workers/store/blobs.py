@@ -35,7 +35,6 @@ from workers.workspace.manifest import Manifest, blob_digest
 DEFAULT_SCOPE: Final = "default"
 SEND_UNASKED: Final = 32 * 1024  # a blob a launch just read, up to this size, is sent without asking first
 JOIN_BELOW: Final = 64 * 1024  # a smaller blob is copied beside its command into one send; a larger one is not
-ANSWERS_MAX: Final = 8192  # SETs a stream sends before it reads their answers
 BATCH_BYTES: Final = 8 * 1024 * 1024  # bytes one pipeline carries: bounded memory, few round trips
 BATCH_KEYS: Final = 1000  # keys one EXISTS/MGET pipeline asks about
 TTL_SLACK_S: Final = 2 * 3600  # blobs outlive the records of the forks launched with them by this much
@@ -210,10 +209,11 @@ class BlobStream:
     The thread takes whatever blobs are waiting, asks about the ones over `SEND_UNASKED` bytes (`missing`, one
     script, on a pooled connection: sending them would cost more than the question) and sends the absent ones and
     every smaller one (asking would cost about what sending does), each as one `SET NX EX` packed here (redis-py's
-    packing costs more than hashing a small file), on a connection of its own, large bytes not copied. It reads
-    the answers only every `ANSWERS_MAX` SETs and at the end: Redis reads on meanwhile. A blob that existed (SET NX
-    answered nil) has its TTL renewed (EXPIRE GT) then. Use it as a context manager: on an error the thread stops
-    and its connection is dropped, answers unread.
+    packing costs more than hashing a small file), on a connection of its own, large bytes not copied. It reads the
+    answers one send behind (after a send, those of the send before it, which Redis has most likely handled), so
+    it never waits for Redis to catch up but at the end. A blob that existed (SET NX answered nil) has its TTL
+    renewed (EXPIRE GT) then. Use it as a context manager: on an error the thread stops and its connection is
+    dropped, answers unread.
     """
 
     def __init__(self, store: BlobStore) -> None:
@@ -291,6 +291,7 @@ class BlobStream:
         self.stored.update(large)
         parts: list[bytes | bytearray] = []
         joined = bytearray()
+        earlier = len(self._unread)  # answers of the sends before this one
         for digest, data in blobs:
             if len(data) > SEND_UNASKED:
                 if digest not in absent:
@@ -313,8 +314,7 @@ class BlobStream:
             parts.append(joined)
         if parts:
             self._connection().send_packed_command(parts, check_health=False)  # type: ignore[no-untyped-call]
-        if len(self._unread) >= ANSWERS_MAX:
-            self._read_answers()
+        self._read_answers(earlier)
 
     def _connection(self) -> redis.connection.Connection:
         if self._own is None:
@@ -323,16 +323,17 @@ class BlobStream:
         assert connection is not None  # a single-connection client holds one until closed
         return connection
 
-    def _read_answers(self) -> None:
-        """Read the unread answers; EXPIRE GT the keys that existed."""
-        if not self._unread:
+    def _read_answers(self, count: int | None = None) -> None:
+        """Read the first `count` unread answers (all when None); EXPIRE GT the keys that existed (on a pooled
+        connection: this one may have answers still unread)."""
+        count = len(self._unread) if count is None else count
+        if not count:
             return
         connection = self._connection()
-        existed = [key for key in self._unread if connection.read_response() is None]
-        self._unread = []
+        existed = [key for key in self._unread[:count] if connection.read_response() is None]
+        del self._unread[:count]
         if existed:
-            assert self._own is not None
-            pipe = self._own.pipeline(transaction=False)
+            pipe = self.store.client.pipeline(transaction=False)
             for key in existed:
                 pipe.expire(key, self.store.blob_ttl_s, gt=True)
             pipe.execute()

@@ -23,7 +23,9 @@ snapshot is that launch's manifest, by its digest, with no entry built (`Snapsho
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import gc
 import hashlib
 import os
 import stat
@@ -154,6 +156,29 @@ def snapshot(
         WorkspaceError: `root` is not a folder, a path is not valid, a file cannot be read, or a file changed
             while it was read.
     """
+    with _collector_paused():
+        return _snapshot(
+            root, max_bytes=max_bytes, max_files=max_files, cache_dir=cache_dir, keep_bytes=keep_bytes, on_read=on_read
+        )
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector paused meanwhile (and resumed if it ran before). A snapshot makes a few
+    objects per file and no cycles; in a launcher whose heap is large, the collections that so many allocations set
+    off scan all of it, and cost a launch of 10,000 files some 30-60 ms (more than listing them)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _snapshot(
+    root: Path, *, max_bytes: int, max_files: int, cache_dir: Path | None, keep_bytes: int, on_read: OnRead | None
+) -> Snapshot:
     started_ns = time.time_ns()
     root = _folder(root)
     if cache_dir is None:
