@@ -2,8 +2,9 @@
 
 Every blob is stored once per digest (`SET NX`), so siblings and later launches of one tree store nothing
 twice. The question (`missing`) runs as one Lua script per batch of keys (EXPIRE GT, then EXISTS for the keys
-that answer 0), and the store (`put`) as one SET NX EX per blob: a launch of 10,000 files sends 10,000 commands
-and ten scripts, not 40,000 commands. A manifest is written only after every blob it
+that answer 0), and the store (`put`) as one SET NX EX per blob. A launch stores the files its snapshot reads
+through a `BlobStream`: a thread that sends each blob's SET NX EX as soon as it is hashed (small ones without
+asking first) and reads the answers one send behind. A manifest is written only after every blob it
 names: a manifest that exists therefore means its blobs exist, which lets a launch of an unchanged tree
 skip asking about each of them. Blobs and manifests expire with the forks' records: they live
 `FORKQ_RECORD_TTL_S` plus `TTL_SLACK_S`, a TTL is only ever lengthened (EXPIRE GT, inside the scripts
