@@ -1,6 +1,9 @@
-"""Workspace blobs on a real Redis: which are missing, storing them, and their TTLs (renewed, never shortened)."""
+"""Workspace blobs on a real Redis: which are missing, storing them (at once, or streamed as a launch reads them),
+and their TTLs (renewed, never shortened)."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import redis
@@ -9,7 +12,7 @@ from broker_config.settings import Settings
 from workers.base.keys import Keys
 from workers.errors import WorkspaceError
 from workers.store import blobs as blobs_module
-from workers.store.blobs import BlobStore
+from workers.store.blobs import BlobStore, BlobStream
 from workers.workspace.manifest import blob_digest
 
 
@@ -89,3 +92,50 @@ def test_the_scripts_are_loaded_again_when_redis_forgot_them(store: BlobStore, r
     redis_client.script_flush()
     store.put({blob_digest(b"y"): b"y"})
     assert store.missing([blob_digest(b"y")]) == []
+
+
+def sent_to_redis(redis_client: redis.Redis) -> int:
+    """Bytes Redis has read from its clients so far."""
+    return int(redis_client.info("stats")["total_net_input_bytes"])
+
+
+def test_a_stream_stores_each_blob_once_and_renews_the_ones_redis_had_without_shortening_a_ttl(
+    store: BlobStore, redis_client: redis.Redis
+) -> None:
+    old, longer = b"old blob", b"longer blob"
+    redis_client.set(key(store, old), old, ex=60)
+    redis_client.set(key(store, longer), longer, ex=store.blob_ttl_s * 10)
+    new = [f"new {i}".encode() for i in range(8)]
+    large = os.urandom(blobs_module.JOIN_BELOW + 1)  # asked about, then sent as it is
+    every = [old, longer, *new, large]
+    with BlobStream(store) as stream:
+        stream.add([(blob_digest(d), d) for d in [old, *new[:4]]])
+        stream.add([(blob_digest(d), d) for d in [longer, *new[4:], new[0], large, large]])
+    assert stream.stored == {blob_digest(d) for d in every}
+    assert dict(store.get(blob_digest(d) for d in every)) == {blob_digest(d): d for d in every}
+    for data in [old, *new, large]:
+        assert store.blob_ttl_s - 5 <= redis_client.ttl(key(store, data)) <= store.blob_ttl_s
+    assert redis_client.ttl(key(store, longer)) > store.blob_ttl_s * 9
+
+
+def test_a_stream_sends_no_large_blob_redis_already_holds_but_sends_small_ones_unasked(
+    store: BlobStore, redis_client: redis.Redis
+) -> None:
+    large, small = os.urandom(blobs_module.SEND_UNASKED + 1), b"small"
+    store.put({blob_digest(large): large})
+    before = sent_to_redis(redis_client)
+    with BlobStream(store) as stream:
+        stream.add([(blob_digest(large), large), (blob_digest(small), small)])
+    assert stream.sent_bytes == len(small) and stream.stored == {blob_digest(large), blob_digest(small)}
+    assert sent_to_redis(redis_client) - before < len(large)
+    assert dict(store.get([blob_digest(small)])) == {blob_digest(small): small}
+
+
+def test_a_stream_whose_writes_redis_refuses_raises_when_closed(store: BlobStore, redis_client: redis.Redis) -> None:
+    redis_client.config_set("maxmemory", 1)  # every write refused (noeviction)
+    try:
+        with pytest.raises(redis.ResponseError, match="maxmemory"), BlobStream(store) as stream:
+            stream.add([(blob_digest(b"refused"), b"refused")])
+    finally:
+        redis_client.config_set("maxmemory", 0)
+    assert store.missing([blob_digest(b"refused")]) == [blob_digest(b"refused")]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import os
 import socket
@@ -473,3 +474,17 @@ def test_on_read_gets_each_file_read_with_its_digest_as_the_threads_read_on(tmp_
     assert len(got) > 1  # batch by batch
     assert streamed == {sha(data): data for data in files.values()}
     assert {e.digest for e in s.manifest} == set(streamed)
+
+
+def test_a_snapshot_pauses_the_garbage_collector_and_leaves_it_as_it_found_it(tmp_path: Path) -> None:
+    (tmp_path / "a.txt").write_text("a\n", encoding="utf-8")
+    seen: list[bool] = []
+    assert gc.isenabled()
+    snapshot(tmp_path, max_bytes=1 << 20, max_files=10, cache_dir=None, on_read=lambda _: seen.append(gc.isenabled()))
+    assert seen == [False] and gc.isenabled()
+    gc.disable()
+    try:
+        snapshot(tmp_path, max_bytes=1 << 20, max_files=10, cache_dir=None)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

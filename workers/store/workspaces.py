@@ -15,22 +15,20 @@ import functools
 import logging
 import os
 import posixpath
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import Any
 
 from broker_config.settings import Settings
 from workers.errors import InvalidAgentParams, WorkspaceError
 from workers.records.conversation import fold
 from workers.records.fork import BootstrapRecord
-from workers.store.blobs import BlobStore
+from workers.store.blobs import BlobStore, BlobStream
 from workers.store.forks import ForkStore
 from workers.workspace.manifest import EMPTY, Changes, Manifest
 from workers.workspace.ref import WorkspaceMode, WorkspaceRef
 
 log = logging.getLogger("forkq.workspace")
-UPLOAD_BYTES: Final = 4 << 20  # bytes read by a snapshot that are stored together, while it reads on
-UPLOAD_FILES: Final = 512
 
 
 def shared_roots(settings: Settings) -> list[str]:
@@ -120,50 +118,23 @@ def store_snapshot(folder: Path, *, settings: Settings, blobs: BlobStore) -> tup
     """
     from workers.workspace.snapshot import snapshot  # noqa: PLC0415  (snapshot launches only)
 
-    upload = _Upload(blobs)
-    snap = snapshot(
-        folder,
-        max_bytes=settings.workspace_max_bytes,
-        max_files=settings.workspace_max_files,
-        cache_dir=snapshot_cache_dir(),
-        on_read=upload.add,
-    )
-    upload.flush()
+    with BlobStream(blobs) as upload:
+        snap = snapshot(
+            folder,
+            max_bytes=settings.workspace_max_bytes,
+            max_files=settings.workspace_max_files,
+            cache_dir=snapshot_cache_dir(),
+            on_read=upload.add,
+        )
     digest = snap.digest
     if blobs.manifest_fresh(digest):  # stored (so are its blobs), and not yet due for renewal: nothing to send
         return digest, snap.git
     if blobs.has_manifest(digest):  # a manifest is stored only after its blobs: nothing to send
-        blobs.put_manifest(snap.manifest)  # renews it (and its blobs) when it is getting old
+        blobs.put_manifest(snap.manifest, snap.encoded)  # renews it (and its blobs) when it is getting old
         return digest, snap.git
     for batch in _batches(blobs.missing(snap.manifest.digests() - upload.stored)):
         blobs.put({d: snap.read(d) for d in batch}, verified=True)  # Snapshot.read checks them against the digest
-    return blobs.put_manifest(snap.manifest), snap.git
-
-
-@dataclass
-class _Upload:
-    """The blobs a snapshot read, stored as they come (in batches of `UPLOAD_BYTES`), the ones Redis lacks only."""
-
-    blobs: BlobStore
-    pending: dict[str, bytes] = field(default_factory=dict)
-    carried: int = 0
-    stored: set[str] = field(default_factory=set)  # in Redis now (stored, or found there and renewed)
-
-    def add(self, read: list[tuple[str, bytes]]) -> None:
-        """Take blobs the snapshot just read and checked; store them once enough are pending."""
-        for digest, data in read:
-            self.pending[digest] = data
-            self.carried += len(data)
-        if self.carried >= UPLOAD_BYTES or len(self.pending) >= UPLOAD_FILES:
-            self.flush()
-
-    def flush(self) -> None:
-        """Store the pending blobs Redis lacks."""
-        if self.pending:
-            absent = self.blobs.missing(self.pending)
-            self.blobs.put({d: self.pending[d] for d in absent}, verified=True)
-            self.stored.update(self.pending)
-            self.pending, self.carried = {}, 0
+    return blobs.put_manifest(snap.manifest, snap.encoded), snap.git
 
 
 def _batches(digests: list[str], size: int = 256) -> list[list[str]]:

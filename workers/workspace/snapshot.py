@@ -23,7 +23,9 @@ snapshot is that launch's manifest, by its digest, with no entry built (`Snapsho
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import gc
 import hashlib
 import os
 import stat
@@ -69,7 +71,7 @@ class Snapshot:
     from_git: int = 0  # files git found unchanged, whose blob's digest the cache gave (neither stat'ed nor read)
     quick: bool = False  # the tree was the last snapshot's (workers.workspace.quick): no entry was built
     _manifest: list[Manifest] = field(default_factory=list, repr=False, compare=False)  # [] until decoded
-    _encoded: bytes = field(default=b"", repr=False, compare=False)  # the manifest's bytes, for a quick one
+    _encoded: bytes = field(default=b"", repr=False, compare=False)  # the manifest's bytes
     _index: dict[str, tuple[Entry, ...]] = field(default_factory=dict, repr=False, compare=False)
     _kept: dict[str, bytes] = field(default_factory=dict, repr=False, compare=False)  # digest → the bytes hashed
 
@@ -79,6 +81,11 @@ class Snapshot:
         if not self._manifest:
             self._manifest.append(Manifest.decode(self._encoded, what=f"the launch record of {self.root}"))
         return self._manifest[0]
+
+    @property
+    def encoded(self) -> bytes:
+        """The manifest's canonical bytes (whose SHA-256 is `digest`)."""
+        return self._encoded
 
     def entries_of(self, digest: str) -> tuple[Entry, ...]:
         """The entries whose blob is `digest` (empty when the snapshot has none)."""
@@ -149,6 +156,29 @@ def snapshot(
         WorkspaceError: `root` is not a folder, a path is not valid, a file cannot be read, or a file changed
             while it was read.
     """
+    with _collector_paused():
+        return _snapshot(
+            root, max_bytes=max_bytes, max_files=max_files, cache_dir=cache_dir, keep_bytes=keep_bytes, on_read=on_read
+        )
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector paused meanwhile (and resumed if it ran before). A snapshot makes a few
+    objects per file and no cycles; in a launcher whose heap is large, the collections that so many allocations set
+    off scan all of it, and cost a launch of 10,000 files some 30-60 ms (more than listing them)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _snapshot(
+    root: Path, *, max_bytes: int, max_files: int, cache_dir: Path | None, keep_bytes: int, on_read: OnRead | None
+) -> Snapshot:
     started_ns = time.time_ns()
     root = _folder(root)
     if cache_dir is None:
@@ -175,15 +205,17 @@ def snapshot(
     # no Manifest.of: a listing holds each path once, and no file lies under another
     manifest = Manifest(tuple(entries))
     stated = _stated(files, unknown, cache)
-    digest = _remember(cache_dir, root, key=listing.key, files=stated, started_ns=started_ns, manifest=manifest)
+    encoded = manifest.encode()
+    _remember(cache_dir, root, key=listing.key, files=stated, started_ns=started_ns, manifest=manifest, encoded=encoded)
     return Snapshot(
         root,
-        digest,
+        blob_digest(encoded),
         listing.git,
         hashed=cache.added,
         reused=cache.hits,
         from_git=cache.blob_hits,
         _manifest=[manifest],
+        _encoded=encoded,
         _kept=kept,
     )
 
@@ -215,20 +247,19 @@ def _remember(
     files: list[tuple[str, os.stat_result]],
     started_ns: int,
     manifest: Manifest,
-) -> str:
-    """Keep the launch record of this snapshot of a git tree (`key`: its git answers') in `cache_dir`, for the next
-    launch's shortcut; forget it when the tree was walked or git failed. The manifest's digest."""
+    encoded: bytes,
+) -> None:
+    """Keep the launch record of this snapshot of a git tree (`key`: its git answers'; `encoded`: the manifest's
+    bytes) in `cache_dir`, for the next launch's shortcut; forget it when the tree was walked or git failed."""
     if cache_dir is None or key is None:
         if cache_dir is not None:
             quick.forget(cache_dir, root)
-        return manifest.digest
+        return
     stats = [quick.stat_row(rel, st) for rel, st in files]
-    encoded = manifest.encode()
     record = quick.LaunchRecord(
         key, started_ns, stats, blob_digest(encoded), len(manifest), manifest.total_bytes, encoded
     )
     quick.save(cache_dir, root, record)
-    return record.digest
 
 
 def _stated(
@@ -337,7 +368,10 @@ def _digest_all(
                 if data is not None:
                     read.append((digest, data))
                 cache.add(rel, now, digest)
-                entries.append(Entry(rel, Mode.of(now.st_mode), now.st_size, digest))
+                mode = modes.get(now.st_mode)
+                if mode is None:
+                    mode = modes[now.st_mode] = Mode.of(now.st_mode)
+                entries.append(Entry(rel, mode, now.st_size, digest))
         done += len(batch)
         if on_read is None:
             kept.update(read)
@@ -437,7 +471,9 @@ def _hash_file(path: str, st: os.stat_result, keep: bool = False) -> tuple[str, 
         size, data = st.st_size, None
         if size <= CHUNK or keep:
             data = os.read(fd, size + 1)
-            while 0 < len(data) <= size:  # a short read: read on to the end (or past the size)
+            # a short read: read on to the size (or past it). A read of all `size` bytes needs no read at the end: a
+            # file that grew or was written meanwhile has another size, mtime or ctime in the fstat below
+            while 0 < len(data) < size:
                 more = os.read(fd, size + 1 - len(data))
                 if not more:
                     break
