@@ -51,7 +51,8 @@ MAX_REPORTED_ERRORS = 5
 MAX_ERROR_MESSAGE_CHARS = 300
 DEFAULT_TOOL_TIMEOUT_S = 300.0  # a call's time limit when neither its tool nor the worker sets one
 TOOL_WAIT_POLL_S = 0.1  # how often a waiting caller asks `ctx.cancelled` (it may be a Redis round trip)
-TOOL_STOP_GRACE_S = 0.5  # after a cancel or the deadline: time a handler that watches `cancelled` gets to stop
+TOOL_STOP_GRACE_S = 1.0  # after a cancel or the deadline: time a handler that watches `cancelled` gets to stop
+# (0.5 s proved too short on a loaded machine: a search past its time limit was abandoned before its own answer came)
 # abandoned calls of one tool whose threads still run in this process; past it the tool is refused: a
 # model retrying a stuck plugin call would otherwise leave one more thread behind at every retry
 TOOL_MAX_ABANDONED = 4
