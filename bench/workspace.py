@@ -324,6 +324,7 @@ def materialize_round(
     got.time("cp -r", lambda: subprocess.run(["cp", "-r", str(out / "warm"), str(out / "cp")], check=True))
     got.time("warm + git", lambda: build(manifest, out / "git", cache, blobs.get, git=True, trusted=True))
     got.time("cp + git", lambda: cp_git(out / "warm", out / "cpgit"))
+    cache.flush()  # its writer thread done before the folder goes
     remove_tree(work)
     os.sync()  # the next round's first build does not pay for this one's removal
 

@@ -76,7 +76,8 @@ def _empty_files(fd: int) -> str | None:
         for item in found:
             if item.is_dir(follow_symlinks=False):
                 return item.name
-            os.unlink(item.name, dir_fd=fd)
+            with contextlib.suppress(FileNotFoundError):  # gone meanwhile (another remover): as good as removed
+                os.unlink(item.name, dir_fd=fd)
     return None
 
 
