@@ -181,3 +181,14 @@ def test_workers_starting_together_sweep_the_same_gone_folders_without_an_error_
     # Then every folder is gone, each counted by exactly one sweep, and none raised
     assert os.listdir(runs) == []
     assert sum(counts) == 41
+
+
+def test_a_sweep_takes_a_removing_folder_named_without_its_run(
+    make_settings: Callable[..., Settings], tmp_path: Path
+) -> None:
+    settings = make_settings(workspace_dir=tmp_path / "ws")
+    runs = workspaces_dir(settings) / RUNS
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, check=True)
+    (runs / f".removing.{gone.stdout.decode().strip()}").mkdir(parents=True)
+    assert sweep_stale_runs(settings) == 1
+    assert os.listdir(runs) == []

@@ -60,8 +60,8 @@ def sweep_stale_runs(settings: Settings) -> int:
         return 0
     for name in names:
         # `<pid>.<fork>.<epoch>`, or `.removing.<pid>.<that>` while the worker <pid> removes it
-        run = name.removeprefix(REMOVING).split(".", 1)[1] if name.startswith(REMOVING) else name
-        pid = name.removeprefix(REMOVING).split(".", 1)[0]
+        pid, _, rest = name.removeprefix(REMOVING).partition(".")
+        run = rest if name.startswith(REMOVING) else name
         if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
             # workers starting together on one machine sweep the same folders: the one whose rename wins removes
             # it, the others find it gone
