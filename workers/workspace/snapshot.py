@@ -206,10 +206,20 @@ def _snapshot(
     manifest = Manifest(tuple(entries))
     stated = _stated(files, unknown, cache)
     encoded = manifest.encode()
-    _remember(cache_dir, root, key=listing.key, files=stated, started_ns=started_ns, manifest=manifest, encoded=encoded)
+    digest = blob_digest(encoded)
+    _remember(
+        cache_dir,
+        root,
+        key=listing.key,
+        files=stated,
+        started_ns=started_ns,
+        manifest=manifest,
+        encoded=encoded,
+        digest=digest,
+    )
     return Snapshot(
         root,
-        blob_digest(encoded),
+        digest,
         listing.git,
         hashed=cache.added,
         reused=cache.hits,
@@ -248,17 +258,17 @@ def _remember(
     started_ns: int,
     manifest: Manifest,
     encoded: bytes,
+    digest: str,
 ) -> None:
     """Keep the launch record of this snapshot of a git tree (`key`: its git answers'; `encoded`: the manifest's
-    bytes) in `cache_dir`, for the next launch's shortcut; forget it when the tree was walked or git failed."""
+    bytes, `digest` their SHA-256) in `cache_dir`, for the next launch's shortcut; forget it when the tree was
+    walked or git failed."""
     if cache_dir is None or key is None:
         if cache_dir is not None:
             quick.forget(cache_dir, root)
         return
     stats = [quick.stat_row(rel, st) for rel, st in files]
-    record = quick.LaunchRecord(
-        key, started_ns, stats, blob_digest(encoded), len(manifest), manifest.total_bytes, encoded
-    )
+    record = quick.LaunchRecord(key, started_ns, stats, digest, len(manifest), manifest.total_bytes, encoded)
     quick.save(cache_dir, root, record)
 
 
