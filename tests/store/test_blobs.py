@@ -139,3 +139,14 @@ def test_a_stream_whose_writes_redis_refuses_raises_when_closed(store: BlobStore
     finally:
         redis_client.config_set("maxmemory", 0)
     assert store.missing([blob_digest(b"refused")]) == [blob_digest(b"refused")]
+
+
+def test_get_fetches_batch_after_batch_in_order_and_raises_for_a_blob_gone_from_a_later_one(
+    store: BlobStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(blobs_module, "BATCH_KEYS", 3)
+    datas = [f"blob {i}".encode() for i in range(10)]
+    store.put({blob_digest(d): d for d in datas})
+    assert list(store.get(blob_digest(d) for d in datas)) == [(blob_digest(d), d) for d in datas]
+    with pytest.raises(WorkspaceError, match="is not in Redis"):
+        list(store.get([*(blob_digest(d) for d in datas), blob_digest(b"never stored")]))
