@@ -141,7 +141,7 @@ def _batches(digests: list[str], size: int = 256) -> list[list[str]]:
     return [digests[i : i + size] for i in range(0, len(digests), size)]
 
 
-@dataclass
+@dataclass(frozen=True)  # functools.cached_property writes the instance __dict__ itself: frozen is no obstacle
 class ForkChanges:
     """A snapshot fork's changes to its base: as a git patch, per file, or to apply."""
 
