@@ -75,6 +75,13 @@ def task_of(received: Received) -> str:
     return text[start : text.find(".", start)] if start >= 0 else ""
 
 
+def served_before_last(stub: Stub, *, early: str, late: str) -> int:
+    """How many requests of tasks named `early`* reached the server before the last one of tasks named `late`*."""
+    order = [task for _, task in stub.arrivals]
+    last = max(i for i, task in enumerate(order) if task.startswith(late))
+    return sum(task.startswith(early) for task in order[:last])
+
+
 @dataclass
 class Rig:
     """A model server, the workers' environment for it, and a client launching forks of sessions."""
@@ -268,11 +275,9 @@ def test_a_session_with_few_forks_is_not_starved_by_one_with_many(rig: Callable[
     # Then B's two calls went out within the next two turns, each ahead of A's next call at most: not after
     # A's whole queue (a FIFO would have served all eight of A's first)
     assert [r.status for r in results] == [Status.SUCCEEDED] * 10
-    order = [task for _, task in setup.stub.arrivals]
-    last_few = max(i for i, task in enumerate(order) if task.startswith("TASK-few"))
-    many_before = sum(task.startswith("TASK-many") for task in order[:last_few])
+    many_before = served_before_last(setup.stub, early="TASK-many", late="TASK-few")
     assert granted_before + 2 < 8
-    assert many_before <= granted_before + 2, (granted_before, order)
+    assert many_before <= granted_before + 2, (granted_before, setup.stub.arrivals)
 
 
 def test_a_session_with_weight_three_takes_three_turns_to_one(rig: Callable[..., Rig]) -> None:
@@ -291,11 +296,9 @@ def test_a_session_with_weight_three_takes_three_turns_to_one(rig: Callable[...,
 
     # Then s-heavy's six calls went out while s-light's took about two turns (equal weights: about six)
     assert [r.status for r in results] == [Status.SUCCEEDED] * 14
-    order = [task for _, task in setup.stub.arrivals]
-    last_heavy = max(i for i, task in enumerate(order) if task.startswith("TASK-heavy"))
-    light_before = sum(task.startswith("TASK-light") for task in order[:last_heavy])
+    light_before = served_before_last(setup.stub, early="TASK-light", late="TASK-heavy")
     assert granted_before + 3 < 8
-    assert light_before <= granted_before + 3, (granted_before, order)
+    assert light_before <= granted_before + 3, (granted_before, setup.stub.arrivals)
 
 
 def test_time_waiting_for_admission_does_not_count_against_max_wall_s(rig: Callable[..., Rig]) -> None:

@@ -141,9 +141,8 @@ class Admission:
         assert limit is not None
         self.start()
         waiter = Waiter(model, ask)
-        with self._lock:  # known before Redis may grant it, so a look that collects the grant wakes it
-            self._waiters[ask.waiter] = waiter
-        with self._lock:  # releases waiting for the coordinator ride along with this round trip
+        with self._lock:  # known before Redis may grant it, so a look that collects the grant wakes it; releases
+            self._waiters[ask.waiter] = waiter  # waiting for the coordinator ride along with this round trip
             releases, self._releases = self._releases, []
         try:
             answer, freed = self.store.release_and_acquire(releases, model, capacity(limit), ask)

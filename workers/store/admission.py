@@ -167,8 +167,8 @@ class AdmissionStore:
 
     def release(self, model: str, capacity: Capacity, waiter: str, tokens: int = KEEP_ESTIMATE) -> list[str]:
         """The call ended, or its fork stopped waiting: free its hold, settle its tokens; the process's grants."""
-        args = [*self._header(model, capacity), waiter, tokens]
-        return _texts(self._release(keys=self._keys(model), args=args))
+        script, keys, args = self._release_call(Release(model, capacity, waiter, tokens))
+        return _texts(script(keys=keys, args=args))
 
     def release_many(self, releases: Sequence[Release]) -> list[tuple[str, list[str]]]:
         """Several `release`s in one round trip: each one's model and the process's grants it made."""
