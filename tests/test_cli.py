@@ -27,7 +27,7 @@ from workers.history.params import MSG_FORK_TURNS_VALUE
 from workers.history.selection import build_fork_seed
 from workers.history.snapshot import load_parent_snapshot
 from workers.records.parked import AdmissionLimit, ModelWait
-from workers.store.admission import AdmissionStore
+from workers.store.admission import AdmissionStore, wait_shown
 from workers.store.lease import Claim, Leases
 
 INSPECT_KEYS = {
@@ -68,7 +68,7 @@ def test_status_shows_a_running_forks_wait_for_its_model(forkq: Run, settings: S
     assert isinstance(claim, Claim)
     wait = ModelWait(model="gpt-4.1", limit=AdmissionLimit.TPM, since_ms=1764900000000)
     store = AdmissionStore(client, keys, token="host:1:ab", hold_ttl_ms=10_000, alive_ttl_ms=10_000)
-    store.mark_wait(fork_id, claim.epoch, claim.owner, wait, step=1)
+    store.write_waits([wait_shown(fork_id, claim.epoch, claim.owner, wait, 1)])
 
     _, text, _ = forkq("status", fork_id)
     code, out, _ = forkq("status", fork_id, "--json")

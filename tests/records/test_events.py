@@ -49,7 +49,7 @@ from workers.records.events import (
 from workers.records.fork import ForkResult, Status, Usage
 from workers.records.journal import JournalEntry
 from workers.records.parked import AdmissionLimit, ModelWait, ParkedCall
-from workers.store.admission import AdmissionStore
+from workers.store.admission import AdmissionStore, wait_over, wait_shown
 from workers.store.claims import FirstWrite
 from workers.store.forks import ForkStore
 from workers.store.lease import Claim, Leases
@@ -118,9 +118,9 @@ def test_events_written_by_every_script_and_writer_read_back_as_their_own_types(
     )
     admission = AdmissionStore(redis_client, KEYS, token="host:1:ab", hold_ttl_ms=10_000, alive_ttl_ms=10_000)
     wait = ModelWait(model="gpt-4.1-mini", limit=AdmissionLimit.RPM, since_ms=1)
-    admission.mark_wait("f-all", claim.epoch, claim.owner, wait, step=1)
+    admission.write_waits([wait_shown("f-all", claim.epoch, claim.owner, wait, 1)])
     assert fork_store.state("f-all").waiting_for == wait
-    admission.clear_wait("f-all", claim.epoch, claim.owner, waited_ms=5)
+    admission.write_waits([wait_over("f-all", claim.epoch, claim.owner, 5)])
     leases.park(claim, PARKED)
     assert fork_store.decide("f-all", "w1", "approve") is Decision.RECORDED
     assert fork_store.decide("f-all", "w2", "deny", "not now") is Decision.QUEUED

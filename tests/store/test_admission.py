@@ -10,7 +10,7 @@ import redis
 from tests.conftest import TEST_NAMESPACE, put_queued_fork
 from workers.base.keys import Keys
 from workers.records.parked import AdmissionLimit, ModelWait
-from workers.store.admission import AdmissionStore, Ask, Capacity
+from workers.store.admission import AdmissionStore, Ask, Capacity, wait_over, wait_shown
 from workers.store.forks import ForkStore
 from workers.store.lease import Claim, Leases
 
@@ -216,14 +216,14 @@ def test_a_forks_wait_shows_in_its_state_and_its_admitted_wait_moves_its_first_s
     admission = store(redis_client)
     wait = ModelWait(model=MODEL, limit=AdmissionLimit.CONCURRENCY, since_ms=first)
 
-    admission.mark_wait("f-wait", claim.epoch + 1, claim.owner, wait, step=1)  # another epoch: fenced out
+    admission.write_waits([wait_shown("f-wait", claim.epoch + 1, claim.owner, wait, 1)])  # another epoch: fenced out
     assert fork_store.state("f-wait").waiting_for is None
-    admission.mark_wait("f-wait", claim.epoch, claim.owner, wait, step=1)
+    admission.write_waits([wait_shown("f-wait", claim.epoch, claim.owner, wait, 1)])
     assert fork_store.state("f-wait").waiting_for == wait
     [event] = [e for e in fork_store.events("f-wait", count=100) if e.type == "model_wait"]
     assert event.wire_data() == {"step": 1, "model": MODEL, "limit": "concurrency"}
 
-    admission.clear_wait("f-wait", claim.epoch, claim.owner, waited_ms=4000)
+    admission.write_waits([wait_over("f-wait", claim.epoch, claim.owner, 4000)])
 
     assert fork_store.state("f-wait").waiting_for is None
     assert int(redis_client.hget(KEYS.state("f-wait"), "first_started_ms") or 0) == first + 4000

@@ -210,14 +210,6 @@ class AdmissionStore:
         """The queued calls of `model`, in grant order."""
         return _texts(self.client.zrange(self.keys.admission(model)[1], 0, -1))
 
-    def mark_wait(self, fork_id: str, epoch: int, owner: str, wait: ModelWait, step: int) -> None:
-        """The fork's state shows its wait and its stream gets `model_wait` (only while it runs under this claim)."""
-        self.write_waits([wait_shown(fork_id, epoch, owner, wait, step)])
-
-    def clear_wait(self, fork_id: str, epoch: int, owner: str, waited_ms: int) -> None:
-        """The wait is over: its field goes, and the fork's wall clock moves on by `waited_ms`."""
-        self.write_waits([wait_over(fork_id, epoch, owner, waited_ms)])
-
     def write_waits(self, writes: Sequence[WaitWrite]) -> None:
         """Write forks' waits to their states and streams, in order (one round trip for all)."""
         calls = [
