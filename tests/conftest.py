@@ -271,7 +271,7 @@ def make_queued_fork(fork_store: ForkStore) -> Callable[..., tuple[str, str]]:
 
 
 @pytest.fixture
-def forkq(forkq_env: Settings, capsys: pytest.CaptureFixture[str]) -> Callable[..., tuple[int, str, str]]:
+def forkq_cli(forkq_env: Settings, capsys: pytest.CaptureFixture[str]) -> Callable[..., tuple[int, str, str]]:
     """Run `forkq ARGS...` in-process with the test's FORKQ_* environment: (exit code, stdout, stderr)."""
     from workers.cli import main
 
@@ -282,6 +282,12 @@ def forkq(forkq_env: Settings, capsys: pytest.CaptureFixture[str]) -> Callable[.
         return code, out, err
 
     return run
+
+
+@pytest.fixture
+def forkq(forkq_cli: Callable[..., tuple[int, str, str]]) -> Callable[..., tuple[int, str, str]]:
+    """`forkq_cli` by its short name (tests/e2e's own `forkq` starts a worker instead, so it uses `forkq_cli`)."""
+    return forkq_cli
 
 
 def put_queued_fork(store: ForkStore, fork_id: str) -> str:

@@ -39,6 +39,7 @@ from workers.errors import (
     MessageRefused,
     SessionCancelled,
     WorkspaceTooLarge,
+    utc_text,
 )
 from workers.history.snapshot import load_parent_snapshot, read_json_file
 from workers.store.health import check_redis
@@ -365,10 +366,9 @@ def _cancel_session(session: str, *, as_json: bool) -> int:
     if as_json:
         _print_json(outcome.model_dump(mode="json"))
         return EXIT_OK
-    until = datetime.fromtimestamp(outcome.refused_until_ms / 1000, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     print(
         f"session {session}: {outcome.cancelled} forks cancelled, {outcome.already_ended} had already ended; "
-        f"launches into it are refused until {until}"
+        f"launches into it are refused until {utc_text(outcome.refused_until_ms)}"
     )
     return EXIT_OK
 

@@ -15,7 +15,7 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from workers.base.keys import FORK_ID_RE, SESSION_RE
-from workers.base.limits import shown, text_problem
+from workers.base.limits import MAX_TOKENS, shown, text_problem
 
 Parser = argparse.ArgumentParser
 
@@ -72,7 +72,7 @@ def count(text: str) -> int:
 
 def tokens(text: str) -> int:
     """A whole number of tokens, 0 or more (digits only, at most 16 of them: a budget is at most 10^15)."""
-    if not (text.isascii() and text.isdigit() and len(text) <= 16 and int(text) <= 10**15):
+    if not (text.isascii() and text.isdigit() and len(text) <= 16 and int(text) <= MAX_TOKENS):
         raise argparse.ArgumentTypeError(
             f"{shown(text)} is not a whole number of tokens from 0 to 10^15; give one such as 200000"
         )

@@ -667,14 +667,7 @@ class ForkClient:
         state = self.store.state(fork_id)
         record = self.store.get_record(fork_id, state.digest or None)
         used = journal_tokens(self.store.journal(fork_id), cached_weight(self.settings, record.model))
-        limit = record.options.max_tokens
-        return ForkBudget(
-            fork_id=fork_id,
-            max_tokens=limit,
-            used=used,
-            left=None if limit is None else max(limit - used, 0),
-            session=self._budgets.read(record.parent_session),
-        )
+        return ForkBudget.of(fork_id, record.options.max_tokens, used, self._budgets.read(record.parent_session))
 
     def approve(self, fork_id: str, call_id: str) -> Status:
         """Approve a parked call; when no other call waits, the fork is enqueued to go on (on any worker).

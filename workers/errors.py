@@ -181,7 +181,7 @@ class SessionCancelled(ForkqError):
     nothing was written. `session` is the session, `until_ms` when launches into it are taken again (Unix ms)."""
 
     def __init__(self, session: str, until_ms: int, *, fork_id: str | None = None) -> None:
-        until = _utc(until_ms)
+        until = utc_text(until_ms)
         super().__init__(
             f"session {session!r} was cancelled: launches into it are refused until {until} "
             "(FORKQ_SESSION_TOMBSTONE_S after its cancel), and this one wrote nothing; launch with a new session id",
@@ -192,7 +192,7 @@ class SessionCancelled(ForkqError):
         self.until_ms = until_ms
 
 
-def _utc(ms: int) -> str:
+def utc_text(ms: int) -> str:
     """Unix milliseconds as an ISO 8601 UTC time to the second."""
     return datetime.fromtimestamp(ms / 1000, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 

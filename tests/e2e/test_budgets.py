@@ -16,7 +16,6 @@ from typing import Any
 
 import pytest
 
-from broker_config.settings import Settings
 from tests.e2e.test_revival import (  # noqa: F401  (fixtures)
     REVIVAL_S,
     Cluster,
@@ -28,7 +27,6 @@ from tests.e2e.test_revival import (  # noqa: F401  (fixtures)
     testtools_dir,
     text,
 )
-from workers.cli import main
 from workers.errors import BudgetExhausted, ForkNotFound, ForkParked
 from workers.records.fork import Status
 
@@ -41,19 +39,6 @@ SESSION_S = 30.0
 def billed(scripted: dict[str, Any]) -> dict[str, Any]:
     """A scripted step that reports 100 tokens."""
     return {**scripted, "usage": USAGE}
-
-
-@pytest.fixture
-def cli(forkq_env: Settings, capsys: pytest.CaptureFixture[str]) -> Callable[..., tuple[int, str, str]]:
-    """`forkq ARGS...` in-process, on the cluster's Redis, namespace and queue: (exit code, stdout, stderr)."""
-
-    def run(*argv: str) -> tuple[int, str, str]:
-        capsys.readouterr()
-        code = main(list(argv))
-        out, err = capsys.readouterr()
-        return code, out, err
-
-    return run
 
 
 def paused_at_budget(forks: Cluster, fid: str) -> bool:
@@ -72,7 +57,7 @@ def model_entries(forks: Cluster, fid: str) -> int:
 
 def test_a_fork_stops_at_its_max_tokens_before_its_next_model_call_and_parks_paused_budget_reached(
     cluster: Cluster,  # noqa: F811
-    cli: Callable[..., tuple[int, str, str]],
+    forkq_cli: Callable[..., tuple[int, str, str]],
 ) -> None:
     # Given a fork with max_tokens 200 whose model makes two tool calls, then answers
     cluster.script(billed(step(0.0, call("e1"))), billed(step(0.0, call("e2"))), billed(step(0.0, text("done"))))
@@ -83,7 +68,7 @@ def test_a_fork_stops_at_its_max_tokens_before_its_next_model_call_and_parks_pau
     cluster.wait_for(lambda: paused_at_budget(cluster, fid), SESSION_S, "the fork to pause at its budget", fid)
 
     # Then it made no third model call: it is parked paused, reason `budget_reached`, with the numbers apart
-    code, out, _ = cli("status", fid, "--json")
+    code, out, _ = forkq_cli("status", fid, "--json")
     waiting = json.loads(out)["waiting_for"]
     assert (code, json.loads(out)["status"], waiting["kind"], waiting["reason"]) == (
         0,
@@ -98,16 +83,16 @@ def test_a_fork_stops_at_its_max_tokens_before_its_next_model_call_and_parks_pau
     assert cluster.assert_effects_at_most_once(fid) == Counter(
         {effect_key(fid, 0, "e1"): 1, effect_key(fid, 1, "e2"): 1}
     )
-    code, _, err = cli("result", fid, "--wait", "--timeout", "5")
+    code, _, err = forkq_cli("result", fid, "--wait", "--timeout", "5")
     assert code == 3 and "budget_reached" in err and "max_tokens" in err, err
     with pytest.raises(ForkParked):
         cluster.client.wait(fid, timeout=5)
     # inspect shows the fork's max_tokens, used and left, and its session's budget (none set: counted all the same)
-    code, out, _ = cli("inspect", fid)
+    code, out, _ = forkq_cli("inspect", fid)
     assert "max_tokens: used 200 of 200 tokens, 0 left" in out
     assert f"session budget ({cluster.parent['session_id']}): no limit, used 200 tokens" in out
     # and a resume is refused, since nothing raises a launch's max_tokens: the fork stays as it is
-    code, _, err = cli("resume", fid)
+    code, _, err = forkq_cli("resume", fid)
     assert code == 1 and "stays paused" in err and "cannot be raised" in err, err
     with pytest.raises(BudgetExhausted) as refused:
         cluster.client.resume(fid)
@@ -117,12 +102,12 @@ def test_a_fork_stops_at_its_max_tokens_before_its_next_model_call_and_parks_pau
 
 def test_a_session_budget_pauses_two_forks_and_raising_it_resumes_both_to_their_end_with_no_side_effect_twice(
     cluster: Cluster,  # noqa: F811
-    cli: Callable[..., tuple[int, str, str]],
+    forkq_cli: Callable[..., tuple[int, str, str]],
 ) -> None:
     # Given a session budget of 250 tokens, and two forks of that session that each need three responses
     cluster.script(billed(step(0.1, call("e1"))), billed(step(0.1, call("e2"))), billed(step(0.0, text("done"))))
     session = cluster.parent["session_id"]
-    code, out, _ = cli("budget", "--session", session, "--tokens", "250", "--json")
+    code, out, _ = forkq_cli("budget", "--session", session, "--tokens", "250", "--json")
     assert (code, json.loads(out)) == (0, {"session": session, "tokens": 250, "used": 0, "left": 250, "resumed": []})
     cluster.start("w1", concurrency=4)
     forks = [cluster.launch(), cluster.launch()]
@@ -138,11 +123,11 @@ def test_a_session_budget_pauses_two_forks_and_raising_it_resumes_both_to_their_
     assert budget.used == sum(100 * model_entries(cluster, fid) for fid in forks)
     for fid in forks:
         assert "the budget of session" in (cluster.store.state(fid).waiting_for.detail or "")  # type: ignore[union-attr]
-    code, out, _ = cli("budget", "--session", session)
+    code, out, _ = forkq_cli("budget", "--session", session)
     assert out == f"session {session}: used {budget.used:,} of 250 tokens, 0 left\n"
 
     # When the budget is raised with `forkq budget`
-    code, out, _ = cli("budget", "--session", session, "--tokens", "10000", "--json")
+    code, out, _ = forkq_cli("budget", "--session", session, "--tokens", "10000", "--json")
 
     # Then it resumed both, and both finish with identical inputs, each side effect once
     assert code == 0 and sorted(json.loads(out)["resumed"]) == sorted(forks), out

@@ -29,7 +29,6 @@ from tests.fakeapi import FakeAPI, Received, Reply
 from tests.live import wait_until
 from tests.providers.test_openai_compat import completion, tool_call
 from workers.app import make_app
-from workers.cli import main
 from workers.client import ForkClient
 from workers.errors import SessionCancelled
 from workers.records.fork import Status
@@ -152,18 +151,6 @@ def start_workers(worker_process: Callable[..., WorkerProcess], model: FakeAPI) 
 
 
 @pytest.fixture
-def cli(forkq_env: Settings, capsys: pytest.CaptureFixture[str]) -> Callable[..., tuple[int, str]]:
-    """Run `forkq ARGS...` in-process with the test's FORKQ_* environment: (exit code, stdout)."""
-
-    def run(*argv: str) -> tuple[int, str]:
-        capsys.readouterr()
-        code = main(list(argv))
-        return code, capsys.readouterr().out
-
-    return run
-
-
-@pytest.fixture
 def project(tmp_path: Path) -> dict[str, Path]:
     folders = {name: tmp_path / name for name in ("cancelled", "other")}
     for folder in folders.values():
@@ -176,7 +163,7 @@ def test_a_session_cancel_ends_its_running_parked_queued_and_nested_forks_and_no
     start_workers: Callable[[int, int], Workers],
     parent: dict[str, Any],
     project: dict[str, Path],
-    cli: Callable[..., tuple[int, str]],
+    forkq_cli: Callable[..., tuple[int, str, str]],
 ) -> None:
     # Given two workers of 2 slots each, and a session with a fork that succeeded, two forks parked on a shell
     # call, two forks and a subagent calling the shell step after step, the subagent's nested subagent doing the
@@ -234,7 +221,7 @@ def test_a_session_cancel_ends_its_running_parked_queued_and_nested_forks_and_no
     app.close()
 
     # and a cancelled fork's result keeps what it used
-    code, out = cli("result", running[0].fork_id, "--json")
+    code, out, _ = forkq_cli("result", running[0].fork_id, "--json")
     result = json.loads(out)
     assert code == 1 and result["status"] == "cancelled"
     assert result["usage"]["model_calls"] >= 1 and result["usage"]["input_tokens"] >= 19

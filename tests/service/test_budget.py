@@ -33,6 +33,20 @@ def guard(client: redis.Redis, *, max_tokens: int | None = None, used: int = 0) 
     return BudgetGuard(store, "f-guard", SESSION, max_tokens, weight=1.0, used=used)
 
 
+def stores(client: redis.Redis) -> tuple[ForkStore, BudgetStore, Leases]:
+    """The fork, budget and lease stores a budget pause writes through."""
+    forks, budgets = ForkStore(client, KEYS, ttl_s=3600), BudgetStore(client, KEYS, ttl_s=3600)
+    return forks, budgets, Leases(client, KEYS, ttl_ms=10_000, retention_s=3600)
+
+
+def running(forks: ForkStore, leases: Leases, fork_id: str) -> tuple[str, Claim]:
+    """A queued fork `fork_id` claimed by one worker: its digest and the claim."""
+    digest = put_queued_fork(forks, fork_id)
+    claim = leases.claim(fork_id, "worker-a")
+    assert isinstance(claim, Claim)
+    return digest, claim
+
+
 def test_a_fork_under_its_budgets_goes_on_without_waiting_and_each_response_is_charged_once(
     redis_client: redis.Redis,
 ) -> None:
@@ -82,11 +96,8 @@ def test_a_fork_whose_session_used_its_budget_is_stopped_naming_the_command_that
 
 def test_a_fork_paused_at_its_session_budget_after_a_raise_resumes_at_once(redis_client: redis.Redis) -> None:
     # Given a running fork stopped at its session's budget
-    forks, budgets = ForkStore(redis_client, KEYS, ttl_s=3600), BudgetStore(redis_client, KEYS, ttl_s=3600)
-    leases = Leases(redis_client, KEYS, ttl_ms=10_000, retention_s=3600)
-    digest = put_queued_fork(forks, "f-raced")
-    claim = leases.claim("f-raced", "worker-a")
-    assert isinstance(claim, Claim)
+    forks, budgets, leases = stores(redis_client)
+    digest, claim = running(forks, leases, "f-raced")
     stop = BudgetReached(BudgetKind.SESSION, fork_id="f-raced", session=SESSION, used=100, limit=100)
     requeued: list[tuple[str, str, int]] = []
 
@@ -101,11 +112,8 @@ def test_a_fork_paused_at_its_session_budget_after_a_raise_resumes_at_once(redis
 
 
 def test_a_fork_paused_at_its_own_max_tokens_joins_no_sessions_set(redis_client: redis.Redis) -> None:
-    forks, budgets = ForkStore(redis_client, KEYS, ttl_s=3600), BudgetStore(redis_client, KEYS, ttl_s=3600)
-    leases = Leases(redis_client, KEYS, ttl_ms=10_000, retention_s=3600)
-    digest = put_queued_fork(forks, "f-own")
-    claim = leases.claim("f-own", "worker-a")
-    assert isinstance(claim, Claim)
+    forks, budgets, leases = stores(redis_client)
+    digest, claim = running(forks, leases, "f-own")
     stop = BudgetReached(BudgetKind.FORK, fork_id="f-own", session=SESSION, used=10, limit=10)
 
     BudgetPark(leases, forks, budgets, None).park(claim, digest, stop)

@@ -82,6 +82,7 @@ async def services(request: Request) -> Services:
 
 Svc = Annotated[Services, Depends(services)]
 ForkId = Annotated[str, Path(pattern=FORK_ID_PATTERN, description="A fork id, as the launch returned it.")]
+SessionId = Annotated[str, Path(pattern=SESSION_PATTERN, description="The parent's session id.")]
 Digest = Annotated[str, Path(pattern=DIGEST_PATTERN, description="The SHA-256 of the blob's bytes, lowercase hex.")]
 DIFF_MEDIA: Final = "text/x-diff"
 
@@ -202,7 +203,7 @@ def decide_call(
 
 
 async def session_forks(
-    session_id: Annotated[str, Path(pattern=SESSION_PATTERN, description="The parent's session id.")],
+    session_id: SessionId,
     svc: Svc,
     limit: Annotated[int, Query(ge=1, le=1000, description="The newest this many.")] = 100,
 ) -> SessionForks:
@@ -211,15 +212,10 @@ async def session_forks(
     return SessionForks(session_id=session_id, forks=[SessionFork(**dataclasses.asdict(f)) for f in forks])
 
 
-def cancel_session(
-    session_id: Annotated[str, Path(pattern=SESSION_PATTERN, description="The parent's session id.")], svc: Svc
-) -> SessionCancel:
+def cancel_session(session_id: SessionId, svc: Svc) -> SessionCancel:
     """Cancel every fork of a parent session that has not ended, nested subagents included; launches into the
     session are refused (409) from then until FORKQ_SESSION_TOMBSTONE_S after it."""
     return svc.client.cancel_session(session_id)
-
-
-SessionId = Annotated[str, Path(pattern=SESSION_PATTERN, description="The parent's session id.")]
 
 
 def session_budget(session_id: SessionId, svc: Svc) -> SessionBudget:

@@ -202,38 +202,36 @@ class Keys:
 
     def session_names(self, parent_session: str) -> str:
         """Teammate names of one parent session → fork ids."""
-        _check_session(parent_session)
-        return f"{self.namespace}:{{parent:{parent_session}}}:names"
+        return self._session_key(parent_session, "names")
 
     def chunk(self, parent_session: str, digest_hex: str) -> str:
         """A content-addressed seed chunk shared by the forks of one parent session."""
-        _check_session(parent_session)
-        return f"{self.namespace}:{{parent:{parent_session}}}:chunk:{digest_hex}"
+        return self._session_key(parent_session, f"chunk:{digest_hex}")
 
     def session_forks(self, parent_session: str) -> str:
         """The forks launched from one parent session, by launch time."""
-        _check_session(parent_session)
-        return f"{self.namespace}:{{parent:{parent_session}}}:forks"
+        return self._session_key(parent_session, "forks")
 
     def session_cancelled(self, parent_session: str) -> str:
         """The tombstone of a cancelled parent session: launches into it are refused while it exists."""
-        _check_session(parent_session)
-        return f"{self.namespace}:{{parent:{parent_session}}}:cancelled"
+        return self._session_key(parent_session, "cancelled")
 
     def session_budget(self, parent_session: str) -> str:
         """The token budget of one parent session: its limit and what its forks used."""
-        _check_session(parent_session)
-        return f"{self.namespace}:{{parent:{parent_session}}}:budget"
+        return self._session_key(parent_session, "budget")
 
     def session_budget_charged(self, parent_session: str) -> str:
         """Per fork of one parent session, the last model step charged to its budget."""
-        _check_session(parent_session)
-        return f"{self.namespace}:{{parent:{parent_session}}}:budget:charged"
+        return self._session_key(parent_session, "budget:charged")
 
     def session_budget_paused(self, parent_session: str) -> str:
         """The forks of one parent session that its budget paused."""
+        return self._session_key(parent_session, "budget:paused")
+
+    def _session_key(self, parent_session: str, suffix: str) -> str:
+        """`suffix` under one parent session's hash tag, so a session's keys share a Redis Cluster slot."""
         _check_session(parent_session)
-        return f"{self.namespace}:{{parent:{parent_session}}}:budget:paused"
+        return f"{self.namespace}:{{parent:{parent_session}}}:{suffix}"
 
     def blob(self, scope: str, digest_hex: str) -> str:
         """A workspace file's bytes, by the SHA-256 of those bytes, in one scope (tenant)."""

@@ -60,12 +60,17 @@ class SessionBudget(BaseModel):
     @classmethod
     def of(cls, session: str, tokens: int | None, used: int) -> SessionBudget:
         """The budget with its `left` worked out."""
-        return cls(session=session, tokens=tokens, used=used, left=None if tokens is None else max(tokens - used, 0))
+        return cls(session=session, tokens=tokens, used=used, left=_left(tokens, used))
 
     @property
     def reached(self) -> bool:
         """True when a limit is set and used up."""
         return self.tokens is not None and self.used >= self.tokens
+
+
+def _left(limit: int | None, used: int) -> int | None:
+    """The tokens left under `limit` (None without one), never below 0."""
+    return None if limit is None else max(limit - used, 0)
 
 
 def _int(raw: Any) -> int | None:
@@ -122,3 +127,8 @@ class ForkBudget(BaseModel):
     used: int
     left: int | None  # None without max_tokens; never below 0
     session: SessionBudget
+
+    @classmethod
+    def of(cls, fork_id: str, max_tokens: int | None, used: int, session: SessionBudget) -> ForkBudget:
+        """The fork's budgets with its `left` worked out."""
+        return cls(fork_id=fork_id, max_tokens=max_tokens, used=used, left=_left(max_tokens, used), session=session)
