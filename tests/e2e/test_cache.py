@@ -18,7 +18,6 @@ from typing import Any
 
 import pytest
 
-from broker_config.settings import Settings
 from tests.e2e.conftest import MARKER
 from tests.e2e.test_providers import (
     FORK,
@@ -54,19 +53,6 @@ SCHEMA = {
     "additionalProperties": False,
 }
 CACHED = (0, 896, 1024)  # cached prompt tokens the fake model reports at each step
-
-
-@pytest.fixture
-def cli(forkq_env: Settings, capsys: pytest.CaptureFixture[str]) -> Callable[..., tuple[int, str]]:
-    """Run `forkq ARGS...` in-process with the test's FORKQ_* environment: (exit code, stdout)."""
-    from workers.cli import main
-
-    def run(*argv: str) -> tuple[int, str]:
-        capsys.readouterr()
-        code = main(list(argv))
-        return code, capsys.readouterr().out
-
-    return run
 
 
 @pytest.fixture
@@ -181,7 +167,7 @@ def test_a_fork_with_thoughts_signatures_and_parallel_calls_resends_every_byte_i
     forkq: Callable[..., ForkClient],
     apis: dict[str, FakeAPI],
     parent_of: Callable[[str], dict[str, Any]],
-    cli: Callable[..., tuple[int, str]],
+    forkq_cli: Callable[..., tuple[int, str, str]],
 ) -> None:
     # Given a model that thinks at every step (Gemini: with thought signatures), calls two tools at once,
     # and reports more cached prompt tokens at each step
@@ -209,7 +195,7 @@ def test_a_fork_with_thoughts_signatures_and_parallel_calls_resends_every_byte_i
     assert result.usage.cached_input_tokens == sum(CACHED)
     steps = [e.wire_data() for e in client.events(handle.fork_id) if e.type == "step"]
     assert [s["cached_input_tokens"] for s in steps] == list(CACHED)
-    code, out = cli("result", handle.fork_id, "--json")
+    code, out, _ = forkq_cli("result", handle.fork_id, "--json")
     assert code == 0 and json.loads(out)["usage"]["cached_input_tokens"] == sum(CACHED)
     notification = client.notification(handle.fork_id)
     assert notification is not None and f"<cached_input_tokens>{sum(CACHED)}</cached_input_tokens>" in notification
