@@ -18,8 +18,9 @@ limits in the same run:
    without limits. Where the time went: each group's median launch → started → first model call, the
    time inside its model calls (admission wait + the call) and the forks that had a call queued.
 3. cost: N forks on an endpoint with room for all (no 429, no wait), limits set far above the demand against
-   none: what admission adds per model call in Redis commands (INFO commandstats deltas, commands inside
-   Lua scripts included, by name; EVALSHA/EVAL are the added round trips) and in worker CPU (both workers,
+   none: what admission adds per model call in Redis round trips (INFO stats `total_writes_processed`: one
+   reply write per round trip, a pipeline's in one), in Redis commands (INFO commandstats deltas, commands
+   inside Lua scripts included, by name) and in worker CPU (both workers,
    first `started` → last `finished`). Every case also prints the stub's busy share of K and its Redis
    commands per model call.
 
@@ -203,6 +204,7 @@ class Outcome:
     forks: list[Fork] = field(default_factory=list)
     stub: dict[str, Any] = field(default_factory=dict)
     redis_calls: Counter[str] = field(default_factory=Counter)
+    redis_round_trips: int = 0
     redis_cpu_s: float = float("nan")
     worker_cpu_s: float = float("nan")
     b_offset_s: float = float("nan")
@@ -439,6 +441,7 @@ def run_case(case: Case, plan: Plan, parent: ParentSnapshot, tmp: Path) -> Outco
             sampler.stop()
         out.stub = stub_stats(port)
         out.redis_calls, out.redis_cpu_s = after.minus(before)
+        out.redis_round_trips = after.round_trips(before)
         group.stop_all()
         read_forks(client, out.forks)
         window = out.window_ms()
@@ -505,16 +508,23 @@ def print_fairness(rows: Sequence[Outcome]) -> None:
 def print_cost(rows: Sequence[Outcome]) -> None:
     """The cost table, then what the limits add per model call, by Redis command."""
     print("\ncost: an endpoint with room for every request (no 429, no wait); per model call answered")
-    print("case | forks | calls | Redis cmd/call | EVALSHA+EVAL/call | Redis CPU µs/call | worker CPU ms/call | failed")
+    print(
+        "case | forks | calls | Redis round trips/call | Redis cmd/call | EVALSHA+EVAL/call | Redis CPU µs/call "
+        "| worker CPU ms/call | failed"
+    )
     for o in rows:
         calls = max(o.served, 1)
         scripts = o.redis_calls["evalsha"] + o.redis_calls["eval"] + o.redis_calls["fcall"]
-        cells = (o.case.label, f"{o.case.forks:,}", f"{o.served:,}", f"{sum(o.redis_calls.values()) / calls:.2f}")
-        cells += (f"{scripts / calls:.2f}", f"{o.redis_cpu_s * 1e6 / calls:.0f}", f"{o.worker_cpu_s * 1e3 / calls:.2f}")
+        cells = (o.case.label, f"{o.case.forks:,}", f"{o.served:,}", f"{o.redis_round_trips / calls:.2f}")
+        cells += (f"{sum(o.redis_calls.values()) / calls:.2f}", f"{scripts / calls:.2f}")
+        cells += (f"{o.redis_cpu_s * 1e6 / calls:.0f}", f"{o.worker_cpu_s * 1e3 / calls:.2f}")
         print(" | ".join((*cells, f"{o.failed}")))
     by = {o.case.label: o for o in rows}
     if "limits" in by and "no limits" in by:
         with_, without = by["limits"], by["no limits"]
+        added = with_.redis_round_trips / max(with_.served, 1) - without.redis_round_trips / max(without.served, 1)
+        verdict = "ok" if added <= 1.05 else "MISS"  # 5% for the benchmark's own polls, which vary with the run
+        print(f"limits − no limits: {added:+.2f} Redis round trips per model call (target ≤ 1): {verdict}")
         names = set(with_.redis_calls) | set(without.redis_calls)
         delta = {
             n: with_.redis_calls[n] / max(with_.served, 1) - without.redis_calls[n] / max(without.served, 1)

@@ -211,14 +211,22 @@ class RedisCounters:
 
     calls: dict[str, int]
     cpu_s: float
+    # replies Redis wrote to its clients (INFO stats `total_writes_processed`): one per round trip, a pipeline's
+    # replies going out in one write
+    writes: int = 0
 
     @classmethod
     def read(cls, r: redis.Redis) -> RedisCounters:
-        """Read them now (one INFO commandstats, one INFO cpu: both are `cmdstat_info`, left out)."""
+        """Read them now (INFO commandstats, cpu and stats: each a `cmdstat_info`, left out)."""
         stats = r.info("commandstats")
         cpu = r.info("cpu")
+        writes = int(r.info("stats").get("total_writes_processed", 0))
         calls = {k: int(v["calls"]) for k, v in stats.items()}
-        return cls(calls, float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"]))
+        return cls(calls, float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"]), writes)
+
+    def round_trips(self, before: RedisCounters) -> int:
+        """Round trips of every client since `before` (the benchmark's own reads included)."""
+        return self.writes - before.writes
 
     def minus(self, before: RedisCounters) -> tuple[Counter[str], float]:
         """Commands by name since `before` (the benchmark's own polls left out), and Redis CPU s since then."""

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, ClassVar, cast
 
 import psutil
 import pytest
@@ -22,7 +24,7 @@ from workers.client import ForkClient
 from workers.demo.redis_server import RedisServer
 from workers.history.messages import Content, FunctionCall, Part
 from workers.loop.child import STOP_REASONS
-from workers.providers import ModelRequest, ModelResponse
+from workers.providers import ModelRequest, ModelResponse, TokenUsage
 from workers.records.fork import Status
 from workers.records.journal import RequestDigests
 from workers.records.parked import ResumeWait
@@ -50,9 +52,10 @@ class CallsThenAnswers:
 
     name = "test"
 
-    def __init__(self, die_at: int | None = None, answer: str = "done") -> None:
+    def __init__(self, die_at: int | None = None, answer: str = "done", usage: TokenUsage | None = None) -> None:
         self.die_at = die_at
         self.answer = answer
+        self.usage = usage or TokenUsage()
         self.requests: list[ModelRequest] = []
 
     def generate(self, request: ModelRequest) -> ModelResponse:
@@ -61,8 +64,8 @@ class CallsThenAnswers:
             raise Died
         if request.step == 0:
             call = FunctionCall(id="c1", name="count", args={})
-            return ModelResponse(content=Content(role="model", parts=[Part(function_call=call)]))
-        return ModelResponse(content=Content(role="model", parts=[Part(text=self.answer)]))
+            return ModelResponse(content=Content(role="model", parts=[Part(function_call=call)]), usage=self.usage)
+        return ModelResponse(content=Content(role="model", parts=[Part(text=self.answer)]), usage=self.usage)
 
 
 def counting_tools(effects: list[str]) -> ToolRegistry:
@@ -130,6 +133,62 @@ def test_the_final_answer_is_journaled_with_the_result_in_the_same_write(
     assert [e.kind for e in runtime.leases.journal(fork_id)][-1] == "model"
     assert appends == [["surface"], ["model"], ["tool_started"], ["tool_result"]]
     assert [e.type for e in client.events(fork_id)][-3:] == ["model_call", "step", "finished"]
+
+
+class CountedConnection(redis.Connection):
+    """A Redis connection that counts, per thread, what it sends: one command or one pipeline, a round trip each."""
+
+    sends: ClassVar[Counter[int]] = Counter()
+
+    def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        CountedConnection.sends[threading.get_ident()] += 1
+        super().send_packed_command(command, check_health)
+
+
+def fork_round_trips(settings: Settings, client: ForkClient, parent: dict[str, Any]) -> int:
+    """The round trips to Redis, of every thread of the worker's runtime, that one run of a two-step fork causes.
+
+    A first run of another fork loads every script and starts the heartbeat and the admission coordinator, whose
+    next renewals are a heartbeat (20 s) away: what the second run's threads send is that run's. A release the
+    coordinator still holds is sent (and counted) by its `close`.
+    """
+    quiet = settings.model_copy(update={"heartbeat_s": 20.0, "lease_ttl_s": 60.0})
+    runtime = runtime_with(
+        quiet, CallsThenAnswers(usage=TokenUsage(input_tokens=30, output_tokens=5)), counting_tools([])
+    )
+    pool = redis.ConnectionPool.from_url(settings.redis_url, connection_class=CountedConnection)
+    runtime.redis = redis.Redis(connection_pool=pool)  # the runtime's stores are made from it on first use
+    try:
+        for _ in range(2):
+            _, job = launch(client, parent)
+            before = sum(CountedConnection.sends.values())
+            assert run_fork_job(runtime, job) == RunOutcome(Outcome.SUCCEEDED)
+        if runtime.admission is not None:
+            runtime.admission.close()
+        return sum(CountedConnection.sends.values()) - before
+    finally:
+        runtime.keeper.stop()
+        pool.disconnect()
+
+
+def test_admission_adds_one_round_trip_per_model_call_and_budgets_ride_on_the_forks_writes(
+    make_settings: Callable[..., Settings], client: ForkClient, parent: dict[str, Any]
+) -> None:
+    # Given a session with a budget (far from used), so every call reads it and every answer is charged
+    client.set_budget(parent["session_id"], tokens=1_000_000)
+
+    # When the same two-step fork runs without limits, then with a concurrency limit on its model
+    unlimited = fork_round_trips(make_settings(), client, parent)
+    limited = fork_round_trips(make_settings(model_limits={"gemini-*": {"concurrency": 4}}), client, parent)
+
+    # Then the limits cost one round trip per model call (the acquire; the release rides on the journal append,
+    # and no thread sends it on its own), and the budget reads and charges ride on the checkpoints and appends:
+    # the fork makes the round trips it made before budgets, and one more to read its budget before its first call
+    # (whose checkpoint the claim made)
+    assert limited - unlimited == 2
+    claim, first_budget_read, appends, checkpoint, finish = 1, 1, 3, 1, 1  # appends: model, tool started, tool result
+    assert unlimited == claim + first_budget_read + appends + checkpoint + finish
+    assert client.budget(parent["session_id"]).used == 4 * 2 * 35  # four runs of two calls, each charged once
 
 
 def test_a_revived_fork_replays_its_journal_and_makes_the_same_request(

@@ -6,15 +6,16 @@ that is all. Otherwise the fork's thread blocks on an event, and the process's `
 thread, looks every `TICK_S` for all of the process's waiters at once (one script per model, pipelined) and
 wakes those granted. The same thread renews the process's holds every heartbeat (one round trip).
 
-A call's release (its hold freed, its tokens settled with the reported usage) costs its fork's thread no round
-trip either: the fork hands it to the coordinator, which wakes at once and sends every release of the process
-waiting to go in one pipelined round trip (releases that come while one is in flight go together in the next:
-under load many calls share one); a call's acquire takes those still waiting along in its own round trip. The
-script hands the freed capacity on and the coordinator wakes this process's waiters it granted, so a slot passes
-between two forks of one process without a tick, and to another process's waiter within that process's next
-tick. A release not yet sent when the worker dies is freed as its other holds are (the hold is no longer
-renewed, and the sweeper frees a dead process's holds); `close` sends the rest, and a release after `close` is
-sent by its own thread.
+A call's release (its hold freed, its tokens settled with the reported usage) costs no round trip of its own:
+a call that answered is released by the journal append that records its answer, just after it (a `Rider` on the
+fork's write, `workers.store.pipelined`), so admission adds one round trip per model call, the acquire. A call
+that failed, a waiter that stops waiting, and a rider that did not get through are handed to the coordinator,
+which wakes at once and sends every release of the process waiting to go in one pipelined round trip; a call's
+acquire takes those still waiting along in its own round trip. The script hands the freed capacity on and wakes
+this process's waiters it granted, so a slot passes between two forks of one process without a tick, and to
+another process's waiter within that process's next tick. A release not yet sent when the worker dies is freed
+as its other holds are (the hold is no longer renewed, and the sweeper frees a dead process's holds); `close`
+sends the rest, and a release after `close` is sent by its own thread.
 """
 
 from __future__ import annotations
@@ -41,9 +42,11 @@ from workers.store.admission import (
     Capacity,
     Release,
     WaitWrite,
+    granted_of,
     wait_over,
     wait_shown,
 )
+from workers.store.pipelined import Rider, Rides
 
 log = logging.getLogger("forkq.admission")
 
@@ -167,15 +170,34 @@ class Admission:
         with self._lock:
             self._holds.setdefault(model, set()).add(waiter)
 
-    def release(self, model: str, waiter: str, usage: TokenUsage | None) -> None:
-        """The call ended (or stopped waiting): its hold is no longer renewed, and the coordinator frees it, settles
-        its tokens and wakes what it granted here with its next round trip (sent at once; none of this thread's)."""
+    def _forget(self, model: str, waiter: str, usage: TokenUsage | None) -> Release:
+        """The call ended: its hold is no longer renewed here; its release, to send."""
         limit = self.limit_of(model)
         tokens = KEEP_ESTIMATE if usage is None else usage.input_tokens + usage.output_tokens
         with self._lock:
             self._waiters.pop(waiter, None)
             self._holds.get(model, set()).discard(waiter)
-            self._releases.append(Release(model, capacity(limit or ModelLimit()), waiter, tokens))
+        return Release(model, capacity(limit or ModelLimit()), waiter, tokens)
+
+    def release(self, model: str, waiter: str, usage: TokenUsage | None) -> None:
+        """The call ended (or stopped waiting): its hold is no longer renewed, and the coordinator frees it, settles
+        its tokens and wakes what it granted here with its next round trip (sent at once; none of this thread's)."""
+        self._send_later(self._forget(model, waiter, usage))
+
+    def release_rider(self, model: str, waiter: str, usage: TokenUsage) -> Rider:
+        """The call ended: its release as a rider on its fork's next write, which wakes what it granted here; one
+        that does not get through is sent by the coordinator."""
+        one = self._forget(model, waiter, usage)
+        return Rider(
+            self.store.release_call(one),
+            settle=lambda reply: self._wake(model, granted_of(reply)),
+            failed=lambda exc: self._send_later(one),
+        )
+
+    def _send_later(self, one: Release) -> None:
+        """Have the coordinator send `one` at once (this thread, when the coordinator is closed)."""
+        with self._lock:
+            self._releases.append(one)
             closed = self._stop.is_set()
         if closed:  # no coordinator any more (worker shutdown)
             self._send_releases()
@@ -329,6 +351,7 @@ class AdmissionGuard:
     epoch: int
     owner: str
     stop_if_asked: Callable[[], None]  # raises `Stopped` when the fork must stop (cancel, lost lease, shutdown)
+    rides: Rides | None = None  # the fork's writes: a call's release goes with the next (None: the coordinator's)
     _hold: tuple[str, str] | None = None  # (model, waiter id) of the call in flight
 
     def enter(self, request: ModelRequest) -> float:
@@ -387,10 +410,15 @@ class AdmissionGuard:
         return waited
 
     def leave(self, request: ModelRequest, usage: TokenUsage | None) -> None:
-        """The call ended: free its slot and settle its tokens."""
+        """The call ended: free its slot and settle its tokens, with the fork's next write when it answered (the
+        journal append just after), else at once."""
         hold, self._hold = self._hold, None
-        if hold is not None:
+        if hold is None:
+            return
+        if usage is None or self.rides is None:
             self.admission.release(hold[0], hold[1], usage)
+        else:
+            self.rides.ride(self.admission.release_rider(hold[0], hold[1], usage))
 
 
 @dataclass

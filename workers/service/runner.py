@@ -38,6 +38,7 @@ from workers.store.blobs import BlobStore
 from workers.store.budget import BudgetStore
 from workers.store.forks import ForkStore
 from workers.store.lease import Claim, LeaseKeeper, Leases, revival_grace_s, ride_out
+from workers.store.pipelined import Rider
 from workers.store.presence import Presence, owner_token, presence_token
 from workers.store.replies import RefusalReason, Written
 from workers.subagents.definitions import CatalogCache
@@ -222,7 +223,9 @@ class FencedChannel:
 
     A step costs two round trips: a checkpoint before the model call (events + status check) and
     the journal append after it (entry + events, fenced by epoch and lease); the last step's append
-    rides on the fenced `finish`, so a one-step fork makes three in all with its claim.
+    rides on the fenced `finish`, so a one-step fork makes three in all with its claim. Budgets and admission
+    add no round trip after the call: its charge and its release ride on the append (`ride`), and the budget
+    read before it on the checkpoint (`ahead`).
     """
 
     leases: Leases
@@ -235,6 +238,26 @@ class FencedChannel:
     published: list[Event] = field(default_factory=list)  # by the claim (`Claim.primed`)
     mail: bool = False  # messages wait in the inbox (as the claim, or the last fenced write, found it)
     mail_items: list[bytes] = field(default_factory=list)  # read by `take_mail`, moved by `deliver`
+    riders: list[Rider] = field(default_factory=list)  # scripts sent with the next fenced write (`ride`)
+    before_call: list[Callable[[], Rider | None]] = field(default_factory=list)  # riders of each checkpoint (`ahead`)
+
+    def ride(self, rider: Rider) -> None:
+        """Send `rider` with the fork's next fenced write (a model call's charge and release: the append after it)."""
+        self.riders.append(rider)
+
+    def ahead(self, make: Callable[[], Rider | None]) -> None:
+        """Send `make()`'s rider with each checkpoint (the round trip just before a model call)."""
+        self.before_call.append(make)
+
+    def _take_riders(self, *, checkpoint: bool = False) -> list[Rider]:
+        riders, self.riders = self.riders, []
+        if checkpoint:
+            riders += [rider for make in self.before_call if (rider := make()) is not None]
+        return riders
+
+    def send_riders(self) -> None:
+        """Send the riders no write took along (the run ended first), in a round trip of their own."""
+        self.leases.send_riders(self.claim, self._take_riders())
 
     def emit(self, event: Event) -> None:
         """Queue a progress event."""
@@ -268,11 +291,12 @@ class FencedChannel:
         if published and not self.pending_entries and self.pending_events == published:
             self.pending_events = []
             return
+        riders = self._take_riders(checkpoint=True)
         if self.pending_entries:  # the first run's tool surface: recorded before the first model call
             entries, self.pending_entries = self.pending_entries, []
-            self.mail = self.leases.append(self.claim, *entries, events=self._take_events())
+            self.mail = self.leases.append(self.claim, *entries, events=self._take_events(), riders=riders)
             return
-        status = self.leases.emit(self.claim, self._take_events())
+        status = self.leases.emit(self.claim, self._take_events(), riders)
         if status is not Status.RUNNING:
             raise Stopped(stop_reason(status))
 
@@ -288,7 +312,7 @@ class FencedChannel:
         if not boundary and is_final_answer(entry):
             self.pending_entries = entries
             return
-        self.mail = self.leases.append(self.claim, *entries, events=self._take_events())
+        self.mail = self.leases.append(self.claim, *entries, events=self._take_events(), riders=self._take_riders())
 
     def take_mail(self) -> list[str]:
         """The oldest messages waiting in the inbox (none without a round trip when no write saw any)."""
@@ -303,13 +327,14 @@ class FencedChannel:
         self._stop_if_asked()
         held, self.pending_entries = self.pending_entries, []
         items, self.mail_items = self.mail_items, []
-        self.mail = self.leases.deliver(self.claim, [*held, *entries], items, events=self._take_events())
+        events, riders = self._take_events(), self._take_riders()
+        self.mail = self.leases.deliver(self.claim, [*held, *entries], items, events=events, riders=riders)
 
     def finish(self, result: ForkResult) -> Written:
         """Write the result with the held entries and queued events (one round trip); `continued` when
         messages arrived meanwhile and the fork was queued again instead (see `Leases.finish`)."""
         entries, self.pending_entries = self.pending_entries, []
-        return self.leases.finish(self.claim, result, *entries, events=self._take_events())
+        return self.leases.finish(self.claim, result, *entries, events=self._take_events(), riders=self._take_riders())
 
 
 def run_fork_job(
@@ -420,7 +445,9 @@ def _run_claimed(
 
 def _guard(runtime: WorkerRuntime, job: RunForkJob, claim: Claim, run: Prepared) -> CallGuard:
     """What stands before each of the fork's model calls: its budgets, then its model's admission."""
-    budget = budget_guard(runtime.settings, runtime.budgets, run.record, run.entries, claim.clock.deadline)
+    channel = run.channel
+    until = claim.clock.deadline
+    budget = budget_guard(runtime.settings, runtime.budgets, run.record, run.entries, until, rides=channel)
     admission = runtime.admission
     if admission is None or admission.limit_of(run.record.model) is None:
         return budget
@@ -430,7 +457,8 @@ def _guard(runtime: WorkerRuntime, job: RunForkJob, claim: Claim, run: Prepared)
         session=run.record.parent_session,
         epoch=claim.epoch,
         owner=claim.owner,
-        stop_if_asked=run.channel.stop_if_asked,
+        stop_if_asked=channel.stop_if_asked,
+        rides=channel,
     )
     return Guards([budget, admit])  # the budget first: a fork at its budget never takes (or waits for) a slot
 
@@ -492,6 +520,22 @@ def _run_loop(runtime: WorkerRuntime, job: RunForkJob, claim: Claim, lost: threa
         workspace=workspace,
         guard=_guard(runtime, job, claim, run),
     )
+    try:
+        return _run_to_end(runtime, job, claim, run, loop=loop, workspace=workspace)
+    finally:  # a call's charge and release that no write took along (the run stopped first) go on their own
+        run.channel.send_riders()
+
+
+def _run_to_end(
+    runtime: WorkerRuntime,
+    job: RunForkJob,
+    claim: Claim,
+    run: Prepared,
+    *,
+    loop: ChildLoop,
+    workspace: RunWorkspace | None,
+) -> Outcome:
+    """Run `loop` and write how it ended: its result, its park, its pause, or its stop."""
     try:
         result = _run_in(loop, workspace)
     except Parked as park:  # no worker slot is held while a person decides

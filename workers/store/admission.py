@@ -17,16 +17,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, cast
 
 import redis
 from redis.commands.core import Script
-from redis.exceptions import NoScriptError
 
 from workers.base.keys import Keys
 from workers.records.events import ModelWaitData
 from workers.records.parked import AdmissionLimit, ModelWait
 from workers.store.admission_scripts import ACQUIRE, COOLDOWN, MODEL_WAIT, POLL, RELEASE, RELEASE_OWNER, RENEW
+from workers.store.pipelined import ScriptCall, run_scripts
 from workers.store.replies import Admitted, word_of
 
 KEEP_ESTIMATE: Final = -1  # `release` without a reported usage: the call's estimate stands
@@ -85,6 +85,11 @@ def _texts(raw: Sequence[Any]) -> list[str]:
     return [item.decode() if isinstance(item, bytes) else str(item) for item in raw]
 
 
+def granted_of(reply: Any) -> list[str]:
+    """The waiters of this process a `release` granted (its reply)."""
+    return _texts(cast(list[Any], reply))
+
+
 def _limit(raw: bytes | str) -> AdmissionLimit | None:
     word = raw.decode() if isinstance(raw, bytes) else raw
     return word_of(AdmissionLimit, word, script="admission", fork_id="-") if word else None
@@ -115,26 +120,15 @@ class AdmissionStore:
         return [model, *limits, self.hold_ttl_ms, self.alive_ttl_ms, self.token]
 
     def _scripts(self, calls: Sequence[tuple[Script, list[str], list[Any]]]) -> list[Any]:
-        """Run (script, keys, args) calls in one round trip. redis-py's scripted pipeline asks SCRIPT EXISTS first
-        (a second round trip every time); here only a script Redis lost (a restart, SCRIPT FLUSH) is loaded, and
-        only the calls it refused run again, so none runs twice."""
-        pipe = self.client.pipeline(transaction=False)
-        for script, keys, args in calls:
-            pipe.evalsha(script.sha, len(keys), *keys, *args)
-        replies: list[Any] = pipe.execute(raise_on_error=False)
-        again = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
-        if again:
-            for script in {calls[i][0].sha: calls[i][0] for i in again}.values():
-                script.sha = self.client.script_load(script.script)
-            for i, reply in zip(again, self._scripts([calls[i] for i in again]), strict=True):
-                replies[i] = reply
-        for reply in replies:
-            if isinstance(reply, Exception):
-                raise reply
-        return replies
+        """Run (script, keys, args) calls in one round trip (`workers.store.pipelined.run_scripts`)."""
+        return run_scripts(self.client, [ScriptCall(*call) for call in calls])
 
     def _release_call(self, one: Release) -> tuple[Script, list[str], list[Any]]:
         return self._release, self._keys(one.model), [*self._header(one.model, one.capacity), one.waiter, one.tokens]
+
+    def release_call(self, one: Release) -> ScriptCall:
+        """`release` as a script call, to ride on a fork's write; `granted_of` gives its reply's meaning."""
+        return ScriptCall(*self._release_call(one))
 
     def acquire(self, model: str, capacity: Capacity, ask: Ask) -> Answer:
         """Admit the call now, or queue it fairly (one round trip)."""

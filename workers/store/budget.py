@@ -15,6 +15,7 @@ import redis
 from pydantic import BaseModel, ConfigDict
 
 from workers.base.keys import Keys
+from workers.store.pipelined import ScriptCall
 from workers.store.script_parts import lua_script
 
 # KEYS: budget, charged. ARGV: fork id, step, tokens, ttl_s. Adds the tokens to `used` unless the fork's step was
@@ -30,6 +31,10 @@ for i = 1, 2 do redis.call('EXPIRE', KEYS[i], ARGV[4]) end
 return {redis.call('HGET', KEYS[1], 'tokens') or '', redis.call('HGET', KEYS[1], 'used') or '0'}
 """
 )
+
+# KEYS: budget. The limit ('' for none) and `used`: a worker's read before a model call, sent as a script so that it
+# rides on the fork's checkpoint (`workers.store.pipelined`).
+READ = lua_script("return {redis.call('HGET', KEYS[1], 'tokens') or '', redis.call('HGET', KEYS[1], 'used') or '0'}")
 
 # KEYS: budget, paused. ARGV: tokens, ttl_s. Sets the limit; the reply: `used`, and the forks the budget paused
 # when the new limit is above `used` (they are resumed by the caller, which then takes each out of the set).
@@ -77,6 +82,12 @@ def _int(raw: Any) -> int | None:
     return None if raw is None or raw in (b"", "") else int(raw)
 
 
+def budget_of(session: str, reply: Any) -> SessionBudget:
+    """The budget a `READ` or `CHARGE` reply (the limit or '', and `used`) says."""
+    limit, used = cast(list[Any], reply)
+    return SessionBudget.of(session, _int(limit), _int(used) or 0)
+
+
 class BudgetStore:
     """Session budgets over one Redis client."""
 
@@ -86,18 +97,27 @@ class BudgetStore:
         self.ttl_s = ttl_s
         self._charge = client.register_script(CHARGE)
         self._set = client.register_script(SET)
+        self._read = client.register_script(READ)
 
     def read(self, session: str) -> SessionBudget:
         """The session's budget as it stands."""
         tokens, used = cast(list[Any], self.client.hmget(self.keys.session_budget(session), ["tokens", "used"]))
         return SessionBudget.of(session, _int(tokens), _int(used) or 0)
 
+    def read_call(self, session: str) -> ScriptCall:
+        """`read` as a script call, to ride on a fork's write; `budget_of` gives its reply's meaning."""
+        return ScriptCall(self._read, [self.keys.session_budget(session)], [])
+
     def charge(self, session: str, fork_id: str, step: int, tokens: int) -> SessionBudget:
         """Charge one model response (`step` of `fork_id`) to the session, once; the budget afterwards."""
+        script, keys, args = self.charge_call(session, fork_id, step, tokens)
+        return budget_of(session, script(keys=keys, args=args))
+
+    def charge_call(self, session: str, fork_id: str, step: int, tokens: int) -> ScriptCall:
+        """`charge` as a script call, to ride on a fork's write; `budget_of` gives its reply's meaning."""
         k = self.keys
         keys = [k.session_budget(session), k.session_budget_charged(session)]
-        limit, used = cast(list[Any], self._charge(keys=keys, args=[fork_id, step, tokens, self.ttl_s]))
-        return SessionBudget.of(session, _int(limit), int(used))
+        return ScriptCall(self._charge, keys, [fork_id, step, tokens, self.ttl_s])
 
     def set(self, session: str, tokens: int) -> tuple[SessionBudget, list[str]]:
         """Set the session's limit; the budget, and the forks it paused that may now resume (`done` each after)."""

@@ -41,6 +41,7 @@ from workers.records.fork import (
 )
 from workers.records.journal import EntryKind, JournalEntry
 from workers.store import dead_letters, fork_scripts, reads
+from workers.store.pipelined import ScriptCall, run_scripts
 from workers.store.replies import Decision, Refused, SendReply, Written, fenced_reply, word_of
 
 if TYPE_CHECKING:  # types only: the store keeps dead letters and queues jobs without loading kombu or Celery
@@ -194,19 +195,8 @@ class ForkStore:
         return chunks, [self.keys.chunk(record.parent_session, d.hex()) for d in digests]
 
     def _scripts(self, *calls: tuple[Script, list[str], list[Any]]) -> list[Any]:
-        """Run scripts in one pipelined round trip (EVALSHA; loaded first only if Redis lacks one)."""
-        for attempt in (1, 2):
-            pipe = self.client.pipeline(transaction=False)
-            for script, keys, args in calls:  # EVALSHA itself: a Script object in a pipeline adds SCRIPT EXISTS
-                pipe.evalsha(script.sha, len(keys), *keys, *args)
-            try:
-                return pipe.execute()
-            except redis.exceptions.NoScriptError:  # a restarted or flushed Redis
-                if attempt == 2:
-                    raise
-                for script in {id(script): script for script, _, _ in calls}.values():  # each once: a batch repeats one
-                    script.sha = self.client.script_load(script.script)
-        raise AssertionError("unreachable")
+        """Run scripts in one pipelined round trip (`workers.store.pipelined.run_scripts`)."""
+        return run_scripts(self.client, [ScriptCall(*call) for call in calls])
 
     def _wait_for_replicas(self, fork_id: str) -> None:
         """With replicas, acknowledge a launch only once they have the record too (`WAIT`)."""

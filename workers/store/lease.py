@@ -40,6 +40,7 @@ from workers.records.parked import ParkedCall, encode_parked
 from workers.store import lease_scripts as lua
 from workers.store import reads
 from workers.store.claims import FirstWrite, Refusal
+from workers.store.pipelined import Rider, ScriptCall, run_scripts
 from workers.store.presence import owns
 from workers.store.replies import FencedReply, RevivalReply, Written, fenced_reply, revival_reply
 
@@ -249,12 +250,50 @@ class Leases:
             clock=clock,
         )
 
-    def _write(self, claim: Claim, what: str, script: Any, keys: list[str], args: list[Any]) -> FencedReply:
-        """Run a fenced script under `claim`, riding out a Redis outage until the fork may have been revived."""
-        outcome = ride_out(
-            lambda: script(keys=keys, args=args), until=claim.clock.deadline, what=what, fork_id=claim.fork_id
-        )
+    def _write(
+        self, claim: Claim, what: str, script: Any, keys: list[str], args: list[Any], *, riders: Sequence[Rider] = ()
+    ) -> FencedReply:
+        """Run a fenced script under `claim`, riding out a Redis outage until the fork may have been revived.
+
+        `riders` go in the same round trip, each handed its reply (or, when the write never reached Redis, the
+        error) before this returns or raises: a refused write does not keep them from running.
+        """
+        if not riders:
+            outcome = ride_out(
+                lambda: script(keys=keys, args=args), until=claim.clock.deadline, what=what, fork_id=claim.fork_id
+            )
+            return fenced_reply(outcome, script=what, fork_id=claim.fork_id)
+        calls = [ScriptCall(script, keys, args), *(rider.call for rider in riders)]
+        try:
+            outcome, *replies = ride_out(
+                lambda: run_scripts(self.client, calls, raise_on_error=False),
+                until=claim.clock.deadline,
+                what=what,
+                fork_id=claim.fork_id,
+            )
+        except Exception as exc:
+            for rider in riders:
+                rider.failed(exc)
+            raise
+        for rider, reply in zip(riders, replies, strict=True):
+            rider.answer(reply)
+        if isinstance(outcome, Exception):
+            raise outcome
         return fenced_reply(outcome, script=what, fork_id=claim.fork_id)
+
+    def send_riders(self, claim: Claim, riders: Sequence[Rider]) -> None:
+        """Send riders that no write of the fork took along (its run ended first), in one round trip of their own;
+        one that does not get through is handed its error."""
+        if not riders:
+            return
+        try:
+            replies = run_scripts(self.client, [rider.call for rider in riders], raise_on_error=False)
+        except redis.RedisError as exc:
+            for rider in riders:
+                rider.failed(exc)
+            return
+        for rider, reply in zip(riders, replies, strict=True):
+            rider.answer(reply)
 
     def _fenced(self, claim: Claim, reply: FencedReply, what: str) -> Written:
         """The write's `Written` word; LeaseLost when it was refused (`refusal`: the word, a status or a `Refused`)."""
@@ -267,9 +306,11 @@ class Leases:
             )
         return reply
 
-    def append(self, claim: Claim, *entries: JournalEntry, events: Sequence[Event] = ()) -> bool:
-        """Append journal entries (and publish events) under the claim, in one round trip; True when messages
-        wait in the fork's inbox (`deliver` moves them into the journal).
+    def append(
+        self, claim: Claim, *entries: JournalEntry, events: Sequence[Event] = (), riders: Sequence[Rider] = ()
+    ) -> bool:
+        """Append journal entries (and publish events) under the claim, in one round trip with `riders`; True when
+        messages wait in the fork's inbox (`deliver` moves them into the journal).
 
         Raises:
             LeaseLost: the claim is stale, the lease lost, or the fork no longer running.
@@ -281,7 +322,8 @@ class Leases:
         args += _event_fields(events)
         what = "journal entries " + (", ".join(f"{e.seq} ({e.kind})" for e in entries) or "events")
         keys = [k.state(fid), k.lease(fid), k.journal(fid), k.events(fid), k.inbox(fid)]
-        return self._fenced(claim, self._write(claim, what, self._append, keys, args), what) is Written.MAIL
+        written = self._write(claim, what, self._append, keys, args, riders=riders)
+        return self._fenced(claim, written, what) is Written.MAIL
 
     def inbox(self, fork_id: str, limit: int) -> list[bytes]:
         """The oldest `limit` messages waiting in the fork's inbox (a read: `deliver` moves them)."""
@@ -293,6 +335,7 @@ class Leases:
         entries: Sequence[JournalEntry],
         items: Sequence[bytes],
         events: Sequence[Event] = (),
+        riders: Sequence[Rider] = (),
     ) -> bool:
         """Append `entries` (any held entry, then one `message` entry per item) and take `items` (the inbox's
         oldest) from the inbox, at once and once; True while more messages wait.
@@ -308,10 +351,11 @@ class Leases:
         args += _event_fields(events)
         keys = [k.state(fid), k.lease(fid), k.journal(fid), k.events(fid), k.inbox(fid)]
         what = f"{len(entries)} message(s)"
-        return self._fenced(claim, self._write(claim, what, self._deliver, keys, args), what) is Written.MAIL
+        written = self._write(claim, what, self._deliver, keys, args, riders=riders)
+        return self._fenced(claim, written, what) is Written.MAIL
 
-    def emit(self, claim: Claim, events: Sequence[Event]) -> FencedReply:
-        """Publish events under the claim and read the fork's status, in one round trip.
+    def emit(self, claim: Claim, events: Sequence[Event], riders: Sequence[Rider] = ()) -> FencedReply:
+        """Publish events under the claim and read the fork's status, in one round trip (with `riders`).
 
         `running` when the events were published; otherwise none was, and the reply is the fork's
         status when it no longer runs (`cancelled`, ...), else `stale` or `lost`.
@@ -321,7 +365,8 @@ class Leases:
         mark = uuid.uuid4().hex  # lets a retry whose first attempt ran see that it did
         args = [claim.epoch, claim.owner, mark, self.ttl_ms]
         args += _event_fields(events)
-        return self._write(claim, "checkpoint", self._emit, [k.state(fid), k.lease(fid), k.events(fid)], args)
+        keys = [k.state(fid), k.lease(fid), k.events(fid)]
+        return self._write(claim, "checkpoint", self._emit, keys, args, riders=riders)
 
     def journal(self, fork_id: str) -> list[JournalEntry]:
         """Every journal entry of the fork, in order."""
@@ -333,6 +378,7 @@ class Leases:
         result: ForkResult,
         *entries: JournalEntry,
         events: Sequence[Event] = (),
+        riders: Sequence[Rider] = (),
     ) -> Written:
         """Write the final result and end the lease (LeaseLost when refused), appending the last
         journal entries and publishing the last events in the same round trip.
@@ -361,7 +407,7 @@ class Leases:
             *(e.encode() for e in entries),
             *_event_fields(events),
         ]
-        return self._fenced(claim, self._write(claim, "result", self._finish, keys, args), "result")
+        return self._fenced(claim, self._write(claim, "result", self._finish, keys, args, riders=riders), "result")
 
     def release(self, claim: Claim, reason: str, *, grace_ms: int = 30_000) -> None:
         """Give the fork back (queued, lease deleted) so another worker resumes it at once.
