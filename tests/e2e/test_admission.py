@@ -191,6 +191,37 @@ def test_a_concurrency_limit_holds_across_two_workers_and_a_waiting_fork_shows_i
     assert setup.admission.holds(MODEL) == [] and setup.admission.queued(MODEL) == []
 
 
+def test_an_rpm_limit_holds_across_two_workers_and_the_calls_past_it_wait_for_the_window(
+    rig: Callable[..., Rig],
+) -> None:
+    # Given two workers of 4 fork slots each, and a model limited to 4 requests a minute (a sliding 60 s window)
+    setup = rig(Stub(latency_s=0.05), {"gpt-4.1*": {"rpm": 4}})
+    workers = [setup.worker(4), setup.worker(4)]
+
+    # When seven forks, one model call each, call it at once
+    forks = [setup.launch(f"s-{i % 2}", f"Task {i} of the rpm test.") for i in range(7)]
+
+    # Then four succeed, the three others wait on rpm (no request of theirs reached the server), and stay waiting
+    def succeeded() -> list[str]:
+        return [fid for fid in forks if setup.client.status(fid).status is Status.SUCCEEDED]
+
+    wait_until(lambda: len(succeeded()) >= 4, READY_S, "four forks to succeed")
+    rest = [fid for fid in forks if fid not in succeeded()]
+    assert len(rest) == 3
+    wait_until(lambda: all(setup.waiting(fid) is not None for fid in rest), READY_S, "three forks to wait")
+    assert {wait.limit for fid in rest if (wait := setup.waiting(fid)) is not None} == {AdmissionLimit.RPM}
+    time.sleep(2.0)  # a while into the window: nothing more may go out (a wrong limit would let them through)
+    assert len(setup.stub.arrivals) == 4
+    assert [setup.client.status(fid).status for fid in rest] == [Status.RUNNING] * 3
+    # both workers ran forks, so the four requests were counted across them
+    owners = {
+        e.wire_data()["owner"].split(":")[1] for fid in forks for e in setup.client.events(fid) if e.type == "started"
+    }
+    assert owners == {str(w.process.pid) for w in workers}
+    for fid in rest:  # not 60 s more for the window to move on
+        setup.client.cancel(fid)
+
+
 def test_the_slots_of_a_sigkilled_worker_come_back_as_its_forks_are_revived(
     rig: Callable[..., Rig], tmp_path: Path
 ) -> None:
