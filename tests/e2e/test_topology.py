@@ -33,6 +33,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from broker_config.settings import Settings
+from tests.conftest import missing_tool
 from tests.live import wait_until
 from workers.app import make_app
 from workers.client import ForkClient
@@ -309,6 +310,9 @@ def topology(tmp_path: Path, redis_executable: str) -> Iterator[Topology]:
     """The compose file's services as local processes; every process is stopped after the test."""
     if not COMPOSE.is_file():
         pytest.fail(f"{COMPOSE} is missing: the topology test starts what it declares")
+    version = subprocess.run([redis_executable, "--version"], capture_output=True, text=True, check=True).stdout
+    if " v=6." in version:  # the deployment's redis.conf is written for the compose file's Redis 7 image
+        missing_tool("redis-server 7 or later", f"deploy/redis.conf needs Redis 7; {redis_executable} is {version.strip()}")
     compose = yaml.safe_load(COMPOSE.read_text())
     # a service added to the compose file must be added here too, not silently left out
     assert set(compose["services"]) == {"redis", "worker", "sweeper", "flower"}, sorted(compose["services"])
