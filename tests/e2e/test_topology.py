@@ -312,7 +312,8 @@ def topology(tmp_path: Path, redis_executable: str) -> Iterator[Topology]:
         pytest.fail(f"{COMPOSE} is missing: the topology test starts what it declares")
     version = subprocess.run([redis_executable, "--version"], capture_output=True, text=True, check=True).stdout
     if " v=6." in version:  # the deployment's redis.conf is written for the compose file's Redis 7 image
-        missing_tool("redis-server 7 or later", f"deploy/redis.conf needs Redis 7; {redis_executable} is {version.strip()}")
+        found = f"{redis_executable} is {version.strip()}"
+        missing_tool("redis-server 7 or later", f"deploy/redis.conf needs Redis 7; {found}")
     compose = yaml.safe_load(COMPOSE.read_text())
     # a service added to the compose file must be added here too, not silently left out
     assert set(compose["services"]) == {"redis", "worker", "sweeper", "flower"}, sorted(compose["services"])
