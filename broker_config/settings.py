@@ -27,6 +27,10 @@ REDIS_SCHEMES = ("redis", "rediss", "unix", "sentinel")
 BROKER_SCHEMES = ("redis", "rediss", "redis+socket", "sentinel")
 SENTINEL_SCHEME = "sentinel"
 TOKEN_HASH_PREFIX: Final = "sha256:"  # a FORKQ_API_TOKENS entry that is the SHA-256 of a token, not the token
+DEFAULT_TENANT: Final = "default"  # the tenant of a token entry without one, and of trusted in-process launchers
+TENANT_PATTERN: Final = r"^[a-z0-9][a-z0-9_-]{0,62}$"
+TENANT_RE: Final = re.compile(TENANT_PATTERN)
+TENANT_RULE: Final = "1-63 lowercase letters, digits, '_' and '-', starting with a letter or digit"
 LIMIT_KEYS: Final = ("concurrency", "rpm", "tpm")  # what a FORKQ_MODEL_LIMITS entry may bound
 LIMIT_EXAMPLE: Final = '{"gpt-*": {"concurrency": 50, "rpm": 500, "tpm": 200000}}'
 
@@ -169,6 +173,15 @@ class Settings(BaseSettings):
         None,
         description="Bearer tokens `forkq serve` accepts, comma-separated; an entry `sha256:<hex>` is a token's hash.",
     )
+    api_admin_tokens: SecretStr | None = Field(
+        None,
+        description="Bearer tokens of operators, comma-separated (or `sha256:<hex>`): they see every tenant's forks.",
+    )
+    tenant: str = Field(
+        DEFAULT_TENANT,
+        pattern=TENANT_PATTERN,
+        description="The tenant of the forks this process launches through ForkClient and the CLI (trusted).",
+    )
     api_max_body_bytes: int = Field(
         32 * 1024 * 1024,
         gt=0,
@@ -244,13 +257,14 @@ class Settings(BaseSettings):
     @field_validator("api_tokens")
     @classmethod
     def _token_hashes(cls, value: SecretStr | None) -> SecretStr | None:
+        tenant_tokens(value)  # raises naming the entry's position and the fix
+        return value
+
+    @field_validator("api_admin_tokens")
+    @classmethod
+    def _admin_token_hashes(cls, value: SecretStr | None) -> SecretStr | None:
         for entry in api_token_entries(value):
-            digest = entry.removeprefix(TOKEN_HASH_PREFIX)
-            if entry.startswith(TOKEN_HASH_PREFIX) and not re.fullmatch(r"[0-9a-fA-F]{64}", digest):
-                raise ValueError(
-                    f"an entry {TOKEN_HASH_PREFIX}... must hold the 64 hex digits of a token's SHA-256 "
-                    f"(got {len(digest)} characters); compute it with `printf %s TOKEN | sha256sum`"
-                )
+            _check_token(entry, "FORKQ_API_ADMIN_TOKENS")
         return value
 
     @field_validator("model_limits", mode="before")
@@ -343,6 +357,40 @@ def api_token_entries(tokens: SecretStr | None) -> list[str]:
     if tokens is None:
         return []
     return [entry.strip() for entry in tokens.get_secret_value().split(",") if entry.strip()]
+
+
+def tenant_tokens(tokens: SecretStr | None) -> list[tuple[str, str]]:
+    """(tenant, token or `sha256:<hex>`) of each FORKQ_API_TOKENS entry: `TENANT=TOKEN`, or a bare token of the
+    tenant `default`. The tenant is what comes before the entry's first `=`; a token that holds `=` itself
+    (base64) is written with its tenant: `default=TOKEN`.
+
+    Raises:
+        ValueError: an entry's tenant is not a tenant name, its token is empty, or its hash is not 64 hex digits;
+            the message names the entry by position (never its token).
+    """
+    pairs = []
+    for position, entry in enumerate(api_token_entries(tokens), start=1):
+        tenant, separator, token = entry.partition("=")
+        if not separator:
+            tenant, token = DEFAULT_TENANT, entry
+        elif not TENANT_RE.fullmatch(tenant) or not token:
+            raise ValueError(
+                f"entry {position} of FORKQ_API_TOKENS is not TENANT=TOKEN: "
+                + ("its token is empty" if TENANT_RE.fullmatch(tenant) else "what comes before '=' is not a tenant")
+                + f" (a tenant is {TENANT_RULE}); a token that holds '=' is written with its tenant: default=TOKEN"
+            )
+        _check_token(token, f"entry {position} of FORKQ_API_TOKENS")
+        pairs.append((tenant, token))
+    return pairs
+
+
+def _check_token(token: str, where: str) -> None:
+    digest = token.removeprefix(TOKEN_HASH_PREFIX)
+    if token.startswith(TOKEN_HASH_PREFIX) and not re.fullmatch(r"[0-9a-fA-F]{64}", digest):
+        raise ValueError(
+            f"{where}: an entry {TOKEN_HASH_PREFIX}... must hold the 64 hex digits of a token's SHA-256 "
+            f"(got {len(digest)} characters); compute it with `printf %s TOKEN | sha256sum`"
+        )
 
 
 def load_settings(**overrides: Any) -> Settings:

@@ -442,8 +442,20 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         session = budget["session"]
         line = _budget_line(session["tokens"], session["used"], session["left"])
         print(f"session budget ({session['session']}): {line}")
+        print(f"tenant: {record['tenant']}")
+        for decided in record["approvals"]:
+            print(f"approval: {_decision_line(decided)}")
         _print_wait(args.fork_id, wait)
     return EXIT_OK
+
+
+def _decision_line(decided: dict[str, Any]) -> str:
+    """One audited decision on a parked call, as `inspect` prints it."""
+    who = decided["decided_by"] or "unrecorded"
+    at = "" if decided["decided_ms"] is None else f" at {utc_text(decided['decided_ms'])}"
+    tenant = f" of tenant {decided['decided_tenant']}" if decided["decided_tenant"] else ""
+    why = f" ({decided['reason']})" if decided["reason"] else ""
+    return f"{decided['decision']} {decided['name']} ({decided['call_id']}) by {who}{tenant}{at}{why}"
 
 
 def cmd_changes(args: argparse.Namespace) -> int:

@@ -18,8 +18,8 @@ import redis
 
 from broker_config.celery import RUN_FORK_TASK
 from broker_config.redis_client import redis_client as connect_redis
-from broker_config.settings import Settings
-from workers.base.keys import SESSION_RE, Keys
+from broker_config.settings import DEFAULT_TENANT, Settings
+from workers.base.keys import SESSION_RE, Keys, session_named, session_scope
 from workers.base.limits import MAX_INBOX_MESSAGES, MAX_MESSAGE_BYTES, shown, text_problem
 from workers.errors import (
     BudgetExhausted,
@@ -37,7 +37,7 @@ from workers.history.params import AgentParams, ApprovalPolicy, SeedMode, valida
 from workers.history.snapshot import ParentSnapshot, parse_parent_snapshot
 from workers.records.fork import BootstrapRecord, ForkResult, ForkState, Status
 from workers.records.parked import ResumeWait
-from workers.store.forks import ForkStore
+from workers.store.forks import Decider, ForkStore
 from workers.store.replies import Decision, SendReply
 
 # Reading a fork (`forkq status`, result, events) loads none of what launching, resuming or deciding needs: the
@@ -48,7 +48,7 @@ if TYPE_CHECKING:  # types only: the send-only app is built on the first launch 
 
     from workers.broker.envelope import JobEnvelopes
     from workers.records.events import StreamEvent  # and the event models load at the first event read
-    from workers.records.seeds import SeedBuilder
+    from workers.records.seeds import SeedBuilder, SeedChunks
     from workers.store.blobs import BlobStore
     from workers.store.budget import BudgetStore, ForkBudget, SessionBudget
     from workers.store.lease import Leases
@@ -328,8 +328,10 @@ class ForkClient:
         *,
         keep: bool = True,
         read_files: bool = True,
+        tenant: str | None = None,
     ) -> ForkHandle:
-        """`launch` with its arguments already checked models (as the HTTP API's request holds them).
+        """`launch` with its arguments already checked models (as the HTTP API's request holds them), for `tenant`
+        (None: FORKQ_TENANT; the API passes its caller's).
 
         `keep=False` for a snapshot nobody passes again (one parsed from a request): its history selection
         and declarations are not kept for sibling launches. `read_files=False` (the HTTP API): a snapshot
@@ -342,7 +344,6 @@ class ForkClient:
             SessionCancelled: the snapshot's session was cancelled moments ago; nothing was written.
         """
         from workers.broker.queue import send_call  # noqa: PLC0415  (launches only)
-        from workers.records.seeds import SeedChunks  # noqa: PLC0415
         from workers.subagents.launch import plan_launch  # noqa: PLC0415
 
         plan = plan_launch(
@@ -355,12 +356,7 @@ class ForkClient:
         )
         workspace = self._workspace(snapshot.cwd, options, read_files=read_files)
         fid = options.fork_id or new_fork_id()
-        if not agent.is_fork:  # regular subagents and named teammates inherit no history
-            seed = SeedChunks(chunks=[], digests=[], count=0, task_prompt=agent.prompt)
-        else:
-            seed = self._seeds.build(
-                snapshot, directive=agent.prompt, turns=agent.turns, seed_mode=plan.seed_mode, keep=keep
-            )
+        seed = self._seed(snapshot, agent, plan.seed_mode, keep=keep)
         record = plan.record(
             fid,
             snapshot,
@@ -369,9 +365,10 @@ class ForkClient:
             message_count=seed.count,
             task_prompt=seed.task_prompt,
             workspace=workspace,
+            tenant=_stored_tenant(tenant or self.settings.tenant),
         )
-        if agent.name:  # a teammate: its name is its own in the session while it lives
-            self._claim_name(snapshot.session_id, agent.name, fid)
+        if agent.name:  # a teammate: its name is its own in the session (of its tenant) while it lives
+            self._claim_name(record.parent_session, agent.name, fid)
         record_bytes, digest = record.encode()
         call = self._first_call(record, record_bytes, digest, seed.chunks)
         envelopes = self._envelopes()
@@ -380,6 +377,14 @@ class ForkClient:
         if not self.store.put_launch(record, record_bytes, digest, seed.chunks, job=job):
             send_call(self.app, self.settings.queue, call)
         return ForkHandle(fork_id=fid, digest=digest, kind=record.kind, client=self)
+
+    def _seed(self, snapshot: ParentSnapshot, agent: AgentParams, seed_mode: SeedMode, *, keep: bool) -> SeedChunks:
+        """The launch's seed: the parent's history selected for a fork; none for a regular subagent or teammate."""
+        from workers.records.seeds import SeedChunks  # noqa: PLC0415  (launches only)
+
+        if not agent.is_fork:
+            return SeedChunks(chunks=[], digests=[], count=0, task_prompt=agent.prompt)
+        return self._seeds.build(snapshot, directive=agent.prompt, turns=agent.turns, seed_mode=seed_mode, keep=keep)
 
     @functools.cached_property
     def blobs(self) -> BlobStore:
@@ -547,8 +552,9 @@ class ForkClient:
             )
         return status
 
-    def cancel_session(self, session: str) -> SessionCancel:
-        """Cancel every fork of parent session `session` that has not ended, nested subagents included; what it did.
+    def cancel_session(self, session: str, *, tenant: str | None = None) -> SessionCancel:
+        """Cancel every fork of parent session `session` (of `tenant`, None: FORKQ_TENANT) that has not ended, nested
+        subagents included; what it did.
 
         Launches into the session are refused from the start of the cancel until FORKQ_SESSION_TOMBSTONE_S after
         it (`SessionCancelled`), so none launched while it runs escapes it; each cancelled fork keeps its usage.
@@ -559,7 +565,9 @@ class ForkClient:
         from workers.broker.queue import send_ended_events  # noqa: PLC0415  (not to read a fork's state)
         from workers.store.sessions import cancel_session  # noqa: PLC0415
 
-        outcome, cancels = cancel_session(self.store, session, tombstone_s=self.settings.session_tombstone_s)
+        scope = self._session(session, tenant)
+        outcome, cancels = cancel_session(self.store, scope, tombstone_s=self.settings.session_tombstone_s)
+        outcome = outcome.model_copy(update={"session": session})
         # a parked run has no worker to end its row in Flower (a running one ends it itself)
         parked = [f"{fid}.{c.attempt}" for fid, c in cancels.items() if c.newly and c.before and c.before.parked]
         if parked:
@@ -622,15 +630,21 @@ class ForkClient:
 
         return BudgetStore(self.redis, Keys(self.settings.namespace), ttl_s=self.settings.record_ttl_s)
 
-    def budget(self, session: str) -> SessionBudget:
-        """A parent session's token budget: its limit (None: none set), what its forks used, and what is left.
+    def _session(self, session: str, tenant: str | None) -> str:
+        """The scope of `tenant`'s (None: FORKQ_TENANT) parent session `session` (`workers.base.keys.session_scope`)."""
+        return session_scope(session, tenant or self.settings.tenant) if SESSION_RE.fullmatch(session) else session
+
+    def budget(self, session: str, *, tenant: str | None = None) -> SessionBudget:
+        """A parent session's (of `tenant`, None: FORKQ_TENANT) token budget: its limit (None: none set), what its
+        forks used, and what is left.
 
         Raises:
             InvalidBudget: the session id is not valid (`.field` is `session`).
         """
-        return self._budgets.read(_budget_session(session))
+        read = self._budgets.read(self._session(_budget_session(session), tenant))
+        return read.model_copy(update={"session": session})
 
-    def set_budget(self, session: str, *, tokens: int) -> SessionBudget:
+    def set_budget(self, session: str, *, tokens: int, tenant: str | None = None) -> SessionBudget:
         """Set a parent session's token budget, shared by all its forks and their nested subagents; raised above
         what they used, every fork it paused is resumed (`resumed` names them).
 
@@ -639,7 +653,8 @@ class ForkClient:
         """
         from workers.base.limits import MAX_TOKENS  # noqa: PLC0415
 
-        session = _budget_session(session)
+        named = _budget_session(session)
+        session = self._session(named, tenant)
         if isinstance(tokens, bool) or not isinstance(tokens, int) or not 0 <= tokens <= MAX_TOKENS:
             raise InvalidBudget(
                 f"tokens must be a whole number of tokens from 0 to {MAX_TOKENS:,} (input plus output, cached input "
@@ -653,7 +668,7 @@ class ForkClient:
                 self._enqueue_again(fork_id)
                 resumed.append(fork_id)
             self._budgets.resumed(session, fork_id)
-        return budget.model_copy(update={"resumed": resumed})
+        return budget.model_copy(update={"resumed": resumed, "session": named})
 
     def fork_budget(self, fork_id: str) -> ForkBudget:
         """A fork's budgets: its own max_tokens, the tokens its journal's responses cost, and its session's budget.
@@ -667,9 +682,12 @@ class ForkClient:
         state = self.store.state(fork_id)
         record = self.store.get_record(fork_id, state.digest or None)
         used = journal_tokens(self.store.journal(fork_id), cached_weight(self.settings, record.model))
-        return ForkBudget.of(fork_id, record.options.max_tokens, used, self._budgets.read(record.parent_session))
+        session = self._budgets.read(record.parent_session).model_copy(
+            update={"session": session_named(record.parent_session)}
+        )
+        return ForkBudget.of(fork_id, record.options.max_tokens, used, session)
 
-    def approve(self, fork_id: str, call_id: str) -> Status:
+    def approve(self, fork_id: str, call_id: str, *, by: Decider | None = None) -> Status:
         """Approve a parked call; when no other call waits, the fork is enqueued to go on (on any worker).
 
         Returns the fork's status afterwards: `QUEUED` (no call waits: the fork goes on) or
@@ -678,9 +696,9 @@ class ForkClient:
         Raises:
             InvalidApproval: the fork is not awaiting approval, or has no such pending call.
         """
-        return self._decide(fork_id, call_id, "approve", None)
+        return self._decide(fork_id, call_id, "approve", None, by)
 
-    def deny(self, fork_id: str, call_id: str, reason: str | None = None) -> Status:
+    def deny(self, fork_id: str, call_id: str, reason: str | None = None, *, by: Decider | None = None) -> Status:
         """Deny a parked call: the model reads the denial (with `reason`) and goes on without it.
 
         Returns the fork's status afterwards, as `approve` does.
@@ -688,13 +706,15 @@ class ForkClient:
         Raises:
             InvalidApproval: as `approve`, or `reason` is not valid Unicode text.
         """
-        return self._decide(fork_id, call_id, "deny", reason)
+        return self._decide(fork_id, call_id, "deny", reason, by)
 
-    def _decide(self, fork_id: str, call_id: str, decision: str, reason: str | None) -> Status:
+    def _decide(self, fork_id: str, call_id: str, decision: str, reason: str | None, by: Decider | None) -> Status:
+        """Record the decision with who made it (`by`; None: `local`, of FORKQ_TENANT) in the fork's journal."""
         problem = None if reason is None else text_problem("the reason of a denial", reason)
         if problem is not None:  # the journal stores it as UTF-8
             raise InvalidApproval(problem, fork_id=fork_id)
-        if self.store.decide(fork_id, call_id, decision, reason) is Decision.RECORDED:
+        decider = by or Decider("local", self.settings.tenant)
+        if self.store.decide(fork_id, call_id, decision, reason, by=decider) is Decision.RECORDED:
             return Status.AWAITING_APPROVAL
         self._enqueue_again(fork_id)
         return Status.QUEUED
@@ -742,19 +762,20 @@ class ForkClient:
                 return
         raise InvalidAgentParams(f"teammate name {name!r}: launches raced for it; try again", field="name")
 
-    def list(self, session: str, *, limit: int = 1000) -> list[dict[str, Any]]:
-        """The forks launched from parent session `session` still in Redis, newest first: `fork_id`, `kind`,
-        `name`, `description`, `status`, `created_ms`, `updated_ms`."""
-        return [dataclasses.asdict(fork) for fork in self.store.session_forks(session, limit=limit)]
+    def list(self, session: str, *, limit: int = 1000, tenant: str | None = None) -> list[dict[str, Any]]:
+        """The forks launched from parent session `session` (of `tenant`, None: FORKQ_TENANT) still in Redis, newest
+        first: `fork_id`, `kind`, `name`, `description`, `status`, `created_ms`, `updated_ms`, `tenant`."""
+        forks = self.store.session_forks(self._session(session, tenant), limit=limit)
+        return [dataclasses.asdict(fork) for fork in forks]
 
-    def send_to(self, session: str, name: str, text: str) -> Sent:
+    def send_to(self, session: str, name: str, text: str, *, tenant: str | None = None) -> Sent:
         """`send` to the teammate launched as `name` from parent session `session`.
 
         Raises:
             ForkNotFound: the session has no teammate of that name.
             MessageRefused: as `send`.
         """
-        fork_id = self.store.teammate(session, name)
+        fork_id = self.store.teammate(self._session(session, tenant), name)
         if fork_id is None:
             raise ForkNotFound(
                 f"session {session} has no teammate named {name!r}; `forkq list --session {session}` lists its forks",
@@ -830,11 +851,13 @@ class ForkClient:
 
     def inspect(self, fork_id: str) -> dict[str, Any]:
         """The bootstrap record in wire form, with its seed resolved and verified."""
-        from workers.records.conversation import exchanges  # noqa: PLC0415  (inspect only)
+        from workers.records.conversation import Approval, exchanges, fold  # noqa: PLC0415  (inspect only)
         from workers.subagents.launch import launch_settings  # noqa: PLC0415
 
         state = self.store.state(fork_id)
         record, seed = self.store.read_inputs(fork_id, state.digest or None)
+        journal = self.store.journal(fork_id)
+        decided = [step._asdict() for step in fold(journal, fork_id=fork_id).steps if isinstance(step, Approval)]
         return {
             "fork_id": record.fork_id,
             "digest": state.digest,
@@ -850,9 +873,16 @@ class ForkClient:
             "depth": record.depth,
             "fork_turns": record.fork_turns,
             "description": record.description,
-            "parent_session": record.parent_session,
+            "parent_session": session_named(record.parent_session),
+            "tenant": record.owner_tenant,
             **launch_settings(record),
             "workspace": None if record.workspace is None else record.workspace.model_dump(mode="json"),
-            "exchanges": exchanges(record.directive, self.store.journal(fork_id)),
+            "exchanges": exchanges(record.directive, journal),
+            "approvals": decided,  # each decision on a parked call, with who made it and when
             "budget": self.fork_budget(fork_id).model_dump(mode="json", exclude={"session": {"resumed"}}),
         }
+
+
+def _stored_tenant(tenant: str) -> str | None:
+    """A record's `tenant`: None for `default`, so its records keep the bytes they had before tenants."""
+    return None if tenant == DEFAULT_TENANT else tenant

@@ -300,9 +300,9 @@ def _key_digest(key: str) -> str:
     from workers.api.auth import TokenSet
     from workers.api.launches import key_digest
 
-    token_id = TokenSet.parse(__import__("pydantic").SecretStr(TOKEN)).match(TOKEN.encode())
-    assert token_id is not None
-    return key_digest(token_id, key)
+    caller = TokenSet.parse(__import__("pydantic").SecretStr(TOKEN)).match(TOKEN.encode())
+    assert caller is not None
+    return key_digest(caller.token_id, key)
 
 
 def test_concurrent_launches_with_one_idempotency_key_to_two_servers_make_one_fork(

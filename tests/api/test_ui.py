@@ -344,7 +344,13 @@ def test_a_parked_call_is_approved_from_the_page_and_the_fork_resumes_to_succeed
     assert (work / "a.txt").read_text() == "approved text"
     expect(page.locator("#output")).to_have_text("all done")
     expect(page.locator("#steps .step")).to_have_count(4)
-    assert steps_shown(page)[1:3] == ["Step 1 · approved write_file (w1)", "Step 1 · result of write_file (w1)"]
+    approved, result = steps_shown(page)[1:3]
+    # the audit: the API token's id, its tenant and when
+    assert re.fullmatch(
+        r"Step 1 · approved write_file \(w1\) by token:[0-9a-f]{16} \(default\) at 20\d\d-\S+Z", approved
+    )
+    assert result == "Step 1 · result of write_file (w1)"
+    expect(page.locator("#fork-tenant")).to_have_text("default")
 
 
 def test_a_paused_fork_shows_why_it_waits_and_how_to_resume_it_not_an_error(
@@ -439,7 +445,7 @@ def test_a_parked_call_is_denied_with_a_reason_and_another_fork_cancelled_from_t
     # Then that fork goes on without the write, its model told why, and succeeds
     expect(page.locator("#fork-message")).to_have_text("Denied w1: the fork goes on.")
     expect(page.locator("#fork-status")).to_have_text("succeeded")
-    assert steps_shown(page)[1] == "Step 1 · denied write_file (w1)"
+    assert steps_shown(page)[1].startswith("Step 1 · denied write_file (w1) by token:")
     expect(page.locator("#steps .step.approval pre")).to_have_text("not in this repository")
     expect(page.locator("#steps .step.tool_result pre")).to_contain_text("not in this repository")
     assert not (work / "a.txt").exists()

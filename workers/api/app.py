@@ -56,7 +56,7 @@ def make_api(settings: Settings, *, require_auth: bool = True) -> FastAPI:
     Raises:
         ConfigurationError: `require_auth` and no token is configured.
     """
-    tokens = TokenSet.parse(settings.api_tokens)
+    tokens = TokenSet.parse(settings.api_tokens, settings.api_admin_tokens)
     if require_auth and not tokens:
         raise ConfigurationError(NO_TOKENS, field="FORKQ_API_TOKENS")
     app = _Api(

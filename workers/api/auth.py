@@ -1,9 +1,11 @@
 """Bearer tokens: the `FORKQ_API_TOKENS` a server accepts, and the middleware that checks every request.
 
-Each entry is a token, or `sha256:<hex>`, the SHA-256 of a token (so the environment need not hold the
-token itself). A presented token is hashed once and compared, in constant time, with the hash of every
-entry: how long a check takes says nothing about which entry, or which prefix, came close. A request
-without a valid token is answered 401 before the app reads its body; only `GET /healthz` needs none.
+Each entry is a token, or `sha256:<hex>`, the SHA-256 of a token (so the environment need not hold the token
+itself), with its tenant before it (`TENANT=TOKEN`; none: `default`). FORKQ_API_ADMIN_TOKENS are operators' tokens,
+which see every tenant. The middleware puts the matched `Caller` in the request's state. A presented token is
+hashed once and compared, in constant time, with the hash of every entry: how long a check takes says nothing about
+which entry, or which prefix, came close. A request without a valid token is answered 401 before the app reads its
+body; only `GET /healthz` needs none.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Final
 from pydantic import SecretStr
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from broker_config.settings import TOKEN_HASH_PREFIX, api_token_entries
+from broker_config.settings import DEFAULT_TENANT, TOKEN_HASH_PREFIX, api_token_entries, tenant_tokens
 from workers.api.problems import send_error
 
 OPEN_PATHS: Final = frozenset({"/healthz"})
@@ -25,36 +27,59 @@ MAX_TOKEN_BYTES: Final = 4096
 
 
 @dataclass(frozen=True)
+class Caller:
+    """Who a request's token says it is: the entry's id, its tenant, and whether it is an operator's (admin)."""
+
+    token_id: str
+    tenant: str = DEFAULT_TENANT
+    admin: bool = False
+
+    def sees(self, tenant: str) -> bool:
+        """Whether this caller may reach a fork of `tenant` (its own, or any for an admin)."""
+        return self.admin or tenant == self.tenant
+
+
+ANYONE: Final = Caller(token_id="", admin=True)  # a server without tokens (loopback, on purpose): one trusted user
+
+
+@dataclass(frozen=True)
 class TokenSet:
-    """The SHA-256 digests of the accepted tokens."""
+    """The SHA-256 digests of the accepted tokens, each with its tenant, and which are operators'."""
 
     digests: tuple[bytes, ...]
+    tenants: tuple[str, ...] = ()
+    admins: tuple[bool, ...] = ()
 
     @classmethod
-    def parse(cls, tokens: SecretStr | None) -> TokenSet:
-        """From FORKQ_API_TOKENS (validated by `Settings`: a `sha256:` entry holds 64 hex digits)."""
+    def parse(cls, tokens: SecretStr | None, admin_tokens: SecretStr | None = None) -> TokenSet:
+        """From FORKQ_API_TOKENS (`TENANT=TOKEN` entries) and FORKQ_API_ADMIN_TOKENS (validated by `Settings`)."""
+        entries = [(tenant, token, False) for tenant, token in tenant_tokens(tokens)]
+        entries += [(DEFAULT_TENANT, token, True) for token in api_token_entries(admin_tokens)]
         digests = []
-        for entry in api_token_entries(tokens):
+        for _, entry, _ in entries:
             if entry.startswith(TOKEN_HASH_PREFIX):
                 digests.append(bytes.fromhex(entry.removeprefix(TOKEN_HASH_PREFIX)))
             else:
                 digests.append(hashlib.sha256(entry.encode()).digest())
-        return cls(tuple(digests))
+        return cls(tuple(digests), tuple(t for t, _, _ in entries), tuple(a for _, _, a in entries))
 
     def __bool__(self) -> bool:
         return bool(self.digests)
 
-    def match(self, token: bytes) -> str | None:
-        """The id of the entry `token` matches (the first 16 hex digits of its digest's SHA-256), or None.
+    def match(self, token: bytes) -> Caller | None:
+        """The caller `token` names (its entry's id is the first 16 hex digits of its digest's SHA-256), or None.
 
         Every entry is compared, in constant time, whether an earlier one matched or not.
         """
         presented = hashlib.sha256(token).digest()
-        found: bytes | None = None
-        for digest in self.digests:
+        found: int | None = None
+        for index, digest in enumerate(self.digests):
             if hmac.compare_digest(presented, digest):
-                found = digest
-        return None if found is None else hashlib.sha256(found).hexdigest()[:16]
+                found = index
+        if found is None:
+            return None
+        token_id = hashlib.sha256(self.digests[found]).hexdigest()[:16]
+        return Caller(token_id, self.tenants[found], self.admins[found])
 
 
 def bearer_token(scope: Scope) -> bytes | None:
@@ -86,11 +111,12 @@ class BearerAuth:
             await self.app(scope, receive, send)
             return
         token = bearer_token(scope)
-        token_id = None if token is None else self.tokens.match(token)
-        if token_id is None:
+        caller = None if token is None else self.tokens.match(token)
+        if caller is None:
             problem = "no bearer token" if token is None else "the bearer token is not one this server accepts"
             message = f"{problem}: send `Authorization: Bearer <token>` with a token of FORKQ_API_TOKENS"
             await send_error(send, 401, message, headers=[CHALLENGE])
             return
-        scope.setdefault("state", {})["token_id"] = token_id
+        state = scope.setdefault("state", {})
+        state["token_id"], state["caller"] = caller.token_id, caller
         await self.app(scope, receive, send)

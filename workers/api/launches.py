@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Final
 
+from broker_config.settings import DEFAULT_TENANT
 from workers.api.idempotency import Claim, IdempotencyKeys
 from workers.api.models import LaunchOptions, LaunchRequest
 from workers.api.workspaces import Workspaces, workspace_scope
@@ -47,8 +48,10 @@ class Launcher:
         self.keys = keys
         self.workspaces = workspaces
 
-    def launch(self, body: LaunchRequest, *, key: str | None = None, token_id: str = "") -> Outcome:
-        """Launch the fork the request describes, or, for a key seen before with the same body, find it.
+    def launch(
+        self, body: LaunchRequest, *, key: str | None = None, token_id: str = "", tenant: str = DEFAULT_TENANT
+    ) -> Outcome:
+        """Launch the fork the request describes, for `tenant`, or, for a key seen before with the same body, find it.
 
         Raises:
             InvalidAgentParams, InvalidParentSnapshot: as `ForkClient.launch` (nothing is written).
@@ -57,7 +60,7 @@ class Launcher:
         """
         scope = workspace_scope(token_id)
         if key is None:
-            return self._launch(body, body.options, scope)
+            return self._launch(body, body.options, scope, tenant)
         digest = key_digest(token_id, key)
         claim = Claim(body=body.digest, fork_id=body.options.fork_id or new_fork_id())
         deadline = time.monotonic() + IN_FLIGHT_WAIT_S
@@ -65,7 +68,8 @@ class Launcher:
             held = self.keys.claim(digest, claim)
             if held is None:  # ours: launch, and give the key up if the launch is refused
                 try:
-                    return self._launch(body, body.options.model_copy(update={"fork_id": claim.fork_id}), scope)
+                    chosen = body.options.model_copy(update={"fork_id": claim.fork_id})
+                    return self._launch(body, chosen, scope, tenant)
                 except BaseException:
                     self.keys.release(digest, claim)
                     raise
@@ -85,12 +89,13 @@ class Launcher:
             field="Idempotency-Key",
         )
 
-    def _launch(self, body: LaunchRequest, options: LaunchOptions, scope: str) -> Outcome:
+    def _launch(self, body: LaunchRequest, options: LaunchOptions, scope: str, tenant: str) -> Outcome:
         ws = self.workspaces.for_launch(scope, options.workspace, options.workspace_manifest, options.network)
         # the snapshot came with this request alone: nothing of it is kept for sibling launches
         chosen = options.model_copy(
             update={"workspace": ws.workspace, "workspace_manifest": ws.manifest, "network": ws.network}
         )
         # read_files=False: a request names a path of the parent's machine, never one of this server to read
-        handle = self.client.launch_checked(body.parent, body.agent, chosen, keep=False, read_files=False)
+        launch = self.client.launch_checked
+        handle = launch(body.parent, body.agent, chosen, keep=False, read_files=False, tenant=tenant)
         return Outcome(handle.fork_id, self.client.status(handle.fork_id).status, created=True)

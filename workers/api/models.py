@@ -172,6 +172,7 @@ class SessionFork(BaseModel):
     status: Status
     created_ms: int | None = Field(None, description="When it was launched (Unix ms, Redis's clock).")
     updated_ms: int | None = Field(None, description="Its latest event (Unix ms, Redis's clock).")
+    tenant: str = Field("default", description="The tenant that launched it.")
 
 
 class SessionForks(BaseModel):

@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.security import HTTPBearer
 
 from broker_config.settings import Settings
+from workers.api.auth import ANYONE, Caller
 from workers.api.launches import Launcher
 from workers.api.models import (
     DIGEST_PATTERN,
@@ -45,15 +46,17 @@ from workers.api.problems import ErrorBody
 from workers.api.sse import DESCRIBED, EVENT_ID_PATTERN, event_stream
 from workers.api.transcript import Transcript, build_transcript
 from workers.api.workspaces import Workspaces, workspace_scope
-from workers.base.keys import FORK_ID_RE, SESSION_RE
+from workers.base.keys import FORK_ID_RE, SESSION_RE, session_scope
 from workers.client import ForkClient
 from workers.errors import ForkNotEnded
 from workers.records.events import ForkEvent
 from workers.records.fork import ForkResult, ForkState
 from workers.records.notification import render_task_notification
 from workers.store.budget import ForkBudget, SessionBudget
+from workers.store.forks import Decider
 from workers.store.health import check_redis
 from workers.store.reader import AsyncForkReader
+from workers.store.reads import not_found
 from workers.store.replies import Decision
 from workers.store.sessions import SessionCancel
 
@@ -81,6 +84,31 @@ async def services(request: Request) -> Services:
 
 
 Svc = Annotated[Services, Depends(services)]
+
+
+async def caller(request: Request) -> Caller:
+    """Who the request's token names (`ANYONE` on a server without tokens: one trusted user)."""
+    return cast(Caller, getattr(request.state, "caller", ANYONE))
+
+
+Who = Annotated[Caller, Depends(caller)]
+
+
+async def visible(fork_id: str, svc: Services, who: Caller) -> ForkState:
+    """The fork's state, if `who` may reach it; a fork of another tenant is not found, exactly as one that never
+    existed (the answer says nothing of whether it does)."""
+    state = await svc.reader.state(fork_id)
+    if not who.sees(state.tenant):
+        raise not_found(fork_id)
+    return state
+
+
+def visible_now(fork_id: str, svc: Services, who: Caller) -> None:
+    """`visible`, for an endpoint that runs in the threadpool (a write through `ForkClient`)."""
+    if not who.sees(svc.client.status(fork_id).tenant):
+        raise not_found(fork_id)
+
+
 ForkId = Annotated[str, Path(pattern=FORK_ID_PATTERN, description="A fork id, as the launch returned it.")]
 SessionId = Annotated[str, Path(pattern=SESSION_PATTERN, description="The parent's session id.")]
 Digest = Annotated[str, Path(pattern=DIGEST_PATTERN, description="The SHA-256 of the blob's bytes, lowercase hex.")]
@@ -110,8 +138,8 @@ def launch_fork(
     idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key", pattern=IDEMPOTENCY_KEY_PATTERN)] = None,
 ) -> JSONResponse:
     """Launch a fork or subagent: 202 with its id; 200 with the same fork for an Idempotency-Key seen before."""
-    token_id = str(getattr(request.state, "token_id", ""))
-    outcome = svc.launcher.launch(body, key=idempotency_key, token_id=token_id)
+    who = cast(Caller, getattr(request.state, "caller", ANYONE))
+    outcome = svc.launcher.launch(body, key=idempotency_key, token_id=who.token_id, tenant=who.tenant)
     launched = Launched(fork_id=outcome.fork_id, status=outcome.status)
     headers = {"Location": f"/v1/forks/{outcome.fork_id}"}
     if not outcome.created:
@@ -119,17 +147,19 @@ def launch_fork(
     return JSONResponse(launched.model_dump(), status_code=202 if outcome.created else 200, headers=headers)
 
 
-async def fork_state(fork_id: ForkId, svc: Svc) -> JSONResponse:
+async def fork_state(fork_id: ForkId, svc: Svc, who: Who) -> JSONResponse:
     """The fork's state (as `forkq status --json` prints it)."""
-    return _state_json(await svc.reader.state(fork_id))
+    return _state_json(await visible(fork_id, svc, who))
 
 
 async def fork_result(
     fork_id: ForkId,
     svc: Svc,
+    who: Who,
     wait: Annotated[float, Query(ge=0, le=MAX_WAIT_S, description="Seconds to wait for the end (at most 60).")] = 0,
 ) -> JSONResponse:
     """The result (200) once the fork has ended; else, once `wait` runs out or at once if parked, its state (202)."""
+    await visible(fork_id, svc, who)
     outcome = await svc.reader.result_within(fork_id, wait)
     if isinstance(outcome, ForkResult):
         body = ResultBody(**outcome.model_dump(include={"fork_id", "status", "output", "usage", "error"}))
@@ -137,10 +167,10 @@ async def fork_result(
     return _state_json(outcome, 202)
 
 
-async def fork_notification(fork_id: ForkId, svc: Svc) -> Notification:
+async def fork_notification(fork_id: ForkId, svc: Svc, who: Who) -> Notification:
     """The `<task-notification>` for the parent's model; 409 while the fork has not ended."""
+    state = await visible(fork_id, svc, who)
     result = await svc.reader.result(fork_id)
-    state = await svc.reader.state(fork_id)
     if result is None:
         raise ForkNotEnded(
             f"fork {fork_id} is {state.status.value}: it has no result to notify yet; wait for it first "
@@ -155,10 +185,11 @@ async def fork_notification(fork_id: ForkId, svc: Svc) -> Notification:
 async def fork_events(
     fork_id: ForkId,
     svc: Svc,
+    who: Who,
     last_event_id: Annotated[str | None, Header(alias="Last-Event-ID", pattern=EVENT_ID_PATTERN)] = None,
 ) -> StreamingResponse:
     """The fork's events as Server-Sent Events, after `Last-Event-ID` if given, until it ends."""
-    await svc.reader.state(fork_id)  # 404 before the stream starts
+    await visible(fork_id, svc, who)  # 404 before the stream starts
     stream = event_stream(svc.reader, fork_id, after=last_event_id or "0-0", keepalive_s=svc.settings.api_keepalive_s)
     headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy may hold events back
     return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
@@ -167,10 +198,11 @@ async def fork_events(
 async def fork_transcript(
     fork_id: ForkId,
     svc: Svc,
+    who: Who,
     max_chars: Annotated[int, Query(ge=0, le=1_000_000, description="Characters of a tool result kept.")] = 4096,
 ) -> JSONResponse:
     """The seed's summary and every journaled step (tool results cut to `max_chars`)."""
-    state = await svc.reader.state(fork_id)
+    state = await visible(fork_id, svc, who)
     record = await svc.reader.record(fork_id, state.digest or None)
     entries = await svc.reader.journal(fork_id)
     transcript = build_transcript(state, record, entries, max_chars=max_chars)
@@ -182,8 +214,9 @@ async def fork_transcript(
     return JSONResponse(body)
 
 
-def cancel_fork(fork_id: ForkId, svc: Svc) -> Cancelled:
+def cancel_fork(fork_id: ForkId, svc: Svc, who: Who) -> Cancelled:
     """Cancel the fork; its status afterwards (`cancelled`, or the status it had already ended with)."""
+    visible_now(fork_id, svc, who)
     return Cancelled(fork_id=fork_id, status=svc.client.cancel(fork_id))
 
 
@@ -192,12 +225,15 @@ def decide_call(
     call_id: Annotated[str, Path(min_length=1, max_length=200, description="The pending call's id.")],
     body: DecisionRequest,
     svc: Svc,
+    who: Who,
 ) -> Decided:
     """Approve or deny a call a parked fork waits on; the fork goes on once no call waits."""
+    visible_now(fork_id, svc, who)
+    by = Decider(f"token:{who.token_id}" if who.token_id else "local", who.tenant)  # the audit: in the journal
     if body.decision == "approve":
-        status = svc.client.approve(fork_id, call_id)
+        status = svc.client.approve(fork_id, call_id, by=by)
     else:
-        status = svc.client.deny(fork_id, call_id, body.reason)
+        status = svc.client.deny(fork_id, call_id, body.reason, by=by)
     outcome = Decision.after(status)
     return Decided(fork_id=fork_id, call_id=call_id, decision=body.decision, outcome=outcome, status=status)
 
@@ -205,37 +241,42 @@ def decide_call(
 async def session_forks(
     session_id: SessionId,
     svc: Svc,
+    who: Who,
     limit: Annotated[int, Query(ge=1, le=1000, description="The newest this many.")] = 100,
 ) -> SessionForks:
-    """The forks launched from a parent session that are still in Redis, newest first."""
-    forks = await svc.reader.session_forks(session_id, limit=limit)
+    """The forks launched from a parent session of the caller's tenant that are still in Redis, newest first."""
+    forks = await svc.reader.session_forks(session_scope(session_id, who.tenant), limit=limit)
     return SessionForks(session_id=session_id, forks=[SessionFork(**dataclasses.asdict(f)) for f in forks])
 
 
-def cancel_session(session_id: SessionId, svc: Svc) -> SessionCancel:
-    """Cancel every fork of a parent session that has not ended, nested subagents included; launches into the
-    session are refused (409) from then until FORKQ_SESSION_TOMBSTONE_S after it."""
-    return svc.client.cancel_session(session_id)
+def cancel_session(session_id: SessionId, svc: Svc, who: Who) -> SessionCancel:
+    """Cancel every fork of a parent session of the caller's tenant that has not ended, nested subagents included;
+    launches into the session are refused (409) from then until FORKQ_SESSION_TOMBSTONE_S after it."""
+    return svc.client.cancel_session(session_id, tenant=who.tenant)
 
 
-def session_budget(session_id: SessionId, svc: Svc) -> SessionBudget:
-    """The session's token budget: its limit (null: none), what its forks used, and what is left."""
-    return svc.client.budget(session_id)
+def session_budget(session_id: SessionId, svc: Svc, who: Who) -> SessionBudget:
+    """The token budget of a session of the caller's tenant: its limit (null: none), what its forks used, and what
+    is left."""
+    return svc.client.budget(session_id, tenant=who.tenant)
 
 
-def set_session_budget(session_id: SessionId, body: BudgetRequest, svc: Svc) -> SessionBudget:
-    """Set the session's token budget; raised above what its forks used, the forks it paused resume (`resumed`)."""
-    return svc.client.set_budget(session_id, tokens=body.tokens)
+def set_session_budget(session_id: SessionId, body: BudgetRequest, svc: Svc, who: Who) -> SessionBudget:
+    """Set the token budget of a session of the caller's tenant; raised above what its forks used, the forks it
+    paused resume (`resumed`)."""
+    return svc.client.set_budget(session_id, tokens=body.tokens, tenant=who.tenant)
 
 
-def fork_budget(fork_id: ForkId, svc: Svc) -> ForkBudget:
+def fork_budget(fork_id: ForkId, svc: Svc, who: Who) -> ForkBudget:
     """The fork's budgets: its own max_tokens, used and left, and its session's budget."""
+    visible_now(fork_id, svc, who)
     return svc.client.fork_budget(fork_id)
 
 
-def send_message(fork_id: ForkId, body: MessageRequest, svc: Svc) -> MessageSent:
+def send_message(fork_id: ForkId, body: MessageRequest, svc: Svc, who: Who) -> MessageSent:
     """Give the fork a message (docs/conversations.md): a succeeded fork is continued, a running or parked one
     reads it before its next model call; a fork that failed or was cancelled, or a full inbox, is 409."""
+    visible_now(fork_id, svc, who)
     sent = svc.client.send(fork_id, body.text)
     return MessageSent(fork_id=sent.fork_id, outcome=sent.outcome, waiting=sent.waiting)
 
@@ -263,11 +304,12 @@ async def fork_changes(
     fork_id: ForkId,
     request: Request,
     svc: Svc,
+    who: Who,
     stat: Annotated[bool, Query(description="Only the changed files (JSON), no patch.")] = False,
 ) -> Response:
     """The fork's changes to its workspace: a git patch (text/x-diff, binary files included), or, with `stat` or
     `Accept: application/json`, the changed files (and the patch) as JSON."""
-    await svc.reader.state(fork_id)  # 404 for a fork that does not exist
+    await visible(fork_id, svc, who)  # 404 for a fork that does not exist, or is another tenant's
     changes = await run_in_threadpool(svc.client.changes, fork_id)
     accept = request.headers.get("accept", "")
     if not stat and ("application/json" not in accept or DIFF_MEDIA in accept):

@@ -41,7 +41,7 @@ def auth_required(settings: Settings, host: str, *, insecure_no_auth: bool) -> b
         ConfigurationError: no token and no `--insecure-no-auth`; `--insecure-no-auth` on a host that is not
             loopback; or tokens and `--insecure-no-auth` both given.
     """
-    tokens = TokenSet.parse(settings.api_tokens)
+    tokens = TokenSet.parse(settings.api_tokens, settings.api_admin_tokens)
     if not insecure_no_auth:
         if not tokens:
             raise ConfigurationError(f"forkq serve refuses to start: {NO_TOKENS}", field="FORKQ_API_TOKENS")

@@ -15,6 +15,7 @@ from typing import Any, Literal, assert_never
 
 from pydantic import BaseModel, Field
 
+from workers.base.keys import session_named
 from workers.records.conversation import (
     Approval,
     Delivered,
@@ -35,6 +36,7 @@ class SeedSummary(BaseModel):
 
     kind: str
     parent_session: str
+    tenant: str = Field("default", description="The tenant that launched the fork.")
     messages: int = Field(description="Messages inherited from the parent (0 for a regular subagent).")
     fork_turns: str | None
     task_prompt: str
@@ -77,6 +79,9 @@ class Step(BaseModel):
     changed: list[str] | None = Field(None, description="tool_result of a snapshot fork: the files the call changed.")
     decision: Literal["approve", "deny"] | None = None
     reason: str | None = None
+    decided_by: str | None = Field(None, description="approval: `token:<id>` of the API token, or `local`.")
+    decided_tenant: str | None = Field(None, description="approval: the tenant of who decided.")
+    decided_ms: int | None = Field(None, description="approval: when (Unix ms).")
 
 
 class Transcript(BaseModel):
@@ -95,7 +100,8 @@ def build_transcript(
     """The transcript of a fork from its state, record and journal; tool results cut to `max_chars` characters."""
     seed = SeedSummary(
         kind=record.kind,
-        parent_session=record.parent_session,
+        parent_session=session_named(record.parent_session),
+        tenant=record.owner_tenant,
         messages=record.message_count,
         fork_turns=record.fork_turns,
         task_prompt=record.task_prompt,
@@ -145,6 +151,9 @@ def _step(step: ReadStep, max_chars: int) -> Step:
                 name=step.name,
                 decision=step.decision,
                 reason=step.reason,
+                decided_by=step.decided_by,
+                decided_tenant=step.decided_tenant,
+                decided_ms=step.decided_ms,
             )
         case Feedback():
             return Step(seq=step.seq, step=step.step, kind="feedback", text=visible_text(step.content))

@@ -49,6 +49,9 @@ Each key: type; content; TTL; writer → readers.
   reason, task_id, raw_bytes, raw_blake2b, at}`, a newline, then the item's bytes; newest first, capped
   at 16 items (LTRIM), 7 days after the last refusal (EXPIRE); written on the connection the item came
   from, before `{ns}:dead`, so an item is kept even while the records Redis is down; worker → operators.
+- `<session>` in the keys below is a parent session's *scope* (`session_scope`): the session id itself for the
+  tenant `default` (so records from before tenants keep their keys), else `<session id> @<tenant>`. A session id
+  has no whitespace, so no id a caller names reaches another tenant's session: each tenant has its own.
 - `{ns}:{parent:<session>}:names`: hash; teammate name → the fork id of the last teammate launched
   with that name from the session (a name belongs to one live teammate at a time); retention, renewed
   by every named launch; launch (compare-and-set) → launch, send_to.
@@ -127,10 +130,13 @@ import re
 from dataclasses import dataclass
 from typing import Final
 
+from broker_config.settings import DEFAULT_TENANT, TENANT_RE
+
 FORK_ID_RE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 # \x1c-\x1f are whitespace to Python's `\s` but not to other engines' (pydantic-core's, which checks the API's
 # path against this pattern): named, so the pattern means the same wherever it is checked
 SESSION_RE: Final = re.compile(r"[^{}\s\x1c-\x1f]{1,200}")
+TENANT_SEPARATOR: Final = " @"  # between a session id and its tenant in a session's scope (`session_scope`)
 HEX_DIGEST_RE: Final = re.compile(r"[0-9a-f]{64}")
 MODEL_RE: Final = re.compile(r"[^{}\s|]{1,200}")  # a model name used as it is in admission keys
 ADMISSION_PARTS: Final = ("holds", "queue", "waiters", "tags", "log", "tokens", "cooldown", "granted")
@@ -274,6 +280,18 @@ def _check_scope(scope: str) -> None:
         raise ValueError(f"workspace scope {scope!r} is not valid; scopes are 1-128 letters, digits, '_', '.', '-'")
 
 
+def session_scope(session: str, tenant: str) -> str:
+    """Where `tenant`'s parent session `session` lives (its keys, its records' `parent_session`): the id itself for
+    the tenant `default`, else the id and the tenant, which no session id can spell (ids have no whitespace)."""
+    return session if tenant == DEFAULT_TENANT else f"{session}{TENANT_SEPARATOR}{tenant}"
+
+
+def session_named(scope: str) -> str:
+    """The session id a caller named, from its scope (`session_scope`)."""
+    return scope.split(TENANT_SEPARATOR, 1)[0]
+
+
 def _check_session(parent_session: str) -> None:
-    if not SESSION_RE.fullmatch(parent_session):
+    session, _, tenant = parent_session.partition(TENANT_SEPARATOR)
+    if not SESSION_RE.fullmatch(session) or (tenant and not TENANT_RE.fullmatch(tenant)):
         raise ValueError(f"parent session id {parent_session!r} must be 1-200 characters without braces or spaces")

@@ -19,6 +19,7 @@ from collections.abc import Iterable
 from typing import Final
 
 from broker_config.settings import Settings
+from workers.base.keys import session_named
 from workers.errors import ConfigurationError
 from workers.providers import TokenUsage
 from workers.providers.routing import provider_kind
@@ -74,7 +75,8 @@ def budget_detail(kind: BudgetKind, *, fork_id: str, session: str, used: int, li
             f"its own max_tokens is reached: used {used:,} of {limit:,} tokens. A launch's max_tokens cannot be "
             f"raised: the journal and workspace are kept; `forkq cancel {fork_id}` ends it (with its usage)"
         )
+    named = session_named(session)  # the id its tenant uses (its scope says the tenant too)
     return (
-        f"the budget of session {session} is reached: used {used:,} of {limit:,} tokens. Raise it and every fork "
-        f"it paused resumes: `forkq budget --session {session} --tokens N` (N above {used:,})"
+        f"the budget of session {named} is reached: used {used:,} of {limit:,} tokens. Raise it and every fork "
+        f"it paused resumes: `forkq budget --session {named} --tokens N` (N above {used:,})"
     )

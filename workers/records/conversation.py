@@ -122,6 +122,9 @@ class Approval(NamedTuple):
     name: str | None
     decision: Literal["approve", "deny"] | None
     reason: str | None
+    decided_by: str | None = None  # the audit: `token:<id>` or `local`, the tenant, and when (Unix ms)
+    decided_tenant: str | None = None
+    decided_ms: int | None = None
 
 
 class Feedback(NamedTuple):
@@ -371,7 +374,19 @@ class Conversation:
         return tuple(changes)
 
     def _approval(self, entry: JournalEntry) -> None:
-        self.steps.append(Approval(entry.seq, entry.step, entry.call_id, entry.name, entry.decision, entry.reason))
+        self.steps.append(
+            Approval(
+                entry.seq,
+                entry.step,
+                entry.call_id,
+                entry.name,
+                entry.decision,
+                entry.reason,
+                entry.decided_by,
+                entry.decided_tenant,
+                entry.decided_ms,
+            )
+        )
         # a decision belongs to the calls of the step it was made on
         if entry.call_index is not None and entry.decision is not None and entry.step == self.step - 1:
             self.decisions[entry.call_index] = Decision(entry.decision, entry.reason)

@@ -12,6 +12,7 @@ from typing import Any, Final, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
+from broker_config.settings import DEFAULT_TENANT
 from workers.base import codec
 from workers.errors import RecordDecodeError, RecordIntegrityError
 from workers.history.messages import Content, dump_contents, load_contents
@@ -127,6 +128,13 @@ class BootstrapRecord(BaseModel):
     options: ForkOptions = Field(default_factory=ForkOptions)
     # the fork's files; None in records stored before workspaces existed (they act on `cwd` in place: shared)
     workspace: WorkspaceRef | None = None
+    # the tenant that launched it; None for `default` (and in records stored before tenants existed)
+    tenant: str | None = None
+
+    @property
+    def owner_tenant(self) -> str:
+        """The tenant the fork belongs to."""
+        return self.tenant or DEFAULT_TENANT
 
     @property
     def tools(self) -> list[dict[str, Any]]:
@@ -147,7 +155,8 @@ class BootstrapRecord(BaseModel):
     def encode(self) -> tuple[bytes, str]:
         """Stored bytes and their digest: the record, with its context replaced by the context chunk's digest
         and a long list of seed chunk digests by the seed index chunk's."""
-        fields = self.model_dump(exclude=set(CONTEXT_FIELDS) | ({"workspace"} if self.workspace is None else set()))
+        absent = {name for name in ("workspace", "tenant") if getattr(self, name) is None}  # old records' bytes
+        fields = self.model_dump(exclude=set(CONTEXT_FIELDS) | absent)
         fields["context_chunk"] = chunk_digest(self.context_blob())
         index = self.seed_index_blob()
         if index is not None:
@@ -290,6 +299,7 @@ class ForkState(BaseModel):
     fork_id: str
     status: Status
     kind: str = "fork"
+    tenant: str = DEFAULT_TENANT  # who launched it: the API answers 404 to every other tenant
     description: str = ""
     digest: str = ""
     attempt: int = 0
@@ -320,6 +330,7 @@ class ForkState(BaseModel):
             fork_id=fork_id,
             status=status,
             kind=fields.get("kind", "fork"),
+            tenant=fields.get("tenant") or DEFAULT_TENANT,
             description=fields.get("description", ""),
             digest=fields.get("digest", ""),
             attempt=num("attempt") or 0,

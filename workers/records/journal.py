@@ -72,6 +72,11 @@ class JournalEntry(BaseModel):
     tools: list[str] | None = None  # surface: declared tools the first worker could execute
     decision: Literal["approve", "deny"] | None = None  # approval: a person's answer for call `call_index`
     reason: str | None = None  # approval: why (optional, shown to the model on a denial)
+    # approval: who decided (`token:<id>` of an API token, `local` for ForkClient and the CLI), their tenant, and when
+    # (Unix ms, the decider's clock); left out of entries written before the audit existed
+    decided_by: str | None = None
+    decided_tenant: str | None = None
+    decided_ms: int | None = None
 
     def encode(self) -> bytes:
         """Canonical bytes."""

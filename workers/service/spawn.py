@@ -21,6 +21,7 @@ from typing import Any, Final, TypeVar
 
 from kombu.exceptions import OperationalError
 
+from workers.base.keys import session_named
 from workers.errors import ForkqError, InvalidAgentParams, RecordExistsError, SessionCancelled
 from workers.history.params import validate_agent_params
 from workers.loop.child import Stopped, StopReason, Workspace
@@ -88,6 +89,7 @@ def nested_record(
         approval_mode=effective_mode(parent.approval_mode),
         cwd=parent.cwd,
         workspace=workspace or parent.workspace,
+        tenant=parent.tenant,  # a nested subagent belongs to its caller's tenant
         depth=parent.depth + 1,
         # no approval_policy: a nested subagent never parks, since its caller holds a worker slot waiting for it
         options=ForkOptions(
@@ -152,7 +154,8 @@ class SubagentSpawner:
         except RecordExistsError:
             pass  # launched by an earlier run of this caller (a definition edited since): wait for that one
         except SessionCancelled:  # the caller's own session is being cancelled: so is the caller, at its next write
-            return {"error": f"Error: the subagent was not launched: session {record.parent_session} was cancelled."}
+            session = session_named(record.parent_session)
+            return {"error": f"Error: the subagent was not launched: session {session} was cancelled."}
         except ForkqError as exc:
             return {"error": f"Error: the subagent could not be launched: {exc}"}
         # not yet run; a duplicate job would be a no-op anyway

@@ -10,28 +10,28 @@ from workers.store.script_parts import NOW, lua_script
 
 # KEYS: bootstrap, state, events, the parent session's forks, the session's tombstone, and with a job: the broker
 # queue's list, then the chunk keys the caller did not send again. ARGV: record bytes, ttl_s, kind, description,
-# digest, event data, fork id, and with a job: the queue item, the task-sent event's channel ('' for none) and
-# message. Returns the outcome and whether the job was queued; a launch into a cancelled session (its tombstone
-# exists) writes nothing and returns `session_cancelled` and the tombstone (the Redis ms until which it refuses),
-# so a launch racing a session cancel either lands before it (and is cancelled by it) or is refused. A launch
-# found written already (a retried launch) is not refused: it landed before. The session index gets the fork
-# with its record (the session's keys are the ones outside the fork's hash tag). The job goes onto the queue after
-# the record (the order a worker needs), and only if every chunk it names is there: a chunk gone since the caller
-# wrote it is written again first, and the job then sent by the caller.
+# digest, event data, fork id, tenant ('' for `default`), and with a job: the queue item, the task-sent event's
+# channel ('' for none) and message. Returns the outcome and whether the job was queued; a launch into a cancelled
+# session (its tombstone exists) writes nothing and returns `session_cancelled` and the tombstone (the Redis ms until
+# which it refuses), so a launch racing a session cancel either lands before it (and is cancelled by it) or is
+# refused. A launch found written already (a retried launch) is not refused: it landed before. The session index gets
+# the fork with its record (the session's keys are the ones outside the fork's hash tag). The job goes onto the queue
+# after the record (the order a worker needs), and only if every chunk it names is there: a chunk gone since the
+# caller wrote it is written again first, and the job then sent by the caller.
 # A new stream's first node is allocated at 4 KiB (Redis 7's XADD pre-allocates `stream-node-max-bytes`, at most
-# 4096), most of a queued fork's memory: written anew by DUMP and RESTORE, the stream keeps only what its
-# `queued` event needs (about 0.8 KB), and grows from there as the worker appends. Best effort: where a
-# server renames or refuses DUMP or RESTORE (some managed services do), the stream stays as XADD made it.
+# 4096), most of a queued fork's memory: written anew by DUMP and RESTORE, the stream keeps only what its `queued`
+# event needs (about 0.8 KB), and grows from there as the worker appends. Best effort: where a server renames or
+# refuses DUMP or RESTORE (some managed services do), the stream stays as XADD made it.
 LAUNCH = lua_script(
     NOW,
     """
 local function send(outcome)
-  if ARGV[8] == nil or ARGV[8] == '' then return {outcome, 0} end
+  if ARGV[9] == nil or ARGV[9] == '' then return {outcome, 0} end
   for i = 7, #KEYS do
     if redis.call('EXISTS', KEYS[i]) == 0 then return {outcome, 0} end
   end
-  redis.call('LPUSH', KEYS[6], ARGV[8])
-  if ARGV[9] ~= '' then redis.call('PUBLISH', ARGV[9], ARGV[10]) end
+  redis.call('LPUSH', KEYS[6], ARGV[9])
+  if ARGV[10] ~= '' then redis.call('PUBLISH', ARGV[10], ARGV[11]) end
   return {outcome, 1}
 end
 local existing = redis.call('GET', KEYS[1])
@@ -42,6 +42,7 @@ if tombstone then return {SESSION_CANCELLED, tombstone} end
 redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
 redis.call('HSET', KEYS[2], 'status', QUEUED, 'kind', ARGV[3], 'description', ARGV[4], 'digest', ARGV[5],
            'attempt', 0, 'created_ms', now)
+if ARGV[8] ~= '' then redis.call('HSET', KEYS[2], 'tenant', ARGV[8]) end
 redis.call('EXPIRE', KEYS[2], ARGV[2])
 local fresh = redis.call('EXISTS', KEYS[3]) == 0
 redis.call('XADD', KEYS[3], 'MAXLEN', '~', @MAXLEN@, '*', 'type', 'queued', 'data', ARGV[6])

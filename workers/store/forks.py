@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Final, Literal, cast
 import redis
 from redis.commands.core import Script
 
-from workers.base.keys import Keys
+from workers.base.keys import Keys, session_named
 from workers.errors import (
     InvalidApproval,
     RecordDecodeError,
@@ -126,8 +126,7 @@ class ForkStore:
         store wrote before is gone). True if `job` was queued; without one, or when a chunk was gone, the
         caller sends the job.
 
-        `job` goes to this store's Redis, so only a broker on the same server may pass one
-        (`workers.broker.envelope`).
+        `job` goes to this store's Redis, so only a broker on the same server may pass one (`workers.broker.envelope`).
 
         A chunk this store wrote before is not sent again: its TTL is refreshed, and if it is gone
         (expired, deleted) it is written again, before the caller enqueues the job. `seed_chunks` are
@@ -150,6 +149,7 @@ class ForkStore:
         keys = [self.keys.bootstrap(fid), self.keys.state(fid), self.keys.events(fid), self.keys.session_forks(session)]
         keys.append(tombstone)
         args: list[Any] = [record_bytes, self.ttl_s, record.kind, record.description, digest_hex, data, fid]
+        args.append(record.tenant or "")  # the state's `tenant` ('' for `default`)
         if job is not None:
             keys += [job.queue_key, *(key for key, chunk in zip(chunk_keys, sent, strict=True) if not chunk)]
             args += [job.item, job.event_channel, job.event]
@@ -164,7 +164,7 @@ class ForkStore:
                 key=self.keys.bootstrap(fid),
             )
         if reply is Refused.SESSION_CANCELLED:
-            raise SessionCancelled(session, int(queued), fork_id=fid)
+            raise SessionCancelled(session_named(session), int(queued), fork_id=fid)
         if gone:  # expired or deleted since this store wrote them: write them again before the job is enqueued
             again = [int(i) - 1 for i in gone]
             rewrite = [tombstone, *(chunk_keys[i] for i in again)]
@@ -359,8 +359,11 @@ class ForkStore:
         reply = self._resume(keys=[self.keys.state(fork_id), self.keys.events(fork_id)])
         return fenced_reply(reply, script="resume", fork_id=fork_id) is Written.RESUMED
 
-    def decide(self, fork_id: str, call_id: str, decision: str, reason: str | None = None) -> Decision:
-        """Record a person's `approve`/`deny` of a parked call; `queued` when it was the last one undecided.
+    def decide(
+        self, fork_id: str, call_id: str, decision: str, reason: str | None = None, *, by: Decider | None = None
+    ) -> Decision:
+        """Record a person's `approve`/`deny` of a parked call, and who made it (`by`); `queued` when it was the last
+        one undecided.
 
         Otherwise `recorded` (other calls still wait). Raises ForkNotFound; InvalidApproval when
         the fork is not awaiting approval or has no such pending call.
@@ -383,6 +386,9 @@ class ForkStore:
                 name=call.name,
                 decision=verdict,
                 reason=reason or None,
+                decided_by=None if by is None else by.who,
+                decided_tenant=None if by is None else by.tenant,
+                decided_ms=None if by is None else int(time.time() * 1000),
             )
             event = decision_event(verdict, DecisionData(call_id=call_id, name=call.name, reason=reason))
             outcome = self._decide(
@@ -422,7 +428,7 @@ class ForkStore:
         entry = f"{fork_id} {int(time.time() * 1000)}"
         reply = self._claim_name(keys=keys, args=[name, expected or "", entry, self.ttl_s])
         if isinstance(reply, bytes):  # the session's tombstone: it was cancelled moments ago
-            raise SessionCancelled(parent_session, int(reply), fork_id=fork_id)
+            raise SessionCancelled(session_named(parent_session), int(reply), fork_id=fork_id)
         return bool(reply)
 
     def send(self, fork_id: str, text: str, *, inbox_limit: int) -> tuple[SendReply, int]:
@@ -447,7 +453,7 @@ class ForkStore:
         word, waiting = cast(list[Any], self._send(keys=keys, args=args))
         reply = word_of(SendReply, word, script="send", fork_id=fork_id)
         if reply is SendReply.SESSION_CANCELLED and session is not None:
-            raise SessionCancelled(session, int(waiting), fork_id=fork_id)
+            raise SessionCancelled(session_named(session), int(waiting), fork_id=fork_id)
         return reply, int(waiting)
 
     def _session_of(self, fork_id: str) -> str | None:
@@ -478,6 +484,14 @@ class ForkStore:
                 yield event
                 if event.terminal:
                     return
+
+
+@dataclass(frozen=True)
+class Decider:
+    """Who approves or denies a call: `token:<id>` of an API token, or `local` (ForkClient, the CLI), and a tenant."""
+
+    who: str
+    tenant: str
 
 
 def _approval_refusal(state: ForkState, call_id: str) -> str:

@@ -197,6 +197,7 @@ class SessionFork:
     status: str
     created_ms: int | None
     updated_ms: int | None
+    tenant: str = "default"
 
 
 def session_forks(keys: Keys, parent_session: str, *, limit: int) -> Read[list[SessionFork]]:
@@ -235,6 +236,7 @@ def session_fork(fork_id: str, fields: dict[bytes, bytes], data: bytes | None, n
         status=now.status.value,
         created_ms=now.created_ms,
         updated_ms=updated,
+        tenant=now.tenant,
     )
 
 

@@ -16,7 +16,8 @@ from typing import Annotated, Any, Final
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 from pydantic.json_schema import SkipJsonSchema
 
-from workers.base.keys import FORK_ID_RE, HEX_DIGEST_RE
+from broker_config.settings import DEFAULT_TENANT
+from workers.base.keys import FORK_ID_RE, HEX_DIGEST_RE, session_scope
 from workers.base.limits import (
     MAX_LAUNCH_TURNS,
     MAX_LAUNCH_WALL_S,
@@ -296,11 +297,13 @@ class LaunchPlan:
         message_count: int,
         task_prompt: str,
         workspace: WorkspaceRef | None = None,
+        tenant: str | None = None,
     ) -> BootstrapRecord:
-        """The bootstrap record of this launch, with its seed's chunk digests, message count and task prompt."""
+        """The bootstrap record of this launch, with its seed's chunk digests, message count and task prompt, for
+        `tenant` (None: `default`), its parent session in that tenant's space (`session_scope`)."""
         return BootstrapRecord(
             fork_id=fork_id,
-            parent_session=parent.session_id,
+            parent_session=session_scope(parent.session_id, tenant or DEFAULT_TENANT),
             kind="fork" if self.kind == "fork" else "spawn",
             seed_chunks=seed_chunks,
             message_count=message_count,
@@ -318,6 +321,7 @@ class LaunchPlan:
             fork_turns=agent.fork_turns,
             options=self.options,
             workspace=workspace,
+            tenant=tenant,
         )
 
 

@@ -190,6 +190,7 @@ export interface ForkState {
   fork_id: string;
   status: Status;
   kind: string;
+  tenant: string;
   description: string;
   digest: string;
   attempt: number;
@@ -444,6 +445,7 @@ export interface RevivedEvent {
 export interface SeedSummary {
   kind: string;
   parent_session: string;
+  tenant: string;
   messages: number;
   fork_turns: string | null;
   task_prompt: string;
@@ -483,6 +485,7 @@ export interface SessionFork {
   status: Status;
   created_ms?: number | null;
   updated_ms?: number | null;
+  tenant: string;
 }
 
 /** The forks launched from one parent session that are still in Redis, newest first. */
@@ -527,6 +530,9 @@ export interface Step {
   changed?: string[] | null;
   decision?: "approve" | "deny" | null;
   reason?: string | null;
+  decided_by?: string | null;
+  decided_tenant?: string | null;
+  decided_ms?: number | null;
 }
 
 /** A model call answered: the tools it called (none: the final answer) and its tokens. */

@@ -357,6 +357,7 @@
     $("fork-title").textContent = state.description || state.fork_id;
     setStatus($("fork-status"), state.status);
     $("fork-kind").textContent = state.kind;
+    $("fork-tenant").textContent = state.tenant || "default";
     $("fork-attempt").textContent = String(state.attempt);
     $("fork-error").textContent = state.error || "—";
     $("cancel").hidden = TERMINAL.has(state.status);
@@ -507,7 +508,12 @@
         (step.finish_reason ? " (" + step.finish_reason + ")" : "");
     }
     if (step.kind === "tool_result") return (step.error != null ? "error of " : "result of ") + step.name + " (" + step.call_id + ")";
-    if (step.kind === "approval") return (step.decision === "approve" ? "approved " : "denied ") + step.name + " (" + step.call_id + ")";
+    if (step.kind === "approval") {
+      // the audit: who decided (an API token's id, or `local`), of which tenant, and when
+      const who = step.decided_by ? " by " + step.decided_by + (step.decided_tenant ? " (" + step.decided_tenant + ")" : "") : "";
+      const at = step.decided_ms ? " at " + new Date(step.decided_ms).toISOString() : "";
+      return (step.decision === "approve" ? "approved " : "denied ") + step.name + " (" + step.call_id + ")" + who + at;
+    }
     if (step.kind === "message") return "message delivered to the fork";
     return "feedback: the answer did not match the output schema";
   }
