@@ -73,3 +73,23 @@ def test_cancel_refuses_a_session_id_that_is_not_one(forkq: Run, capsys: pytest.
 
     assert exited.value.code == 2
     assert "is not a parent session id" in capsys.readouterr().err
+
+
+def test_forkq_tenant_gives_the_cli_its_own_session_space(forkq: Run, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Given a fork of the default tenant and one of tenant acme, both from the same session id
+    theirs = launch(forkq)
+    monkeypatch.setenv("FORKQ_TENANT", "acme")
+    ours = launch(forkq)
+
+    # When acme lists the session and cancels it
+    listed = [f["fork_id"] for f in json.loads(forkq("list", "--session", SESSION, "--json")[1])]
+    code, out, err = forkq("cancel", "--session", SESSION, "--json")
+
+    # Then it saw and cancelled its own fork only; the default tenant's fork of the same session id runs on
+    assert listed == [ours]
+    assert code == 0, err
+    assert json.loads(out)["forks"] == [ours]
+    assert json.loads(forkq("status", theirs, "--json")[1])["status"] == "queued"
+    assert json.loads(forkq("status", ours, "--json")[1])["tenant"] == "acme"
+    monkeypatch.delenv("FORKQ_TENANT")
+    assert json.loads(forkq("status", theirs, "--json")[1])["tenant"] == "default"

@@ -526,6 +526,20 @@ def test_a_nested_subagent_gets_its_definition_within_its_callers_tools(
     assert general.system_instruction == record.system_instruction
 
 
+def test_a_nested_subagent_belongs_to_its_callers_tenant_and_session(
+    make_settings: Callable[..., Settings], parent: dict[str, Any]
+) -> None:
+    # Given a caller launched by tenant acme
+    with ForkClient(make_settings(tenant="acme")) as acme:
+        caller = acme.launch({**parent, "history": []}, {"description": "c", "prompt": "Delegate."})
+        record = acme.store.get_record(caller.fork_id, caller.digest)
+
+    # When it asks for a subagent, Then the subagent is acme's, in acme's scope of the caller's session
+    child = nested_record(record, REGULAR, f"{caller.fork_id}.0.0")
+    assert (record.tenant, child.tenant) == ("acme", "acme")
+    assert child.parent_session == record.parent_session == f"{parent['session_id']} @acme"
+
+
 def test_structured_output_retries_through_a_live_worker_and_fails_when_exhausted(
     live: Callable[..., ForkClient], parent: dict[str, Any], tmp_path: Path
 ) -> None:
