@@ -368,18 +368,26 @@ def tenant_tokens(tokens: SecretStr | None) -> list[tuple[str, str]]:
         ValueError: an entry's tenant is not a tenant name, its token is empty, or its hash is not 64 hex digits;
             the message names the entry by position (never its token).
     """
-    pairs = []
+    pairs: list[tuple[str, str]] = []
     for position, entry in enumerate(api_token_entries(tokens), start=1):
         tenant, separator, token = entry.partition("=")
         if not separator:
             tenant, token = DEFAULT_TENANT, entry
-        elif not TENANT_RE.fullmatch(tenant) or not token:
+        elif not TENANT_RE.fullmatch(tenant) or not token or token.startswith("="):
+            # `abc==` is a base64 token, not the tenant `abc` with the token `=`: refused, never misread
+            problem = "its token is empty" if TENANT_RE.fullmatch(tenant) else "what comes before '=' is not a tenant"
+            if token.startswith("="):
+                problem = "it looks like a token ending in '=' (base64), not TENANT=TOKEN"
             raise ValueError(
-                f"entry {position} of FORKQ_API_TOKENS is not TENANT=TOKEN: "
-                + ("its token is empty" if TENANT_RE.fullmatch(tenant) else "what comes before '=' is not a tenant")
-                + f" (a tenant is {TENANT_RULE}); a token that holds '=' is written with its tenant: default=TOKEN"
+                f"entry {position} of FORKQ_API_TOKENS is not TENANT=TOKEN: {problem} (a tenant is {TENANT_RULE}); "
+                "a token that holds '=' is written with its tenant: default=TOKEN"
             )
         _check_token(token, f"entry {position} of FORKQ_API_TOKENS")
+        if any(token == seen for _, seen in pairs):
+            raise ValueError(
+                f"entry {position} of FORKQ_API_TOKENS repeats the token of an earlier entry: a token belongs to one "
+                "tenant; give each tenant its own token"
+            )
         pairs.append((tenant, token))
     return pairs
 

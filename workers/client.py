@@ -753,9 +753,10 @@ class ForkClient:
                     live = time.time() * 1000 - int(since or 0) < NAME_LAUNCH_GRACE_MS
                     shown = "being launched"
                 if live:
+                    named = session_named(session)  # the id its tenant uses, not its scope
                     raise InvalidAgentParams(
-                        f"teammate name {name!r} is taken in session {session} by fork {holder}, which is "
-                        f"{shown}; choose another name, or message it (forkq send --session {session} --to {name})",
+                        f"teammate name {name!r} is taken in session {named} by fork {holder}, which is "
+                        f"{shown}; choose another name, or message it (forkq send --session {named} --to {name})",
                         field="name",
                     )
             if self.store.claim_name(session, name, fork_id, expected=entry):

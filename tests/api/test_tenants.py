@@ -177,6 +177,8 @@ def test_an_approval_records_who_decided_their_tenant_and_when_and_inspect_shows
         ("FORKQ_API_TOKENS", "good, beta=", "entry 2 of FORKQ_API_TOKENS"),
         ("FORKQ_API_ADMIN_TOKENS", "sha256:abc", "FORKQ_API_ADMIN_TOKENS"),
         ("FORKQ_TENANT", "Not A Tenant", "FORKQ_TENANT"),
+        ("FORKQ_API_TOKENS", "k9x2q7w4abc==", "entry 1 of FORKQ_API_TOKENS"),
+        ("FORKQ_API_TOKENS", "acme=same-token,beta=same-token", "entry 2 of FORKQ_API_TOKENS"),
     ],
 )
 def test_a_malformed_token_entry_or_tenant_exits_2_naming_it(variable: str, value: str, named: str) -> None:
@@ -191,3 +193,23 @@ def test_a_malformed_token_entry_or_tenant_exits_2_naming_it(variable: str, valu
 def test_an_httpx_request_without_a_tenants_token_is_still_401(tenants: Api) -> None:
     with httpx.Client(base_url=tenants.url) as anonymous:
         assert anonymous.get("/v1/forks/f-any").status_code == 401
+
+
+def test_a_tenants_token_cannot_choose_a_fork_id_that_could_meet_another_tenants(
+    tenants: Api, parent: dict[str, Any]
+) -> None:
+    with tenants.client(ACME) as acme, tenants.client(BETA) as beta, tenants.client(TOKEN) as plain:
+        taken = launch(acme, parent)
+        refused = beta.post("/v1/forks", json={"parent": parent, "agent": FORK, "options": {"fork_id": taken}})
+        error = error_of(refused, 422)
+        assert error["field"] == "fork_id" and "Idempotency-Key" in error["message"]
+        # a fresh id is refused the same way: the answer says nothing of whether the id is taken
+        fresh = beta.post("/v1/forks", json={"parent": parent, "agent": FORK, "options": {"fork_id": "f-free-1"}})
+        assert error_of(fresh, 422) == error_of(refused, 422)
+        # the default tenant's tokens keep the option (settings from before tenants)
+        assert (
+            plain.post(
+                "/v1/forks", json={"parent": parent, "agent": FORK, "options": {"fork_id": "f-mine-1"}}
+            ).status_code
+            == 202
+        )

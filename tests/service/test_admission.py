@@ -193,3 +193,15 @@ def test_a_release_after_close_is_sent_by_its_own_thread(make_admission: Callabl
     holder.leave(made, None)
 
     assert admission.store.holds(MODEL) == []
+
+
+def test_a_session_weight_applies_to_the_session_of_every_tenant_that_uses_its_id(
+    redis_client: redis.Redis, make_settings: Callable[..., Settings]
+) -> None:
+    settings = make_settings(session_weights={"s-urgent": 3})
+    store = AdmissionStore(redis_client, Keys(TEST_NAMESPACE), token="t:1:1", hold_ttl_ms=1, alive_ttl_ms=1)
+    admission = Admission(store, settings, Metrics(), lambda model: ENDPOINT)
+
+    # a record's session is its scope: the id itself for `default`, `<id> @<tenant>` for another tenant
+    assert admission.weight("s-urgent") == admission.weight("s-urgent @acme") == 3.0
+    assert admission.weight("s-other @acme") == 1.0

@@ -97,7 +97,25 @@ def test_riders_no_write_took_are_sent_on_their_own_and_a_failure_reaches_each(r
     leases.send_riders(claim, [rider(redis_client, "k:alone", answers)])
     assert answers == [1]
 
+    claim.clock.until = float("-inf")  # the lease certainly lapsed: no retry through the outage
     unreachable = Leases(redis.Redis(port=1, socket_connect_timeout=0.2), KEYS, ttl_ms=10_000, retention_s=3600)
     unreachable.send_riders(claim, [rider(redis_client, "k:never", answers)])
-    assert isinstance(answers[1], redis.ConnectionError)
+    assert isinstance(answers[1], LeaseLost) and "Redis did not answer" in str(answers[1])
     assert redis_client.get("k:never") is None
+
+
+def test_a_rider_whose_handler_fails_leaves_the_others_answered_and_the_write_written(
+    redis_client: redis.Redis,
+) -> None:
+    leases, claim = running(redis_client, "f-handler")
+    answers: list[Any] = []
+
+    def broken(reply: Any) -> None:
+        raise RuntimeError("a bug in a rider's handler")
+
+    call = ScriptCall(redis_client.register_script(INCR), ["k:broken"], [])
+    seq = len(leases.journal("f-handler"))
+    leases.append(claim, entry(seq), riders=[Rider(call, broken), rider(redis_client, "k:after", answers)])
+
+    assert answers == [1]
+    assert [e.seq for e in leases.journal("f-handler")][-1] == seq

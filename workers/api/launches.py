@@ -19,7 +19,7 @@ from workers.api.idempotency import Claim, IdempotencyKeys
 from workers.api.models import LaunchOptions, LaunchRequest
 from workers.api.workspaces import Workspaces, workspace_scope
 from workers.client import ForkClient, new_fork_id
-from workers.errors import ForkNotFound, IdempotencyConflict
+from workers.errors import ForkNotFound, IdempotencyConflict, InvalidAgentParams
 from workers.records.fork import Status
 
 IN_FLIGHT_WAIT_S: Final = 10.0  # how long a repeat waits for the first launch with its key to write its fork
@@ -58,6 +58,13 @@ class Launcher:
             WorkspaceError: the workspace options do not fit, or name a manifest the caller's scope does not hold.
             IdempotencyConflict: the key was used with another body, or its first launch is still under way.
         """
+        if tenant != DEFAULT_TENANT and body.options.fork_id is not None:
+            # fork ids are global: a chosen one could collide with another tenant's fork, and tell that it exists
+            raise InvalidAgentParams(
+                "options.fork_id cannot be chosen with a tenant's token (fork ids are shared by every tenant); "
+                "leave it out, and send an Idempotency-Key header to make the launch safe to retry",
+                field="fork_id",
+            )
         scope = workspace_scope(token_id)
         if key is None:
             return self._launch(body, body.options, scope, tenant)

@@ -32,6 +32,7 @@ from typing import Final
 import redis
 
 from broker_config.settings import ModelLimit, Settings, model_limit
+from workers.base.keys import session_named
 from workers.providers import ModelRequest, TokenUsage
 from workers.records.parked import AdmissionLimit, ModelWait
 from workers.service.metrics import Metrics
@@ -116,8 +117,8 @@ class Admission:
         return f"{self.store.token}|{fork_id}|{next(self._counter)}"
 
     def weight(self, session: str) -> float:
-        """The session's share of a short capacity."""
-        return self.settings.session_weights.get(session, 1.0)
+        """The session's share of a short capacity (FORKQ_SESSION_WEIGHTS names a session by the id its tenant uses)."""
+        return self.settings.session_weights.get(session_named(session), 1.0)
 
     def start(self) -> None:
         """Start the coordinator (once)."""

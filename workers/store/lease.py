@@ -69,6 +69,24 @@ def _event_fields(events: Sequence[Event]) -> list[str]:
     return [field for event in events for field in event.encoded()]
 
 
+def _answer(riders: Sequence[Rider], replies: Sequence[Any]) -> None:
+    """Hand each rider its reply; one whose handler fails is logged, and the others are still answered."""
+    for rider, reply in zip(riders, replies, strict=True):
+        try:
+            rider.answer(reply)
+        except Exception:
+            log.exception("a script riding on a fork's write: its reply could not be handled")
+
+
+def _hand_back(riders: Sequence[Rider], exc: Exception) -> None:
+    """Tell each rider it was not sent (or may not have been)."""
+    for rider in riders:
+        try:
+            rider.failed(exc)
+        except Exception:
+            log.exception("a script riding on a fork's write: its fallback failed")
+
+
 def revival_grace_s(heartbeat_s: float) -> float:
     """How long past its end the sweeper leaves a lapsed lease to its worker before reviving the fork.
 
@@ -271,12 +289,11 @@ class Leases:
                 what=what,
                 fork_id=claim.fork_id,
             )
-        except Exception as exc:
-            for rider in riders:
-                rider.failed(exc)
+        except BaseException as exc:  # not sent, or not known to be: each rider falls back (a release to its process)
+            fault = exc if isinstance(exc, Exception) else RuntimeError(f"{what} interrupted ({type(exc).__name__})")
+            _hand_back(riders, fault)
             raise
-        for rider, reply in zip(riders, replies, strict=True):
-            rider.answer(reply)
+        _answer(riders, replies)
         if isinstance(outcome, Exception):
             raise outcome
         return fenced_reply(outcome, script=what, fork_id=claim.fork_id)
@@ -286,14 +303,14 @@ class Leases:
         one that does not get through is handed its error."""
         if not riders:
             return
-        try:
-            replies = run_scripts(self.client, [rider.call for rider in riders], raise_on_error=False)
-        except redis.RedisError as exc:
-            for rider in riders:
-                rider.failed(exc)
+        send = lambda: run_scripts(self.client, [rider.call for rider in riders], raise_on_error=False)  # noqa: E731
+        try:  # through a Redis outage as the run's writes are, until the fork may have been revived
+            what = "its last charge and release"
+            replies = ride_out(send, until=claim.clock.deadline, what=what, fork_id=claim.fork_id)
+        except (LeaseLost, redis.RedisError) as exc:
+            _hand_back(riders, exc)
             return
-        for rider, reply in zip(riders, replies, strict=True):
-            rider.answer(reply)
+        _answer(riders, replies)
 
     def _fenced(self, claim: Claim, reply: FencedReply, what: str) -> Written:
         """The write's `Written` word; LeaseLost when it was refused (`refusal`: the word, a status or a `Refused`)."""
