@@ -521,3 +521,27 @@ def test_a_shared_fork_shows_no_changes_panel(
     open_fork(web.page, fork_id)
     expect(web.page.locator("#output")).to_have_text("Nothing to change.")
     expect(web.page.locator("#changes-panel")).to_be_hidden()
+
+
+def test_each_tenant_signed_in_to_the_page_sees_its_own_forks_of_one_session_id_with_its_tenant(
+    serve_api: Callable[..., Api], page: Page, browser: Browser, parent: dict[str, Any]
+) -> None:
+    # Given tenants acme and beta, each with a fork launched from the same session id
+    api = serve_api(api_tokens=f"{TOKEN}, acme=ui-acme-token, beta=ui-beta-token")
+    with api.client("ui-acme-token") as acme, api.client("ui-beta-token") as beta:
+        ours, theirs = launch(acme, parent), launch(beta, parent)
+
+    # When acme signs in to the page with that session
+    sign_in(page, api, session=parent["session_id"], token="ui-acme-token")
+
+    # Then it lists its own fork only, and shows the fork's tenant
+    open_fork(page, ours)
+    expect(page.locator("#forks li")).to_have_count(1)
+    expect(page.locator("#fork-tenant")).to_have_text("acme")
+
+    # And beta, in another browser context, sees its own fork only
+    other = browser.new_context().new_page()
+    sign_in(other, api, session=parent["session_id"], token="ui-beta-token")
+    expect(other.locator(f'#forks li[data-fork-id="{theirs}"]')).to_have_count(1)
+    expect(other.locator("#forks li")).to_have_count(1)
+    other.context.close()
