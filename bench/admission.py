@@ -39,7 +39,6 @@ import statistics
 import sys
 import tempfile
 import time
-import urllib.request
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -55,6 +54,7 @@ if str(ROOT) not in sys.path:  # `python bench/admission.py` puts bench/, not th
 import celery  # noqa: E402
 import redis  # noqa: E402
 
+from bench import openai_stub  # noqa: E402
 from bench.concurrency import EXAMPLE_PARENT, RedisCounters, Sampler  # noqa: E402
 from bench.procs import Fleet, Proc, fleet, wait_ready, worker_env  # noqa: E402
 from broker_config.settings import Settings  # noqa: E402
@@ -257,33 +257,6 @@ class Outcome:
         return sorted((f.finished_ms - f.launched_ms) / 1000 for f in self.forks if f.group == group and f.finished_ms)
 
 
-def stub_argv(case: Case, port: int, retry_after_s: int) -> list[str]:
-    """The stub's command line."""
-    argv = [sys.executable, "-m", "bench.openai_stub", "--port", str(port), "--k", str(case.k)]
-    return [*argv, "--latency-s", str(case.latency_s), "--retry-after-s", str(retry_after_s), "--calls", str(CALLS)]
-
-
-def stub_stats(port: int) -> dict[str, Any]:
-    """The stub's `GET /stats`."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/stats", timeout=10) as reply:
-        stats: dict[str, Any] = json.loads(reply.read())
-        return stats
-
-
-def wait_stub(proc: Proc, port: int) -> None:
-    """Until the stub answers (bounded)."""
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if proc.process.poll() is not None:
-            raise RuntimeError(f"the stub exited with {proc.process.returncode}:\n{proc.tail()}")
-        try:
-            stub_stats(port)
-            return
-        except OSError:
-            time.sleep(0.05)
-    raise RuntimeError("the stub did not answer within 30 s")
-
-
 def case_env(case: Case, redis_url: str, stub_port: int, slots: int) -> dict[str, str]:
     """The workers' environment: the openai provider at the stub, threads enough, the case's admission settings."""
     env = worker_env(redis_url, Path(os.devnull))
@@ -408,8 +381,16 @@ def servers(case: Case, plan: Plan, logdir: Path) -> Iterator[tuple[RedisServer,
     extra = ["--maxclients", str(max(10_000, 4 * case.forks + 1_000))]
     with RedisServer(extra_args=extra) as server, fleet(logdir) as group:
         port = _free_tcp_port()
-        stub = group.start("stub", stub_argv(case, port, plan.retry_after_s), worker_env(server.url, Path(os.devnull)))
-        wait_stub(stub, port)
+        argv = openai_stub.command(
+            port, k=case.k, latency_s=case.latency_s, calls=CALLS, retry_after_s=plan.retry_after_s
+        )
+        stub = group.start("stub", argv, worker_env(server.url, Path(os.devnull)))
+
+        def exited(proc: Proc = stub) -> str | None:
+            code = proc.process.poll()
+            return None if code is None else f"exit {code}:\n{proc.tail()}"
+
+        openai_stub.wait_answering(port, exited)
         yield server, port, group
 
 
@@ -439,7 +420,7 @@ def run_case(case: Case, plan: Plan, parent: ParentSnapshot, tmp: Path) -> Outco
         after = RedisCounters.read(r)
         for sampler in samplers:
             sampler.stop()
-        out.stub = stub_stats(port)
+        out.stub = openai_stub.stats(port)
         out.redis_calls, out.redis_cpu_s = after.minus(before)
         out.redis_round_trips = after.round_trips(before)
         group.stop_all()

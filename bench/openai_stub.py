@@ -24,8 +24,11 @@ import asyncio
 import json
 import sys
 import time
+import urllib.request
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 TOOL = "list_directory"
@@ -220,6 +223,41 @@ class Stub:
         head += [f"{name}: {value}" for name, value in (extra or {}).items()]
         writer.write(("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + data)
         await writer.drain()
+
+
+# ── for the benchmarks that start it ─────────────────────────────────────────────────────────
+
+
+def command(port: int, *, k: int, latency_s: float, calls: int, retry_after_s: int = 1) -> list[str]:
+    """The command line that starts the stub on `port`."""
+    argv = [sys.executable, str(Path(__file__).resolve()), "--port", str(port), "--k", str(k)]
+    return [*argv, "--latency-s", str(latency_s), "--retry-after-s", str(retry_after_s), "--calls", str(calls)]
+
+
+def stats(port: int, timeout_s: float = 10) -> dict[str, Any]:
+    """The stub's `GET /stats`."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/stats", timeout=timeout_s) as reply:
+        found: dict[str, Any] = json.loads(reply.read())
+        return found
+
+
+def wait_answering(port: int, exited: Callable[[], str | None], within_s: float = 30) -> None:
+    """Until the stub on `port` answers; `exited()` says why a stub that stopped never will (None: it runs).
+
+    Raises:
+        RuntimeError: it exited, or did not answer within `within_s`.
+    """
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        why = exited()
+        if why is not None:
+            raise RuntimeError(f"the stub exited: {why}")
+        try:
+            stats(port, timeout_s=1)
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"the stub did not answer within {within_s:.0f} s")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -23,7 +23,6 @@ import pstats
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -33,6 +32,7 @@ import openai
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench import openai_stub
 from workers.demo.redis_server import _free_tcp_port
 from workers.history.messages import load_contents
 from workers.providers import ModelRequest
@@ -101,18 +101,14 @@ def per_call_ms(call: Callable[[], object], calls: int) -> float:
 
 def start_stub(port: int) -> subprocess.Popen[bytes]:
     """bench/openai_stub.py on `port`: no latency, room for every request, a tool call in every answer."""
-    stub = Path(__file__).resolve().parent / "openai_stub.py"
-    argv = [sys.executable, str(stub), "--port", str(port), "--k", "1000", "--latency-s", "0", "--calls", "1000000"]
+    argv = openai_stub.command(port, k=1000, latency_s=0, calls=1_000_000)
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/stats", timeout=1):
-                return proc
-        except OSError:
-            time.sleep(0.05)
-    proc.kill()
-    raise SystemExit("bench/openai_stub.py did not start within 20 s")
+    try:
+        openai_stub.wait_answering(port, lambda: None if proc.poll() is None else f"exit {proc.returncode}", 20)
+    except RuntimeError as exc:
+        proc.kill()
+        raise SystemExit(f"bench/openai_stub.py: {exc}") from exc
+    return proc
 
 
 def main() -> None:

@@ -98,7 +98,8 @@ class BearerAuth:
     """ASGI middleware: every request but those of `open_paths` needs a token of `tokens`, else 401 (nothing read or
     written).
 
-    The matched entry's id goes into the request's state (`token_id`), which scopes idempotency keys by caller.
+    The matched `Caller` goes into the request's state (`caller`): its tenant scopes what it reaches, its entry's id
+    its idempotency keys and workspace uploads.
     """
 
     def __init__(self, app: ASGIApp, tokens: TokenSet, open_paths: frozenset[str] = OPEN_PATHS) -> None:
@@ -117,6 +118,5 @@ class BearerAuth:
             message = f"{problem}: send `Authorization: Bearer <token>` with a token of FORKQ_API_TOKENS"
             await send_error(send, 401, message, headers=[CHALLENGE])
             return
-        state = scope.setdefault("state", {})
-        state["token_id"], state["caller"] = caller.token_id, caller
+        scope.setdefault("state", {})["caller"] = caller
         await self.app(scope, receive, send)

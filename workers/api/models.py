@@ -21,6 +21,7 @@ from pydantic import (
     model_validator,
 )
 
+from broker_config.settings import DEFAULT_TENANT
 from workers.base.limits import MAX_TOKENS
 from workers.errors import WorkspaceError
 from workers.history.params import AgentParams, validate_agent_params
@@ -172,7 +173,7 @@ class SessionFork(BaseModel):
     status: Status
     created_ms: int | None = Field(None, description="When it was launched (Unix ms, Redis's clock).")
     updated_ms: int | None = Field(None, description="Its latest event (Unix ms, Redis's clock).")
-    tenant: str = Field("default", description="The tenant that launched it.")
+    tenant: str = Field(DEFAULT_TENANT, description="The tenant that launched it.")
 
 
 class SessionForks(BaseModel):

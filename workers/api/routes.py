@@ -133,12 +133,11 @@ def _state_json(state: ForkState, status_code: int = 200) -> JSONResponse:
 
 def launch_fork(
     body: LaunchRequest,
-    request: Request,
     svc: Svc,
+    who: Who,
     idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key", pattern=IDEMPOTENCY_KEY_PATTERN)] = None,
 ) -> JSONResponse:
     """Launch a fork or subagent: 202 with its id; 200 with the same fork for an Idempotency-Key seen before."""
-    who = cast(Caller, getattr(request.state, "caller", ANYONE))
     outcome = svc.launcher.launch(body, key=idempotency_key, token_id=who.token_id, tenant=who.tenant)
     launched = Launched(fork_id=outcome.fork_id, status=outcome.status)
     headers = {"Location": f"/v1/forks/{outcome.fork_id}"}
@@ -281,22 +280,17 @@ def send_message(fork_id: ForkId, body: MessageRequest, svc: Svc, who: Who) -> M
     return MessageSent(fork_id=sent.fork_id, outcome=sent.outcome, waiting=sent.waiting)
 
 
-def _scope(request: Request) -> str:
-    """The workspace scope of the request's caller."""
-    return workspace_scope(str(getattr(request.state, "token_id", "")))
-
-
-def offer_workspace(body: WorkspaceOffer, request: Request, svc: Svc) -> WorkspaceOffered:
+def offer_workspace(body: WorkspaceOffer, svc: Svc, who: Who) -> WorkspaceOffered:
     """Offer a tree's manifest: its digest, and the blobs the server lacks (upload them, then offer again);
     once none is missing, the manifest is stored and a launch may name it."""
-    offered = svc.workspaces.offer(_scope(request), body.entries)
+    offered = svc.workspaces.offer(workspace_scope(who.token_id), body.entries)
     return WorkspaceOffered(manifest=offered.manifest, missing=offered.missing)
 
 
-async def upload_blob(digest: Digest, request: Request, svc: Svc) -> Response:
+async def upload_blob(digest: Digest, request: Request, svc: Svc, who: Who) -> Response:
     """Upload one file's bytes (the raw body), checked against its digest: 204 once stored."""
     data = await request.body()  # read whole and bounded by `BodyLimit`
-    await run_in_threadpool(svc.workspaces.upload, _scope(request), digest, data)
+    await run_in_threadpool(svc.workspaces.upload, workspace_scope(who.token_id), digest, data)
     return Response(status_code=204)
 
 

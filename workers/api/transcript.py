@@ -15,6 +15,7 @@ from typing import Any, Literal, assert_never
 
 from pydantic import BaseModel, Field
 
+from broker_config.settings import DEFAULT_TENANT
 from workers.base.keys import session_named
 from workers.records.conversation import (
     Approval,
@@ -36,7 +37,7 @@ class SeedSummary(BaseModel):
 
     kind: str
     parent_session: str
-    tenant: str = Field("default", description="The tenant that launched the fork.")
+    tenant: str = Field(DEFAULT_TENANT, description="The tenant that launched the fork.")
     messages: int = Field(description="Messages inherited from the parent (0 for a regular subagent).")
     fork_turns: str | None
     task_prompt: str

@@ -7,7 +7,6 @@ own key whose value is null counts as absent (dumps use `exclude_none=True`); da
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Final, Literal
@@ -15,6 +14,7 @@ from typing import Any, Final, Literal
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 from pydantic.alias_generators import to_camel
 
+from workers.base.collector import collector_paused
 from workers.base.limits import MAX_NESTING_DEPTH, bad_text, has_bad_text, nesting_problem, shown, too_deep
 from workers.errors import InvalidHistory
 
@@ -113,13 +113,8 @@ def _collector_paused(size: int) -> Iterator[None]:
     if size < PAUSE_GC_FROM:
         yield
         return
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
+    with collector_paused():
         yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def dump_contents(contents: Sequence[Content]) -> list[dict[str, Any]]:

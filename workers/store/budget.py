@@ -101,8 +101,8 @@ class BudgetStore:
 
     def read(self, session: str) -> SessionBudget:
         """The session's budget as it stands."""
-        tokens, used = cast(list[Any], self.client.hmget(self.keys.session_budget(session), ["tokens", "used"]))
-        return SessionBudget.of(session, _int(tokens), _int(used) or 0)
+        script, keys, args = self.read_call(session)
+        return budget_of(session, script(keys=keys, args=args))
 
     def read_call(self, session: str) -> ScriptCall:
         """`read` as a script call, to ride on a fork's write; `budget_of` gives its reply's meaning."""

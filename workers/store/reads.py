@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Final, NamedTuple, TypeVar, cast
 
 import redis
 
+from broker_config.settings import DEFAULT_TENANT
 from workers.base import codec
 from workers.base.keys import Keys
 from workers.errors import ForkNotFound, RecordDecodeError
@@ -197,7 +198,7 @@ class SessionFork:
     status: str
     created_ms: int | None
     updated_ms: int | None
-    tenant: str = "default"
+    tenant: str = DEFAULT_TENANT
 
 
 def session_forks(keys: Keys, parent_session: str, *, limit: int) -> Read[list[SessionFork]]:

@@ -23,9 +23,7 @@ snapshot is that launch's manifest, by its digest, with no entry built (`Snapsho
 
 from __future__ import annotations
 
-import contextlib
 import errno
-import gc
 import hashlib
 import os
 import stat
@@ -38,6 +36,7 @@ from operator import attrgetter
 from pathlib import Path
 from typing import Final, NoReturn
 
+from workers.base.collector import collector_paused
 from workers.errors import WorkspaceError, WorkspaceTooLarge
 from workers.workspace import quick
 from workers.workspace.listing import IGNORE_FIX, GitRun, Listing, list_files, stat_files
@@ -156,24 +155,12 @@ def snapshot(
         WorkspaceError: `root` is not a folder, a path is not valid, a file cannot be read, or a file changed
             while it was read.
     """
-    with _collector_paused():
+    # a snapshot makes a few objects per file and no cycles; in a launcher whose heap is large, the collections so
+    # many allocations set off scan all of it, and cost a launch of 10,000 files some 30-60 ms (more than listing)
+    with collector_paused():
         return _snapshot(
             root, max_bytes=max_bytes, max_files=max_files, cache_dir=cache_dir, keep_bytes=keep_bytes, on_read=on_read
         )
-
-
-@contextlib.contextmanager
-def _collector_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector paused meanwhile (and resumed if it ran before). A snapshot makes a few
-    objects per file and no cycles; in a launcher whose heap is large, the collections that so many allocations set
-    off scan all of it, and cost a launch of 10,000 files some 30-60 ms (more than listing them)."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _snapshot(
